@@ -1,0 +1,36 @@
+"""The method registry: a method name -> the `Method` that builds and optimises it (one file per method).
+
+    from qlbench import adapters
+    method = adapters.get("queryable")
+    config = method.make_config(top_k=3)            # validated in the config's __post_init__
+    model = method.build(backbone, config, generators, y_train)
+"""
+
+from __future__ import annotations
+
+from qlbench.adapters import full, lora, queryable, reference
+from qlbench.adapters.base import AdapterMethod, Method, NoConfig, inject, total_parameter_count, trainable_parameter_count
+
+REGISTRY: dict[str, Method] = {
+    m.name: m
+    for m in (full.FULL_SOAP, full.FULL_ADAMW, lora.METHOD, queryable.METHOD, reference.FROZEN, reference.MEAN)
+}
+
+# `qlbench run` default: the paper's comparison plus the honest reference rows.
+DEFAULT_METHODS = ("full-soap", "lora", "queryable", "frozen", "mean")
+
+
+def names() -> list[str]:
+    return list(REGISTRY)
+
+
+def get(name: str) -> Method:
+    """The registered method, or a ValueError naming the valid choices."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(REGISTRY)}") from None
+
+
+__all__ = ["AdapterMethod", "Method", "NoConfig", "REGISTRY", "DEFAULT_METHODS", "get", "inject", "names",
+           "total_parameter_count", "trainable_parameter_count"]

@@ -1,0 +1,105 @@
+"""What a method is: how it turns a pretrained backbone into the model that is adapted, and how it is optimised.
+
+Every row of a comparison table is a `Method` in the registry (adapters/__init__.py): adapters (LoRA and its
+relatives) wrap target linears through `inject`; full fine-tuning unfreezes the backbone; the reference rows
+(`frozen`, `mean`) do not train. The engine only ever calls `build` and `optimizer`, never branches on names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from qlbench.backbones import Target
+
+
+@dataclass
+class NoConfig:
+    """For methods without hyper-parameters."""
+
+
+@dataclass
+class Site:
+    """Where an adapter layer sits: the backbone target plus its order among all adapted layers."""
+
+    target: Target
+    index: int  # 0 .. n_sites - 1 in forward order
+    n_layers: int  # number of backbone layers (the units routing blocks are made of)
+
+
+class Method:
+    """One comparison row. Subclasses set `name`, `summary` and `config_cls` and implement `build`."""
+
+    name: str
+    summary: str  # one line, shown by `qlbench run --help` and in the README method table
+    config_cls: type = NoConfig
+    trains: bool = True  # False for rows that are evaluated without any training (frozen, mean)
+
+    def build(self, backbone: nn.Module, config, generators: list[torch.Generator], y_train: torch.Tensor) -> nn.Module:
+        """The model to adapt, built from (and possibly modifying) `backbone`; sets requires_grad.
+
+        generators[e] seeds member e's new parameters; y_train (E, N) are the target training labels.
+        """
+        raise NotImplementedError
+
+    def optimizer(self, model: nn.Module, config, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        """AdamW over the trainable parameters: element-wise, so exact on stacked leaves."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+
+    def make_config(self, **overrides) -> object:
+        """The method's config with `overrides` applied to the fields it has (others are ignored)."""
+        names = {f.name for f in dataclasses.fields(self.config_cls)}
+        return self.config_cls(**{k: v for k, v in overrides.items() if k in names})
+
+
+class AdapterMethod(Method):
+    """A low-rank adapter: wraps the backbone's target linears with `layer_cls` (see `inject`).
+
+    `prefix` starts the names of every trainable parameter the method adds (layers and shared modules), so
+    freezing, counting and saving work by name.
+    """
+
+    def __init__(self, name: str, summary: str, config_cls: type, layer_cls: type, prefix: str,
+                 shared_cls: type | None = None):
+        self.name, self.summary, self.config_cls = name, summary, config_cls
+        self.layer_cls, self.prefix, self.shared_cls = layer_cls, prefix, shared_cls
+
+    def build(self, backbone, config, generators, y_train):
+        return inject(backbone, self, config, generators)
+
+
+def inject(model: nn.Module, method: AdapterMethod, config, generators: list[torch.Generator]) -> nn.Module:
+    """Freeze `model`, then wrap each target linear with `method.layer_cls` (in place; returns `model`).
+
+    Shared modules (routing memory, generator networks, hypernetworks) are built first and registered once under
+    `model.shared[method.prefix]`; layers reach them through the ForwardContext, never through hidden references.
+    Randomness is drawn member by member from `generators`, shared module first, then layers in forward order.
+    """
+    for p in model.parameters():
+        p.requires_grad_(False)
+    targets = model.adapter_targets(getattr(config, "targets", None))
+    sites = [Site(t, i, model.n_layers) for i, t in enumerate(targets)]
+    like = next(model.parameters())
+    if method.shared_cls is not None:
+        model.shared[method.prefix] = method.shared_cls(model, sites, config, generators, like)
+    for site in sites:
+        parent_path, _, child = site.target.path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        base = getattr(parent, child)
+        layer = method.layer_cls(base, site, config, generators)
+        setattr(parent, child, layer)  # ModuleList children are addressed by their index string
+    return model
+
+
+def trainable_parameter_count(model: nn.Module) -> int:
+    """Trainable parameters of ONE member (the stack shares shapes; the leading dimension is E)."""
+    return sum(p[0].numel() for p in model.parameters() if p.requires_grad)
+
+
+def total_parameter_count(model: nn.Module) -> int:
+    """All parameters of one member, frozen included."""
+    return sum(p[0].numel() for p in model.parameters())

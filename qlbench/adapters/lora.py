@@ -1,0 +1,65 @@
+"""LoRA (Hu et al. 2022): y = W0 x + b0 + s B (A x), s = alpha / r.
+
+A (r, d_in) starts Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(d_in), 1/sqrt(d_in)), and B (d_out, r) at
+zero, so the adapted model equals the frozen one at step 0. Trainable: L r (d_in + d_out).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from qlbench.adapters.base import AdapterMethod, Site
+from qlbench.stacked import ForwardContext, StackedLinear, param, rank_project, uniform_members
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8  # rank
+    alpha: float = 16.0  # scaling numerator: s = alpha / r
+    targets: tuple[str, ...] | None = None  # backbone target roles; None = the backbone's default
+
+    def __post_init__(self):
+        if not (isinstance(self.r, int) and self.r >= 1):
+            raise ValueError(f"r must be an integer >= 1, got {self.r!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha!r}")
+        if isinstance(self.targets, str):
+            self.targets = tuple(t.strip() for t in self.targets.split(","))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
+def lora_factors(base: StackedLinear, r: int, generators: list[torch.Generator]) -> tuple[nn.Parameter, nn.Parameter]:
+    """LoRA's initial A (E, r, d_in) ~ U(+-1/sqrt(d_in)) and B (E, d_out, r) = 0."""
+    A = param(uniform_members((r, base.d_in), 1.0 / math.sqrt(base.d_in), generators), like=base.weight)
+    B = nn.Parameter(torch.zeros(base.members, base.d_out, r, device=base.weight.device, dtype=base.weight.dtype))
+    return A, B
+
+
+def low_rank_update(y: torch.Tensor, t: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """y + scale * B t for y (E, ..., d_out), t (E, ..., r), B (E, d_out, r), in one fused batched matmul."""
+    E, r = t.shape[0], t.shape[-1]
+    out = torch.baddbmm(y.reshape(E, -1, y.shape[-1]), t.reshape(E, -1, r), B.transpose(1, 2), alpha=scale)
+    return out.view(y.shape)
+
+
+class LoraLinear(nn.Module):
+    """A frozen StackedLinear plus a rank-r update."""
+
+    def __init__(self, base: StackedLinear, site: Site, config: LoraConfig, generators: list[torch.Generator]):
+        super().__init__()
+        self.base, self.scale = base, config.scale
+        self.lora_A, self.lora_B = lora_factors(base, config.r, generators)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        s = rank_project(x, self.lora_A)  # (E, ..., r)
+        return low_rank_update(self.base(x), s, self.lora_B, self.scale)  # (E, ..., d_out)
+
+
+METHOD = AdapterMethod("lora", "LoRA: static rank-r update s B A per layer", LoraConfig, LoraLinear, prefix="lora")

@@ -1,0 +1,170 @@
+"""Queryable LoRA (the paper's method; Section 3, Algorithms 1-2, appendix A for attention).
+
+Per adapted layer l in block b:  y = W0 x + b0 + s B (I_r + g_l S_b(c)) A x,  g_l = sigmoid(eta_l), where the
+routed operator S_b = sum_m alpha_m C_m mixes M shared r x r atoms with a top-k softmax. S_b is routed once per
+block per sample (per sequence in the Transformer) from:
+  - the block-entry rank state s_entry = A_{l_b} x_{l_b} (attention: the token-averaged Q, K, V rank states of the
+    block's first layer, averaged over the three projections),
+  - the pre-query q0 = w_b + Q_cur s_entry + lambda_ctx Q_ctx e(c),
+  - an attention-style depth summary u over the means sbar_i of the completed blocks' rank states,
+  - state logits zeta_m = <RMSNorm(q0 + Q_dep u), RMSNorm(k_m)> / (sqrt(d_k) T_attn),
+  - and a language prior p = softmax(rho) fused as zeta + tau_lang log p.
+The router itself is in routing.py (pure functions shared with the theorem checks).
+
+qlbench choices where the paper leaves room (documented in the README):
+  - the layer prior w is kept per block (only the block-entry layer's w_l is ever used);
+  - in the Transformer a layer's rank state (for block summaries) is its token-averaged Q/K/V state; O and FFN
+    projections use S_b but do not feed the summaries (no circular dependence, as the paper's appendix A);
+  - router matrices start N(0, 1/fan_in), the block prior N(0, 1); atoms N(0, 0.02^2), keys N(0, 1), eta = 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from qlbench.adapters.base import AdapterMethod, Site
+from qlbench.adapters.lora import LoraConfig, lora_factors, low_rank_update
+from qlbench.adapters.routing import Route, route
+from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, rank_project
+
+ENTRY_ROLES = ("hidden", "q", "k", "v")  # projections whose rank states feed the router
+
+
+@dataclass
+class QueryableConfig(LoraConfig):
+    n_blocks: int = 4  # B contiguous blocks of backbone layers
+    n_atoms: int = 8  # M shared r x r atoms
+    top_k: int = 2  # atoms mixed per block and sample
+    d_k: int = 16  # key / query dimension
+    t_attn: float = 1.0  # temperature of the state logits
+    t_dep: float = 1.0  # temperature of the depth-summary attention
+    t_lang: float = 1.0  # temperature of the language-prior logits
+    tau_lang: float = 0.0  # strength of the language prior (0: state-only routing)
+    lambda_ctx: float = 0.0  # weight of the instruction in the pre-query
+    instruction_dim: int | None = None  # d_c of e(c); None: no instruction channels (no Q_ctx, R_ctx)
+    atom_std: float = 0.02
+    rms_eps: float = 1e-6
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("n_blocks", "n_atoms", "d_k"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_atoms):
+            raise ValueError(f"top_k must be an integer in [1, n_atoms={self.n_atoms}], got {self.top_k!r}")
+        for name in ("t_attn", "t_dep", "t_lang", "rms_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("tau_lang", "lambda_ctx", "atom_std"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if (self.tau_lang or self.lambda_ctx) and self.instruction_dim is None:
+            raise ValueError("tau_lang or lambda_ctx > 0 needs an instruction embedding: set instruction_dim")
+
+
+def block_of(layer: int, n_layers: int, n_blocks: int) -> int:
+    """Contiguous blocks: layer (0-based) of n_layers -> block in [0, n_blocks) (sizes differ by at most 1)."""
+    return layer * n_blocks // n_layers
+
+
+@dataclass
+class RoutingState:
+    """Per-forward scratch (in ctx.scratch["queryable"]): rank states recorded per block, and each block's Route."""
+
+    states: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block -> [(E, N, r)] per layer
+    routes: dict[int, Route] = field(default_factory=dict)
+
+    def summaries(self, block: int) -> torch.Tensor | None:
+        """(E, N, block, r): the mean rank state sbar_i of each completed block i < block, or None."""
+        if block == 0:
+            return None
+        return torch.stack([torch.stack(self.states[i]).mean(0) for i in range(block)], dim=2)
+
+
+class QueryableMemory(nn.Module):
+    """The shared memory (atoms C_m and keys k_m) and the router's parameters, one set per member."""
+
+    def __init__(self, model: nn.Module, sites: list[Site], config: QueryableConfig,
+                 generators: list[torch.Generator], like: torch.Tensor):
+        super().__init__()
+        c, r, d_k = config, config.r, config.d_k
+        if c.n_blocks > model.n_layers:
+            raise ValueError(f"n_blocks={c.n_blocks} exceeds the backbone's {model.n_layers} layers")
+        entry_blocks = {block_of(s.target.layer, s.n_layers, c.n_blocks) for s in sites if s.target.role in ENTRY_ROLES}
+        if len(entry_blocks) != c.n_blocks:
+            raise ValueError(f"queryable routes from {'/'.join(ENTRY_ROLES)} targets; every block needs one")
+        self.config = c
+        normal = lambda shape, std: param(normal_members(shape, std, generators), like=like)
+        self.atoms = normal((c.n_atoms, r, r), c.atom_std)  # C_m (E, M, r, r)
+        self.keys = normal((c.n_atoms, d_k), 1.0)  # k_m (E, M, d_k)
+        self.block_prior = normal((c.n_blocks, d_k), 1.0)  # w_b (E, B, d_k)
+        self.Q_cur = normal((d_k, r), 1 / math.sqrt(r))
+        self.Q_dep = normal((d_k, r), 1 / math.sqrt(r))
+        self.Q_dep_q = normal((d_k, d_k), 1 / math.sqrt(d_k))
+        self.Q_dep_k = normal((d_k, r), 1 / math.sqrt(r))
+        if c.instruction_dim is not None:
+            self.Q_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
+            self.R_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
+        else:
+            self.Q_ctx = self.R_ctx = None
+
+    def route(self, block: int, s_entry: torch.Tensor, summaries: torch.Tensor | None,
+              instruction: torch.Tensor | None) -> Route:
+        c = self.config
+        if (c.tau_lang or c.lambda_ctx) and instruction is None:
+            raise ValueError("this queryable adapter uses the instruction channels: pass an instruction embedding")
+        return route(s_entry, summaries, w=self.block_prior[:, block], Q_cur=self.Q_cur, Q_dep=self.Q_dep,
+                     Q_dep_q=self.Q_dep_q, Q_dep_k=self.Q_dep_k, keys=self.keys, atoms=self.atoms, top_k=c.top_k,
+                     t_attn=c.t_attn, t_dep=c.t_dep, t_lang=c.t_lang, tau_lang=c.tau_lang,
+                     lambda_ctx=c.lambda_ctx, instruction=instruction, Q_ctx=self.Q_ctx, R_ctx=self.R_ctx,
+                     eps=c.rms_eps)
+
+
+class QueryableLinear(nn.Module):
+    """A frozen StackedLinear plus s B (I + g S_b) A, with S_b from the shared memory's router."""
+
+    def __init__(self, base: StackedLinear, site: Site, config: QueryableConfig, generators: list[torch.Generator]):
+        super().__init__()
+        self.base, self.scale = base, config.scale
+        self.queryable_A, self.queryable_B = lora_factors(base, config.r, generators)
+        self.queryable_eta = nn.Parameter(torch.zeros(base.members, device=base.weight.device, dtype=base.weight.dtype))
+        self.block = block_of(site.target.layer, site.n_layers, config.n_blocks)
+        self.records = site.target.role in ENTRY_ROLES  # its rank state feeds routing and block summaries
+        first_layer_of_block = min(l for l in range(site.n_layers) if block_of(l, site.n_layers, config.n_blocks) == self.block)
+        self.entry = self.records and site.target.layer == first_layer_of_block
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.group_forward([self], x, ctx)[0]
+
+    @staticmethod
+    def group_forward(layers: list[QueryableLinear], x: torch.Tensor, ctx: ForwardContext) -> list[torch.Tensor]:
+        """Apply layers that share the input x (E, N, [T,] d_in): one layer in the MLP, q/k/v in attention."""
+        first = layers[0]
+        state = ctx.scratch.setdefault("queryable", RoutingState())
+        s = [rank_project(x, layer.queryable_A) for layer in layers]  # each (E, N, [T,] r)
+        if first.records:
+            tokens = x.dim() == 4
+            joint = torch.stack([si.mean(2) if tokens else si for si in s]).mean(0)  # (E, N, r)
+            if first.entry:
+                summaries = state.summaries(first.block)
+                state.routes[first.block] = ctx.shared["queryable"].route(first.block, joint, summaries, ctx.instruction)
+            state.states.setdefault(first.block, []).append(joint)
+        S = state.routes[first.block].S  # (E, N, r, r)
+        return [layer._apply(x, si, S) for layer, si in zip(layers, s)]
+
+    def _apply(self, x: torch.Tensor, s: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+        if s.dim() == 3:  # (E, N, r): one rank state per sample
+            d = (S @ s.unsqueeze(-1)).squeeze(-1)  # (E, N, r)
+        else:  # (E, N, T, r): every token of a sequence uses the sequence's S_b
+            d = s @ S.transpose(-1, -2)  # (E, N, T, r)
+        g = torch.sigmoid(self.queryable_eta).view(-1, *([1] * (s.dim() - 1)))  # (E, 1, ...)
+        t = s + g * d
+        return low_rank_update(self.base(x), t, self.queryable_B, self.scale)
+
+
+METHOD = AdapterMethod("queryable", "Queryable LoRA: s B (I + g S_b) A with S_b routed top-k over shared atoms",
+                       QueryableConfig, QueryableLinear, prefix="queryable", shared_cls=QueryableMemory)

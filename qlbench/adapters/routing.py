@@ -1,0 +1,95 @@
+"""The Queryable LoRA router as pure functions (paper Section 3, Algorithm 2, appendix eqs. app_prequery to
+app_active_router).
+
+The adapter module (queryable.py), the theory checks (qlbench/theory.py, tests/properties) and `qlbench verify`
+all call these same functions, so a theorem checked here is checked on the code that trains.
+
+Shapes: parameters carry the member dimension E first; activations are (E, N, ...) with N samples (sequences).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension; no learnable scale (paper Assumption 3)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def scaled_similarity(a: torch.Tensor, b: torch.Tensor, temperature: float, eps: float) -> torch.Tensor:
+    """<RMSNorm(a_i), RMSNorm(b_j)> / (sqrt(d_k) T): a (E, N, d_k), b (E, M, d_k) -> (E, N, M)."""
+    d_k = a.shape[-1]
+    return rmsnorm(a, eps) @ rmsnorm(b, eps).transpose(-1, -2) / (math.sqrt(d_k) * temperature)
+
+
+def topk_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Softmax over the k largest logits, zero elsewhere: (..., M) -> (..., M) with exactly k non-zeros."""
+    top, idx = logits.topk(k, dim=-1)
+    return torch.zeros_like(logits).scatter(-1, idx, top.softmax(dim=-1))
+
+
+def depth_summary(q0: torch.Tensor, summaries: torch.Tensor, Q_dep_q: torch.Tensor, Q_dep_k: torch.Tensor,
+                  t_dep: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over completed blocks: u = sum_i beta_i sbar_i.
+
+    q0 (E, N, d_k) pre-query; summaries (E, N, P, r) block means sbar_1..sbar_P (P = b - 1 >= 1);
+    Q_dep_q (E, d_k, d_k), Q_dep_k (E, d_k, r). Returns u (E, N, r) and beta (E, N, P).
+    """
+    E, N, P, r = summaries.shape
+    d_k = q0.shape[-1]
+    q_hat = rmsnorm(q0 @ Q_dep_q.transpose(1, 2), eps)  # (E, N, d_k)
+    kappa = rmsnorm(summaries.reshape(E, N * P, r) @ Q_dep_k.transpose(1, 2), eps).reshape(E, N, P, d_k)
+    xi = (kappa @ q_hat.unsqueeze(-1)).squeeze(-1) / (math.sqrt(d_k) * t_dep)  # (E, N, P)
+    beta = xi.softmax(dim=-1)
+    u = (beta.unsqueeze(-2) @ summaries).squeeze(-2)  # (E, N, r)
+    return u, beta
+
+
+@dataclass
+class Route:
+    """Everything one block's router computed, kept for inspection (tests, verify, notebooks)."""
+
+    q0: torch.Tensor  # (E, N, d_k) pre-query
+    u: torch.Tensor | None  # (E, N, r) depth summary (None for the first block: u = 0)
+    beta: torch.Tensor | None  # (E, N, b-1) depth attention weights
+    q: torch.Tensor  # (E, N, d_k) final query
+    zeta: torch.Tensor  # (E, N, M) state logits
+    rho: torch.Tensor | None  # (E, 1, M) language-prior logits (None when tau_lang = 0)
+    logits: torch.Tensor  # (E, N, M) fused logits zeta + tau_lang log p
+    alpha: torch.Tensor  # (E, N, M) routing weights, exactly k non-zeros per row
+    S: torch.Tensor  # (E, N, r, r) routed operator sum_m alpha_m C_m
+
+
+def route(s_entry: torch.Tensor, summaries: torch.Tensor | None, *, w: torch.Tensor, Q_cur: torch.Tensor,
+          Q_dep: torch.Tensor, Q_dep_q: torch.Tensor, Q_dep_k: torch.Tensor, keys: torch.Tensor,
+          atoms: torch.Tensor, top_k: int, t_attn: float = 1.0, t_dep: float = 1.0, t_lang: float = 1.0,
+          tau_lang: float = 0.0, lambda_ctx: float = 0.0, instruction: torch.Tensor | None = None,
+          Q_ctx: torch.Tensor | None = None, R_ctx: torch.Tensor | None = None, eps: float = 1e-6) -> Route:
+    """One block's routing (Algorithm 2, lines 5-27).
+
+    s_entry (E, N, r) block-entry rank state; summaries (E, N, b-1, r) or None for the first block;
+    w (E, d_k) block prior; Q_cur, Q_dep (E, d_k, r); Q_dep_q (E, d_k, d_k); Q_dep_k (E, d_k, r);
+    keys (E, M, d_k); atoms (E, M, r, r); instruction (E, d_c); Q_ctx, R_ctx (E, d_k, d_c).
+    """
+    E, N, r = s_entry.shape
+    q0 = w.unsqueeze(1) + s_entry @ Q_cur.transpose(1, 2)  # (E, N, d_k)
+    if lambda_ctx:
+        q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))  # + (E, 1, d_k)
+    u = beta = None
+    q = q0
+    if summaries is not None:
+        u, beta = depth_summary(q0, summaries, Q_dep_q, Q_dep_k, t_dep, eps)
+        q = q0 + u @ Q_dep.transpose(1, 2)  # (E, N, d_k)
+    zeta = scaled_similarity(q, keys, t_attn, eps)  # (E, N, M)
+    rho = None
+    logits = zeta
+    if tau_lang:
+        rho = scaled_similarity(instruction.unsqueeze(1) @ R_ctx.transpose(1, 2), keys, t_lang, eps)  # (E, 1, M)
+        logits = zeta + tau_lang * rho.log_softmax(dim=-1)
+    alpha = topk_softmax(logits, top_k)  # (E, N, M)
+    S = (alpha @ atoms.flatten(2)).view(E, N, r, r)  # (E, N, r, r)
+    return Route(q0, u, beta, q, zeta, rho, logits, alpha, S)

@@ -1,0 +1,180 @@
+"""The two backbones of the paper, as stacks of E independent members (see qlbench/stacked.py).
+
+- DeepNarrowMLP: the paper's optimisation stress test, a plain GELU MLP with 32 hidden layers of width 32.
+- RegressionTransformer: an 8-layer pre-LayerNorm encoder (d = 256, 4 heads, FFN 1024) over two coordinate tokens.
+
+Both take x (E, N, 2) and return predictions (E, N), and list the linears an adapter may wrap (`adapter_targets`).
+Target linears are called as `layer(x, ctx)` so an adapter can read and write the per-forward ForwardContext.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qlbench.seeding import generator
+from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param
+
+@dataclass(frozen=True)
+class Target:
+    """A linear layer an adapter may wrap.
+
+    path:  dotted submodule path, e.g. "hidden.3" or "layers.0.q".
+    role:  "hidden" (MLP layer), "q", "k", "v", "o" (attention projections) or "fc1", "fc2" (Transformer FFN).
+    layer: index of the backbone layer it belongs to (the unit that routing blocks are made of).
+    """
+
+    path: str
+    role: str
+    layer: int
+
+
+@dataclass(frozen=True)
+class DeepNarrowConfig:
+    d_in: int = 2
+    width: int = 32
+    depth: int = 32  # hidden layers, each width x width + GELU
+
+
+class DeepNarrowMLP(nn.Module):
+    """x (E, N, 2) -> input layer 2->32 + GELU -> 32 x [Linear(32, 32) + GELU] -> head 32->1 -> (E, N).
+
+    No residuals and no normalisation: a deep plain MLP, the hard case the paper's stress test is about. The 32
+    square hidden layers are the adapter targets; the input layer and the head stay frozen under every adapter.
+    """
+
+    n_layers: int
+
+    def __init__(self, generators: list[torch.Generator], config: DeepNarrowConfig = DeepNarrowConfig(),
+                 *, device=None, dtype=None):
+        super().__init__()
+        c, kw = config, dict(device=device, dtype=dtype)
+        self.config = c
+        self.n_layers = c.depth
+        self.inp = StackedLinear(c.d_in, c.width, generators, **kw)
+        self.hidden = nn.ModuleList(StackedLinear(c.width, c.width, generators, **kw) for _ in range(c.depth))
+        self.head = StackedLinear(c.width, 1, generators, **kw)
+        self.shared = nn.ModuleDict()  # shared adapter modules live here (see adapters.inject)
+
+    def adapter_targets(self, roles: tuple[str, ...] | None = None) -> list[Target]:
+        roles = roles or ("hidden",)
+        if set(roles) != {"hidden"}:
+            raise ValueError(f"deep-narrow has only 'hidden' adapter targets, got {roles}")
+        return [Target(f"hidden.{i}", "hidden", i) for i in range(self.n_layers)]
+
+    def forward(self, x: torch.Tensor, instruction: torch.Tensor | None = None,
+                ctx: ForwardContext | None = None) -> torch.Tensor:
+        ctx = ctx or ForwardContext(self.shared, instruction)
+        h = F.gelu(self.inp(x))  # (E, N, 32)
+        for layer in self.hidden:
+            h = F.gelu(layer(h, ctx))  # (E, N, 32)
+        return self.head(h).squeeze(-1)  # (E, N)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    d_in: int = 2  # each input coordinate is one token
+    d_model: int = 256
+    n_layers: int = 8
+    n_heads: int = 4
+    d_ff: int = 1024
+
+
+class StackedLayerNorm(nn.Module):
+    """E independent LayerNorms over the last dimension (weight 1, bias 0 at init)."""
+
+    def __init__(self, d: int, members: int, *, device=None, dtype=None, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(members, d, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(members, d, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (E, ..., d)
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight.view(shape) + self.bias.view(shape)
+
+
+class EncoderLayer(nn.Module):
+    """Pre-LN encoder layer: h + Attn(LN(h)), then h + FFN(LN(h)); q, k, v, o, fc1, fc2 are adapter targets."""
+
+    def __init__(self, c: TransformerConfig, generators: list[torch.Generator], **kw):
+        super().__init__()
+        E, d = len(generators), c.d_model
+        self.n_heads = c.n_heads
+        self.ln1, self.ln2 = StackedLayerNorm(d, E, **kw), StackedLayerNorm(d, E, **kw)
+        self.q, self.k, self.v, self.o = (StackedLinear(d, d, generators, **kw) for _ in range(4))
+        self.fc1 = StackedLinear(d, c.d_ff, generators, **kw)
+        self.fc2 = StackedLinear(c.d_ff, d, generators, **kw)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        E, B, T, d = h.shape
+        H = self.n_heads
+        # q, k and v read the same input; a router that needs their joint rank state sees them together.
+        q, k, v = project_group((self.q, self.k, self.v), self.ln1(h), ctx)  # each (E, B, T, d)
+        heads = lambda t: t.reshape(E * B, T, H, d // H).transpose(1, 2)  # (E*B, H, T, d/H)
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+        a = a.transpose(1, 2).reshape(E, B, T, d)
+        h = h + self.o(a, ctx)
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h), ctx)), ctx)
+
+
+class RegressionTransformer(nn.Module):
+    """x (E, N, 2) -> tokens x_j * v_j + p_j (E, N, 2, 256) -> 8 pre-LN encoder layers -> mean over tokens
+    -> LayerNorm -> linear head -> (E, N).
+
+    Token vectors v_j and positions p_j are drawn N(0, 1) (as nn.Embedding); linears use PyTorch's default init.
+    """
+
+    def __init__(self, generators: list[torch.Generator], config: TransformerConfig = TransformerConfig(),
+                 *, device=None, dtype=None):
+        super().__init__()
+        c, kw = config, dict(device=device, dtype=dtype)
+        self.config = c
+        self.n_layers = c.n_layers
+        self.token = param(normal_members((c.d_in, c.d_model), 1.0, generators), **kw)  # v_j (E, 2, d)
+        self.position = param(normal_members((c.d_in, c.d_model), 1.0, generators), **kw)  # p_j (E, 2, d)
+        self.layers = nn.ModuleList(EncoderLayer(c, generators, **kw) for _ in range(c.n_layers))
+        self.ln_f = StackedLayerNorm(c.d_model, len(generators), **kw)
+        self.head = StackedLinear(c.d_model, 1, generators, **kw)
+        self.shared = nn.ModuleDict()
+
+    def adapter_targets(self, roles: tuple[str, ...] | None = None) -> list[Target]:
+        roles = roles or ("q", "k", "v", "o")
+        valid = ("q", "k", "v", "o", "fc1", "fc2")
+        if bad := [r for r in roles if r not in valid]:
+            raise ValueError(f"unknown transformer adapter target(s) {bad}; valid: {', '.join(valid)}")
+        return [Target(f"layers.{i}.{r}", r, i) for i in range(self.n_layers) for r in valid if r in roles]
+
+    def forward(self, x: torch.Tensor, instruction: torch.Tensor | None = None,
+                ctx: ForwardContext | None = None) -> torch.Tensor:
+        ctx = ctx or ForwardContext(self.shared, instruction)
+        h = x.unsqueeze(-1) * self.token.unsqueeze(1) + self.position.unsqueeze(1)  # (E, N, 2, d)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        return self.head(self.ln_f(h.mean(dim=2))).squeeze(-1)  # (E, N)
+
+
+def project_group(layers, x: torch.Tensor, ctx: ForwardContext) -> list[torch.Tensor]:
+    """Apply linears that read the same input (attention q, k, v).
+
+    An adapter whose routing needs the group's joint rank state (queryable: the token-averaged Q/K/V states)
+    provides a `group_forward(layers, x, ctx)`; all other layers are applied one by one.
+    """
+    group_forward = getattr(layers[0], "group_forward", None)
+    if group_forward is not None:
+        return group_forward(layers, x, ctx)
+    return [layer(x, ctx) for layer in layers]
+
+
+def build_backbone(arch: str, seeds: list, *, device=None, dtype=torch.float32) -> nn.Module:
+    """A freshly initialised stack, member e seeded from `seeds[e]` (any hashable member key)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    generators = [generator("init", arch, "backbone", s) for s in seeds]
+    return ARCHS[arch](generators, device=device, dtype=dtype)
+
+
+ARCHS = {"deep-narrow": DeepNarrowMLP, "transformer": RegressionTransformer}

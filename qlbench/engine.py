@@ -1,0 +1,300 @@
+"""One engine for every method: pretrain a stack of backbones on the source, adapt it to the target, evaluate.
+
+A run trains E members at once (seeds, or functions x seeds), each with its own data, data order, initialisation
+and metrics; their parameters are stacked on a leading dimension and one batched forward/backward serves them all.
+The per-member loss is the member's own batch mean and the stack minimises their sum, so each member receives
+exactly the gradient it would get alone (a stacked run equals E separate runs; tests/test_engine.py checks it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from qlbench import adapters, zoo
+from qlbench.backbones import build_backbone
+from qlbench.seeding import generator
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One optimisation phase: AdamW-style hyper-parameters and the epoch count."""
+
+    epochs: int
+    lr: float
+    batch_size: int = 64
+    weight_decay: float = 0.01  # AdamW's default (the paper does not state one)
+
+
+@dataclass(frozen=True)
+class Budget:
+    name: str
+    seeds: int
+    pretrain: Phase
+    adapt: Phase
+    eval_every: int  # epochs between evaluations of train and test MSE (the best-epoch metrics use these)
+
+
+# The paper's protocol: pretrain 300 epochs at lr 3e-3, adapt 5,000 epochs at lr 5e-4, batch 64, 5 seeds.
+_PAPER = Budget("paper", 5, Phase(300, 3e-3), Phase(5000, 5e-4), eval_every=10)
+BUDGETS: dict[str, dict[str, Budget]] = {
+    "deep-narrow": {
+        "paper": _PAPER,
+        "quick": Budget("quick", 3, Phase(100, 3e-3), Phase(400, 5e-4), eval_every=10),
+        "smoke": Budget("smoke", 2, Phase(3, 3e-3), Phase(4, 5e-4), eval_every=2),
+    },
+    "transformer": {
+        "paper": _PAPER,
+        "quick": Budget("quick", 2, Phase(20, 3e-3), Phase(40, 5e-4), eval_every=5),
+        "smoke": Budget("smoke", 2, Phase(1, 3e-3), Phase(2, 5e-4), eval_every=1),
+    },
+}
+
+
+def budget(name: str, arch: str) -> Budget:
+    if arch not in BUDGETS:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(BUDGETS)}")
+    if name not in BUDGETS[arch]:
+        raise ValueError(f"unknown budget {name!r}; valid: {', '.join(BUDGETS[arch])}")
+    return BUDGETS[arch][name]
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> CUDA when present, else CPU; 'cpu' and 'cuda[:i]' as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; valid: auto, cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda")
+    return torch.device(device)
+
+
+Member = tuple[str, int]  # (function name, seed)
+
+
+@dataclass
+class StackedData:
+    """Per-member datasets stacked on a leading dimension: x (E, N, 2), y (E, N)."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @classmethod
+    def build(cls, members: list[Member], which: str, *, device, dtype) -> StackedData:
+        splits = [getattr(zoo.task(f), f"{which}_data")(seed, dtype=dtype, device=device) for f, seed in members]
+        return cls(*(torch.stack([getattr(s, k) for s in splits]) for k in ("x_train", "y_train", "x_test", "y_test")))
+
+
+@dataclass
+class Curves:
+    """Per-member evaluation history: train and test MSE (E, n_evals) at `epochs`, NaN after divergence."""
+
+    epochs: list[int]
+    train_mse: torch.Tensor
+    test_mse: torch.Tensor
+    diverged_epoch: list[int | None]  # first evaluated epoch at which the member was non-finite
+
+    def member_summary(self, e: int) -> dict:
+        """Best train MSE, best test MSE (test-selected, as the paper reports) and the test MSE at the
+        best-train epoch (selection that does not peek at the test set)."""
+        tr, te = self.train_mse[e], self.test_mse[e]
+        ok = torch.isfinite(tr) & torch.isfinite(te)
+        if not ok.any():
+            return dict(best_train_mse=None, best_train_epoch=None, best_test_mse=None, best_test_epoch=None,
+                        test_at_best_train=None)
+        idx = torch.nonzero(ok).squeeze(1)
+        i_tr = idx[tr[idx].argmin()].item()
+        i_te = idx[te[idx].argmin()].item()
+        return dict(best_train_mse=tr[i_tr].item(), best_train_epoch=self.epochs[i_tr],
+                    best_test_mse=te[i_te].item(), best_test_epoch=self.epochs[i_te],
+                    test_at_best_train=te[i_tr].item())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=None, chunk: int = 1024) -> torch.Tensor:
+    """Per-member MSE (E,) of model on x (E, N, 2), y (E, N), in chunks of samples to bound memory."""
+    sq = torch.cat([(model(x[:, i:i + chunk], instruction) - y[:, i:i + chunk]).pow(2)
+                    for i in range(0, x.shape[1], chunk)], dim=1)
+    return sq.mean(dim=1)
+
+
+def fit(model: nn.Module, optimizer, data: StackedData, phase: Phase, eval_every: int,
+        order: list[torch.Generator], *, instruction: torch.Tensor | None = None,
+        progress: Callable[[int], None] | None = None) -> Curves:
+    """Minibatch training of a stack: member e shuffles its own data with order[e] every epoch.
+
+    Evaluates train and test MSE before training and every `eval_every` epochs (and after the last). A member
+    whose loss or metrics turn non-finite is marked diverged at that evaluation; it keeps its slot (the stack's
+    shapes do not change) but its later metrics are NaN, and no other member is affected (no op mixes members).
+    """
+    E, N = data.y_train.shape
+    device = data.y_train.device
+    diverged: list[int | None] = [None] * E
+    epochs, train_hist, test_hist = [], [], []
+    running = torch.zeros(E, device=device, dtype=data.y_train.dtype)
+    rows = torch.arange(E, device=device).unsqueeze(1)
+    n_batches = -(-N // phase.batch_size)
+
+    def record(epoch: int) -> None:
+        model.eval()
+        tr = evaluate(model, data.x_train, data.y_train, instruction)
+        te = evaluate(model, data.x_test, data.y_test, instruction)
+        model.train()
+        bad = ~(torch.isfinite(tr) & torch.isfinite(te) & torch.isfinite(running))
+        for e in torch.nonzero(bad).flatten().tolist():
+            diverged[e] = epoch if diverged[e] is None else diverged[e]
+        dead = torch.tensor([d is not None for d in diverged], device=device)
+        epochs.append(epoch)
+        train_hist.append(torch.where(dead, torch.nan, tr))
+        test_hist.append(torch.where(dead, torch.nan, te))
+
+    model.train()
+    record(0)
+    for epoch in range(1, phase.epochs + 1):
+        perm = torch.stack([torch.randperm(N, generator=g) for g in order]).to(device)  # (E, N)
+        xs, ys = data.x_train[rows, perm], data.y_train[rows, perm]  # this epoch's order, (E, N, 2), (E, N)
+        for i in range(0, N, phase.batch_size):
+            xb, yb = xs[:, i:i + phase.batch_size], ys[:, i:i + phase.batch_size]  # (E, b, 2), (E, b)
+            loss = (model(xb, instruction) - yb).pow(2).mean(dim=1)  # (E,) each member's own batch MSE
+            loss.sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            running += loss.detach()
+        if progress is not None:
+            progress(n_batches)
+        if epoch % eval_every == 0 or epoch == phase.epochs:
+            record(epoch)
+            running.zero_()
+    return Curves(epochs, torch.stack(train_hist, 1).cpu(), torch.stack(test_hist, 1).cpu(), diverged)
+
+
+def steps(phase: Phase, n_train: int) -> int:
+    """Optimizer steps in a phase (for progress bars)."""
+    return phase.epochs * -(-n_train // phase.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pretraining, with an on-disk cache shared by every method (and every stacking) of the same members.
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temp file in the same folder, then rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class Pretrained:
+    """A stack of source-pretrained backbones: the stacked state and each member's source metrics."""
+
+    arch: str
+    members: list[Member]
+    state: dict[str, torch.Tensor]  # stacked state_dict, CPU
+    source_train_mse: list[float]
+    source_test_mse: list[float]
+
+    def select(self, members: list[Member]) -> Pretrained:
+        """The sub-stack of the given members."""
+        idx = [self.members.index(m) for m in members]
+        return Pretrained(self.arch, list(members), {k: v[idx] for k, v in self.state.items()},
+                          [self.source_train_mse[i] for i in idx], [self.source_test_mse[i] for i in idx])
+
+    def model(self, *, device, dtype) -> nn.Module:
+        """A fresh copy of the pretrained stack (methods modify their backbone in place)."""
+        model = build_backbone(self.arch, self.members, device=device, dtype=dtype)
+        model.load_state_dict(self.state)
+        return model
+
+
+def _cache_paths(arch: str, members: list[Member], phase: Phase, dtype, cache_dir: Path | None) -> list[Path | None]:
+    keys = [_key(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype))) for f, s in members]
+    return [cache_dir / f"{arch}-{f}-seed{s}-{k}.pt" if cache_dir else None for (f, s), k in zip(members, keys)]
+
+
+def pretrain_needed(arch: str, members: list[Member], phase: Phase, dtype, cache_dir: Path | None) -> bool:
+    """Whether `pretrain` will train anything (some member is not in the cache)."""
+    return any(p is None or not p.exists() for p in _cache_paths(arch, members, phase, dtype, cache_dir))
+
+
+def pretrain(arch: str, members: list[Member], phase: Phase, *, device, dtype=torch.float32,
+             cache_dir: Path | None = None, progress: Callable[[int], None] | None = None) -> Pretrained:
+    """Source-pretrained backbones for `members`. Members found in `cache_dir` are loaded; the rest are trained
+    together and cached one file per member, so any later stacking of the same members reuses them."""
+    torch.set_flush_denormal(True)  # denormals made CPU training several times slower
+    paths = _cache_paths(arch, members, phase, dtype, cache_dir)
+    cached = {i: torch.load(p, map_location="cpu") for i, p in enumerate(paths) if p is not None and p.exists()}
+    todo = [i for i in range(len(members)) if i not in cached]
+    if todo:
+        sub = [members[i] for i in todo]
+        model = build_backbone(arch, sub, device=device, dtype=dtype)
+        data = StackedData.build(sub, "source", device=device, dtype=dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=phase.lr, weight_decay=phase.weight_decay, foreach=True)
+        order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
+        curves = fit(model, optimizer, data, phase, eval_every=phase.epochs, order=order, progress=progress)
+        state = model.state_dict()
+        for j, i in enumerate(todo):
+            cached[i] = dict(state={k: v[j].detach().cpu().clone() for k, v in state.items()},
+                             source_train_mse=curves.train_mse[j, -1].item(),
+                             source_test_mse=curves.test_mse[j, -1].item())
+            if paths[i] is not None:
+                atomic_save(cached[i], paths[i])
+    state = {k: torch.stack([cached[i]["state"][k] for i in range(len(members))]) for k in cached[0]["state"]}
+    return Pretrained(arch, list(members), state, [cached[i]["source_train_mse"] for i in range(len(members))],
+                      [cached[i]["source_test_mse"] for i in range(len(members))])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class AdaptResult:
+    """What one stacked adaptation produced, per member."""
+
+    members: list[Member]
+    curves: Curves
+    trainable_params: int
+    total_params: int
+    wall_time_s: float
+
+
+def adapt(pretrained: Pretrained, method_name: str, config, budget: Budget, *, device, dtype=torch.float32,
+          progress: Callable[[int], None] | None = None) -> AdaptResult:
+    """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target."""
+    torch.set_flush_denormal(True)
+    method = adapters.get(method_name)
+    arch, members = pretrained.arch, pretrained.members
+    t0 = time.perf_counter()
+    data = StackedData.build(members, "target", device=device, dtype=dtype)
+    init = [generator("init", method_name, arch, f, s) for f, s in members]
+    model = method.build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
+    if method.trains:
+        optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay)
+        order = [generator("order", "adapt", arch, f, s) for f, s in members]
+        curves = fit(model, optimizer, data, budget.adapt, budget.eval_every, order, progress=progress)
+    else:
+        tr = evaluate(model, data.x_train, data.y_train).cpu()
+        te = evaluate(model, data.x_test, data.y_test).cpu()
+        curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None] * len(members))
+    return AdaptResult(members, curves, adapters.trainable_parameter_count(model),
+                       adapters.total_parameter_count(model), time.perf_counter() - t0)

@@ -1,0 +1,159 @@
+"""Experiments: a grid of cells (function, arch, method) over seeds, run on the stacked engine, one record per cell.
+
+All functions x seeds of a run are stacked into one ensemble per method: for a single function that is its seeds,
+for the full table it is nine functions x five seeds in one batched step. Cells whose record already exists with
+the same config hash are skipped, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from qlbench import adapters, engine, results, zoo
+from qlbench.backbones import ARCHS
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class Plan:
+    """A validated experiment: everything resolved before any work starts, so bad input fails fast."""
+
+    functions: list[str]
+    arch: str
+    methods: list[str]
+    seeds: list[int]
+    budget: engine.Budget
+    configs: dict[str, object]  # method -> its validated config
+    device: torch.device
+    dtype: str
+    out_dir: Path
+
+    def cell_config(self, function: str, method: str) -> dict:
+        """The fully resolved config of one cell; its hash decides whether a finished record can be reused."""
+        return {
+            "function": function, "arch": self.arch, "method": method,
+            "method_config": dataclasses.asdict(self.configs[method]),
+            "budget": dataclasses.asdict(self.budget) | {"seeds": len(self.seeds)},
+            "seeds": self.seeds, "dtype": self.dtype, "schema": results.SCHEMA,
+        }
+
+
+def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, seeds: int | None = None,
+         budget: str = "quick", device: str = "auto", dtype: str = "float32", out_dir: str | Path = "results",
+         overrides: dict | None = None) -> Plan:
+    """Validate every choice (ValueError with the valid options on bad input) and resolve defaults."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if not functions:
+        raise ValueError(f"no function given; valid: {', '.join(zoo.names())}")
+    for f in functions:
+        zoo.card(f)  # raises with the valid names
+    methods = list(methods or adapters.DEFAULT_METHODS)
+    for m in methods:
+        adapters.get(m)
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"method listed twice in {','.join(methods)}")
+    b = engine.budget(budget, arch)
+    n_seeds = b.seeds if seeds is None else seeds
+    if not (isinstance(n_seeds, int) and n_seeds >= 1):
+        raise ValueError(f"seeds must be an integer >= 1, got {n_seeds!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    overrides = dict(overrides or {})
+    known = {f.name for m in methods for f in dataclasses.fields(adapters.get(m).config_cls)}
+    if unknown := sorted(set(overrides) - known):
+        raise ValueError(f"unknown hyper-parameter(s) {', '.join(unknown)} for methods {','.join(methods)}; "
+                         f"valid: {', '.join(sorted(known)) or 'none'}")
+    configs = {}
+    for m in methods:
+        try:
+            configs[m] = adapters.get(m).make_config(**overrides)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{m}: {err}") from None
+    return Plan(list(functions), arch, methods, list(range(n_seeds)), b, configs, engine.resolve_device(device),
+                dtype, Path(out_dir))
+
+
+def _finished(path: Path, config: dict) -> bool:
+    if not path.exists():
+        return False
+    rec = results.read_record(path)
+    return rec["run_info"]["config_hash"] == results.config_hash(config) and rec["train_info"]["status"] != "failed"
+
+
+def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
+    """Run every unfinished cell of the plan; returns the record paths of all cells (finished before or now)."""
+    dtype = DTYPES[p.dtype]
+    n_train = zoo.TARGET_TRAIN
+    todo = {m: [f for f in p.functions
+                if not _finished(results.record_path(p.out_dir, p.arch, f, m), p.cell_config(f, m))]
+            for m in p.methods}
+    skipped = sum(len(p.functions) - len(fs) for fs in todo.values())
+    if skipped:
+        log(f"{skipped} cell(s) already have a record with the same config: skipped")
+    functions = [f for f in p.functions if any(f in fs for fs in todo.values())]
+    if functions:
+        members = [(f, s) for f in functions for s in p.seeds]
+        cache = p.out_dir / "backbones"
+        with tqdm(total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if engine.pretrain_needed(
+                p.arch, members, p.budget.pretrain, dtype, cache) else 0), desc=f"pretrain {p.arch} x{len(members)}",
+                  unit="step", disable=not progress, leave=False) as bar:
+            pre = engine.pretrain(p.arch, members, p.budget.pretrain, device=p.device, dtype=dtype,
+                                  cache_dir=cache, progress=bar.update)
+        trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
+        total = engine.steps(p.budget.adapt, n_train) * len(trained)
+        with tqdm(total=total, desc="adapt", unit="step", disable=not progress) as bar:
+            for m in p.methods:
+                if not todo[m]:
+                    continue
+                bar.set_description(f"adapt {m} x{len(todo[m]) * len(p.seeds)}")
+                sub = pre.select([(f, s) for f in todo[m] for s in p.seeds])
+                _run_method(p, m, sub, dtype, bar.update if adapters.get(m).trains else None, log)
+    return [results.record_path(p.out_dir, p.arch, f, m) for m in p.methods for f in p.functions]
+
+
+def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:
+    functions = list(dict.fromkeys(f for f, _ in pre.members))
+    t0 = time.perf_counter()
+    try:
+        res = engine.adapt(pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype,
+                           progress=progress)
+    except Exception as err:  # record the failure and go on with the other methods
+        log(f"{method}: failed: {type(err).__name__}: {err}")
+        for f in functions:
+            rec = results.make_record(config=p.cell_config(f, method), seeds=p.seeds, device=p.device,
+                                      status="failed", message=f"{type(err).__name__}: {err}",
+                                      wall_time_s=time.perf_counter() - t0)
+            results.write_json_atomic(rec, results.record_path(p.out_dir, p.arch, f, method))
+        return
+    c = res.curves
+    for f in functions:
+        idx = [i for i, (g, _) in enumerate(res.members) if g == f]
+        per_seed = []
+        for i in idx:
+            seed = res.members[i][1]
+            per_seed.append({
+                "seed": seed,
+                "status": "ok" if c.diverged_epoch[i] is None else "diverged",
+                "diverged_epoch": c.diverged_epoch[i],
+                **c.member_summary(i),
+                "source_train_mse": pre.source_train_mse[i], "source_test_mse": pre.source_test_mse[i],
+                "train_curve": c.train_mse[i].tolist(), "test_curve": c.test_mse[i].tolist(),
+            })
+        bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
+        message = f"diverged seeds: {bad}" if bad else ""
+        if bad:
+            log(f"{method} on {f}: seed(s) {bad} diverged (non-finite loss); the other seeds completed")
+        rec = results.make_record(config=p.cell_config(f, method), seeds=p.seeds, device=p.device,
+                                  status="diverged" if bad else "ok", message=message,
+                                  wall_time_s=res.wall_time_s, stacked_members=len(res.members),
+                                  trainable_params=res.trainable_params, total_params=res.total_params,
+                                  eval_epochs=c.epochs, per_seed=per_seed)
+        results.write_json_atomic(rec, results.record_path(p.out_dir, p.arch, f, method))

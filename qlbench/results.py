@@ -1,0 +1,165 @@
+"""Result records: one JSON file per (function, arch, method) cell, written atomically, and one loader that turns
+any set of records into the tidy DataFrame every table, figure and notebook reads.
+
+Record layout (schema 1), in the spirit of huggingface peft's method_comparison:
+    run_info:   created_at, qlbench_version, git {commit, dirty}, config (fully resolved), config_hash, budget,
+                device, dtype, seeds
+    train_info: status (ok | diverged | failed), message, wall_time_s, stacked_members, trainable_params,
+                total_params, eval_epochs, per_seed [{seed, status, diverged_epoch, best_train_mse,
+                best_train_epoch, best_test_mse (test-selected, as the paper), best_test_epoch,
+                test_at_best_train (no peeking), source_train_mse, source_test_mse, train_curve, test_curve}]
+    meta_info:  python, platform, torch, numpy, cpu, gpu, threads
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+import qlbench
+
+SCHEMA = 1
+
+
+def config_hash(config: dict) -> str:
+    """Stable hash of a resolved config (what makes a result reproducible), used to skip finished cells."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def record_path(out_dir: Path, arch: str, function: str, method: str) -> Path:
+    return Path(out_dir) / "records" / arch / function / f"{method}.json"
+
+
+def git_info() -> dict:
+    """Commit and dirty flag of the qlbench checkout this code runs from (None outside a git checkout)."""
+    root = Path(qlbench.__file__).resolve().parent.parent
+    try:
+        run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        commit = run("rev-parse", "HEAD").stdout.strip()
+        dirty = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip())
+        return {"commit": commit, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def meta_info(device: torch.device) -> dict:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no NaN: non-finite values are written as null."""
+    return None if x is None or not math.isfinite(x) else x
+
+
+def write_json_atomic(obj: dict, path: Path) -> None:
+    """Write JSON to a temp file in the target folder, then rename: readers never see half a record."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def make_record(*, config: dict, seeds: list[int], device: torch.device, status: str, message: str = "",
+                wall_time_s: float = 0.0, stacked_members: int = 0, trainable_params: int | None = None,
+                total_params: int | None = None, eval_epochs: list[int] | None = None,
+                per_seed: list[dict] | None = None) -> dict:
+    per_seed = [{k: (_finite(v) if isinstance(v, float) else v) for k, v in s.items()} for s in per_seed or []]
+    for s in per_seed:
+        for k in ("train_curve", "test_curve"):
+            if k in s:
+                s[k] = [_finite(float(v)) for v in s[k]]
+    return {
+        "schema": SCHEMA,
+        "run_info": {
+            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "qlbench_version": qlbench.__version__,
+            "git": git_info(),
+            "config": config,
+            "config_hash": config_hash(config),
+            "budget": config["budget"]["name"],
+            "device": str(device),
+            "dtype": config["dtype"],
+            "seeds": seeds,
+        },
+        "train_info": {
+            "status": status,
+            "message": message,
+            "wall_time_s": wall_time_s,
+            "stacked_members": stacked_members,
+            "trainable_params": trainable_params,
+            "total_params": total_params,
+            "eval_epochs": eval_epochs or [],
+            "per_seed": per_seed,
+        },
+        "meta_info": meta_info(device),
+    }
+
+
+def read_record(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def find_records(root: Path) -> list[Path]:
+    return sorted(Path(root).rglob("records/**/*.json")) or sorted(Path(root).rglob("*.json"))
+
+
+PER_SEED_COLUMNS = ("status", "diverged_epoch", "best_train_mse", "best_train_epoch", "best_test_mse",
+                    "best_test_epoch", "test_at_best_train", "source_train_mse", "source_test_mse")
+
+
+def load(paths_or_root) -> pd.DataFrame:
+    """Tidy DataFrame, one row per (cell, seed): function, arch, method, budget, seed, trainable_params, and the
+    per-seed metrics. Accepts a results folder, one record path, or a list of record paths."""
+    if isinstance(paths_or_root, (str, Path)):
+        p = Path(paths_or_root)
+        paths = [p] if p.is_file() else find_records(p)
+    else:
+        paths = [Path(p) for p in paths_or_root]
+    rows = []
+    for path in paths:
+        rec = read_record(path)
+        if rec.get("schema") != SCHEMA:
+            continue
+        run, train = rec["run_info"], rec["train_info"]
+        cfg = run["config"]
+        for s in train["per_seed"]:
+            rows.append({
+                "function": cfg["function"], "arch": cfg["arch"], "method": cfg["method"],
+                "budget": run["budget"], "seed": s["seed"], "cell_status": train["status"],
+                "trainable_params": train["trainable_params"], "total_params": train["total_params"],
+                "wall_time_s": train["wall_time_s"], "record": str(path),
+                **{k: s.get(k) for k in PER_SEED_COLUMNS},
+            })
+    frame = pd.DataFrame(rows)
+    for col in ("best_train_mse", "best_test_mse", "test_at_best_train", "source_train_mse", "source_test_mse"):
+        if col in frame:
+            frame[col] = frame[col].astype(float)
+    return frame

@@ -1,0 +1,86 @@
+"""Building blocks of the stacked ensemble: E independent models trained in one batched step.
+
+Every parameter carries a leading member dimension E, every activation is (E, N, ...), and member e only ever
+touches slice e: a stack of E models is exactly E separate models (tested), computed with batched matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+def uniform_members(shape: tuple[int, ...], bound: float, generators: list[torch.Generator]) -> torch.Tensor:
+    """(E, *shape) drawn U(-bound, bound), member e from generators[e] only (float64, CPU)."""
+    return torch.stack([(torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * bound for g in generators])
+
+
+def normal_members(shape: tuple[int, ...], std: float, generators: list[torch.Generator]) -> torch.Tensor:
+    """(E, *shape) drawn N(0, std^2), member e from generators[e] only (float64, CPU)."""
+    return torch.stack([torch.randn(shape, generator=g, dtype=torch.float64) * std for g in generators])
+
+
+def param(values: torch.Tensor, like: torch.Tensor | None = None, *, device=None, dtype=None) -> nn.Parameter:
+    """A trainable parameter from float64 CPU `values`, moved to `like`'s (or the given) device and dtype."""
+    device = like.device if like is not None else device
+    dtype = like.dtype if like is not None else dtype
+    return nn.Parameter(values.to(device=device, dtype=dtype))
+
+
+class StackedLinear(nn.Module):
+    """E independent `nn.Linear(d_in, d_out)` layers: x (E, ..., d_in) -> (E, ..., d_out).
+
+    Initialised like PyTorch's default (weight and bias U(-1/sqrt(d_in), 1/sqrt(d_in))), member e from
+    generators[e], so a stack equals E separately initialised layers.
+    """
+
+    def __init__(self, d_in: int, d_out: int, generators: list[torch.Generator], *, device=None, dtype=None):
+        super().__init__()
+        bound = 1.0 / math.sqrt(d_in)
+        self.d_in, self.d_out = d_in, d_out
+        self.weight = param(uniform_members((d_out, d_in), bound, generators), device=device, dtype=dtype)
+        self.bias = param(uniform_members((d_out,), bound, generators), device=device, dtype=dtype)
+
+    @property
+    def members(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return stacked_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"members={self.members}, d_in={self.d_in}, d_out={self.d_out}"
+
+
+def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (E, ..., d_in) @ weight (E, d_out, d_in)^T + bias (E, d_out) -> (E, ..., d_out), one batched matmul."""
+    E, d_in = x.shape[0], x.shape[-1]
+    x2 = x.reshape(E, -1, d_in)  # (E, N, d_in)
+    if bias is None:
+        y = torch.bmm(x2, weight.transpose(1, 2))
+    else:
+        y = torch.baddbmm(bias.unsqueeze(1), x2, weight.transpose(1, 2))  # (E, N, d_out)
+    return y.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def rank_project(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """x (E, ..., d_in) -> A x (E, ..., r) for A (E, r, d_in)."""
+    return stacked_linear(x, A)
+
+
+@dataclass
+class ForwardContext:
+    """State that crosses layers during one forward pass; created fresh for every forward (no hidden globals).
+
+    shared:      the model's shared adapter modules (routing memory, generator networks, hypernetworks).
+    instruction: (E, d_c) frozen instruction embedding e(c) per member, or None.
+    scratch:     per-forward working state owned by adapters (e.g. queryable block summaries and routing weights),
+                 keyed by method name; tests and notebooks read routing weights from here.
+    """
+
+    shared: nn.ModuleDict
+    instruction: torch.Tensor | None = None
+    scratch: dict = field(default_factory=dict)

@@ -1,0 +1,319 @@
+"""The function zoo: nine 2-D test functions, their cards, and the source -> target tasks built from them.
+
+A card (`functions/<name>.toml`, shipped as package data `qlbench.functions`) holds everything that is data:
+domain, default coefficients, target coefficients and rotation, optimum, reference values, instruction text.
+This module holds the formulas (one small function per family, `f(x, **coefficients)` with x of shape (..., 2))
+and turns a card into a `TestFunction` or a `Task`:
+
+    target(x) = out_scale * f_{theta_target}( R(phi) (x - centre) + centre ) + out_shift
+
+The paper says it "rotates the outputs"; rotating a scalar means nothing beyond a sign, so qlbench rotates the
+input plane about the box centre (CEC-style) and keeps an output affine map (identity by default).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib.resources import files
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from qlbench.seeding import generator
+
+# Sampling protocol (paper, appendix "deep-narrow stress test"): sizes and label noise.
+SOURCE_SIZE = 3000
+SOURCE_TRAIN = 2400  # 80/20 source train/test
+TARGET_SIZE = 1200
+TARGET_TRAIN = 400  # 400 for adaptation, 800 held out
+LABEL_NOISE = 0.05  # std of additive Gaussian label noise, train and test alike (MSE floor 0.0025)
+
+Coefficient = float | tuple  # a number, or a (nested) tuple of numbers such as Langermann's c and A
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Formulas. Each takes x (..., 2) in any float dtype and returns (...) in the same dtype.
+# Python-float constants keep x's dtype; sequences become tensors on x's dtype and device.
+
+
+def ackley(x: Tensor, a: float, b: float, c: float) -> Tensor:
+    """-a exp(-b sqrt(mean_i x_i^2)) - exp(mean_i cos(c x_i)) + a + e."""
+    return -a * torch.exp(-b * x.square().mean(-1).sqrt()) - torch.exp(torch.cos(c * x).mean(-1)) + a + math.e
+
+
+def dropwave(x: Tensor, k: float, q: float, o: float) -> Tensor:
+    """-(1 + cos(k r)) / (q r^2 + o), r = ||x||."""
+    r2 = x.square().sum(-1)
+    return -(1 + torch.cos(k * r2.sqrt())) / (q * r2 + o)
+
+
+def langermann(x: Tensor, c: Sequence[float], A: Sequence[Sequence[float]]) -> Tensor:
+    """sum_i c_i exp(-s_i / pi) cos(pi s_i), s_i = ||x - A_i||^2 (SFU sign: no leading minus)."""
+    c_ = torch.as_tensor(c, dtype=x.dtype, device=x.device)  # (m,)
+    A_ = torch.as_tensor(A, dtype=x.dtype, device=x.device)  # (m, 2)
+    s = (x.unsqueeze(-2) - A_).square().sum(-1)  # (..., m)
+    return (c_ * torch.exp(-s / math.pi) * torch.cos(math.pi * s)).sum(-1)
+
+
+def levy(x: Tensor, a: float, w: float) -> Tensor:
+    """w_i = 1 + (x_i - 1)/4; sin^2(pi w1) + (w1-1)^2 [1 + a sin^2(pi w1 + 1)] + (w2-1)^2 [1 + sin^2(w w2)].
+
+    Source: a = 10, w = 2 pi (SFU, BoTorch).
+    """
+    w1, w2 = (1 + (x - 1) / 4).unbind(-1)
+    return (
+        torch.sin(math.pi * w1).square()
+        + (w1 - 1).square() * (1 + a * torch.sin(math.pi * w1 + 1).square())
+        + (w2 - 1).square() * (1 + torch.sin(w * w2).square())
+    )
+
+
+def matyas(x: Tensor, a: float, b: float) -> Tensor:
+    """a (x1^2 + x2^2) - b x1 x2 (convex while b < 2a)."""
+    x1, x2 = x.unbind(-1)
+    return a * (x1.square() + x2.square()) - b * x1 * x2
+
+
+def michalewicz(x: Tensor, m: float) -> Tensor:
+    """-sum_i sin(x_i) sin^(2m)(i x_i^2 / pi), i = 1..d."""
+    i = torch.arange(1, x.shape[-1] + 1, dtype=x.dtype, device=x.device)  # (d,)
+    return -(torch.sin(x) * torch.sin(i * x.square() / math.pi).pow(2 * m)).sum(-1)
+
+
+def rastrigin(x: Tensor, A: float, w: float) -> Tensor:
+    """A d + sum_i (x_i^2 - A cos(w x_i))."""
+    return A * x.shape[-1] + (x.square() - A * torch.cos(w * x)).sum(-1)
+
+
+def styblinski_tang(x: Tensor, p: float, q: float) -> Tensor:
+    """(1/2) sum_i (x_i^4 - p x_i^2 + q x_i)."""
+    return 0.5 * (x.pow(4) - p * x.square() + q * x).sum(-1)
+
+
+def sin_cos(x: Tensor, a: float, b: float, w1: float, w2: float) -> Tensor:
+    """a sin(w1 x1) + b cos(w2 x2) (not an SFU function; qlbench's reading of the paper's "Sin-Cos")."""
+    x1, x2 = x.unbind(-1)
+    return a * torch.sin(w1 * x1) + b * torch.cos(w2 * x2)
+
+
+# A card names its formula by `family`, so a variant (other coefficients, other box) is just a new card.
+FAMILIES: dict[str, Callable[..., Tensor]] = {
+    f.__name__: f
+    for f in (ackley, dropwave, langermann, levy, matyas, michalewicz, rastrigin, styblinski_tang, sin_cos)
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Cards.
+
+
+@dataclass(frozen=True)
+class Card:
+    """One `functions/<name>.toml`, parsed; arrays become tuples. Treat the coefficient dicts as read-only."""
+
+    name: str  # the file stem, e.g. "styblinski-tang"
+    family: str  # key into FAMILIES
+    display_name: str
+    formula: str  # LaTeX
+    source_url: str
+    instruction: str  # one sentence describing the target surface (instruction routing)
+    bounds: tuple[tuple[float, float], ...]  # ((lo1, hi1), (lo2, hi2))
+    coefficients: Mapping[str, Coefficient]  # source (default) coefficients
+    target_coefficients: Mapping[str, Coefficient]  # only those that change
+    rotation_deg: float
+    out_scale: float
+    out_shift: float
+    optimum_value: float
+    optimum_locations: tuple[tuple[float, ...], ...]
+    tolerance: float  # abs accuracy of the card's numbers (optimum, references): 1e-9 unless the card says
+    references: tuple[tuple[tuple[float, ...], float], ...]  # ((x, value), ...)
+
+
+def _frozen(v):
+    """Lists (TOML arrays) -> tuples, nested: coefficient sequences and points are immutable and comparable."""
+    return tuple(_frozen(e) for e in v) if isinstance(v, (list, tuple)) else v
+
+
+def _parse(name: str, text: str) -> Card:
+    d = tomllib.loads(text)
+    coefficients = {k: _frozen(v) for k, v in d["coefficients"].items()}
+    target = d["target"]
+    changed = {k: _frozen(v) for k, v in target["coefficients"].items()}
+    if d["family"] not in FAMILIES:
+        raise ValueError(f"card {name!r}: unknown family {d['family']!r}; choose from {', '.join(FAMILIES)}")
+    if unknown := changed.keys() - coefficients.keys():
+        raise ValueError(f"card {name!r}: target changes unknown coefficients {sorted(unknown)}")
+    return Card(
+        name=name,
+        family=d["family"],
+        display_name=d["display_name"],
+        formula=d["formula"],
+        source_url=d["source_url"],
+        instruction=d["instruction"],
+        bounds=tuple((float(lo), float(hi)) for lo, hi in d["domain"]["bounds"]),
+        coefficients=coefficients,
+        target_coefficients=changed,
+        rotation_deg=float(target["rotation_deg"]),
+        out_scale=float(target["out_scale"]),
+        out_shift=float(target["out_shift"]),
+        optimum_value=float(d["optimum"]["value"]),
+        optimum_locations=_frozen(d["optimum"]["locations"]),
+        tolerance=float(d["optimum"].get("tolerance", 1e-9)),
+        references=tuple((_frozen(r["x"]), float(r["value"])) for r in d["reference"]),
+    )
+
+
+@functools.cache
+def _cards() -> dict[str, Card]:
+    # Package data, not a repo path: the same code reads the cards from a wheel or an editable install.
+    cards = {}
+    for p in files("qlbench.functions").iterdir():
+        if p.name.endswith(".toml"):
+            name = p.name.removesuffix(".toml")
+            cards[name] = _parse(name, p.read_text(encoding="utf-8"))
+    return cards
+
+
+def names() -> list[str]:
+    """Names of all cards in the zoo, sorted."""
+    return sorted(_cards())
+
+
+def card(name: str) -> Card:
+    """The card `functions/<name>.toml`; ValueError listing the valid names if there is none."""
+    cards = _cards()
+    if name not in cards:
+        raise ValueError(f"unknown function {name!r}; choose from: {', '.join(sorted(cards))}")
+    return cards[name]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Functions and tasks.
+
+
+@dataclass(frozen=True)
+class TestFunction:
+    """A card's formula with fixed coefficients: `f(x)`, x (..., 2) -> (...), same dtype and device as x."""
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    name: str
+    card: Card
+    coefficients: Mapping[str, Coefficient]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return FAMILIES[self.card.family](x, **self.coefficients)
+
+    @property
+    def bounds(self) -> Tensor:
+        """(2, d) float64: row 0 lower bounds, row 1 upper bounds."""
+        return torch.tensor(self.card.bounds, dtype=torch.float64).T
+
+    @property
+    def optimum_value(self) -> float | None:
+        """The card's global minimum; None once coefficients are overridden (the card no longer knows it)."""
+        return self.card.optimum_value if self.coefficients == self.card.coefficients else None
+
+    @property
+    def optimum_locations(self) -> tuple[tuple[float, ...], ...] | None:
+        """Where the card's global minimum is attained; None once coefficients are overridden."""
+        return self.card.optimum_locations if self.coefficients == self.card.coefficients else None
+
+
+def function(name: str, **coefficient_overrides: Coefficient) -> TestFunction:
+    """The card's function with its default (source) coefficients, or some of them overridden."""
+    c = card(name)
+    if unknown := coefficient_overrides.keys() - c.coefficients.keys():
+        raise ValueError(
+            f"{name}: unknown coefficient(s) {', '.join(sorted(unknown))}; choose from: {', '.join(c.coefficients)}"
+        )
+    overrides = {k: _frozen(v) for k, v in coefficient_overrides.items()}
+    return TestFunction(name, c, {**c.coefficients, **overrides})
+
+
+def rotation(phi_deg: float) -> Tensor:
+    """(2, 2) float64 counter-clockwise rotation by phi degrees: R(90) (1, 0) = (0, 1)."""
+    phi = math.radians(phi_deg)
+    return torch.tensor([[math.cos(phi), -math.sin(phi)], [math.sin(phi), math.cos(phi)]], dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class Target:
+    """out_scale * f(R(phi) (x - centre) + centre) + out_shift, centre = box centre; x (..., 2) -> (...)."""
+
+    function: TestFunction  # with the target coefficients
+    rotation_deg: float
+    out_scale: float
+    out_shift: float
+
+    def __call__(self, x: Tensor) -> Tensor:
+        centre = self.function.bounds.mean(0).to(x)  # (2,)
+        R = rotation(self.rotation_deg).to(x)  # (2, 2)
+        # x holds row vectors, and (R v)^T = v^T R^T. Features of f at z show up at x = centre + R^T (z - centre):
+        # the drawn surface turns clockwise by phi.
+        z = (x - centre) @ R.T + centre  # (..., 2)
+        return self.out_scale * self.function(z) + self.out_shift
+
+
+class Split(NamedTuple):
+    """A dataset: inputs (N, 2) and noisy labels (N,) for training and held-out testing."""
+
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+
+
+@dataclass(frozen=True)
+class Task:
+    """A source function (card defaults) and its shifted target, with the paper's seeded datasets."""
+
+    name: str
+    card: Card
+    source: TestFunction
+    target: Target
+    instruction: str
+
+    @property
+    def bounds(self) -> Tensor:
+        """(2, d) float64: row 0 lower bounds, row 1 upper bounds (shared by source and target)."""
+        return self.source.bounds
+
+    def source_data(self, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Split:
+        """SOURCE_SIZE noisy samples of the source, split SOURCE_TRAIN / rest."""
+        return self._sample(self.source, "source", seed, SOURCE_SIZE, SOURCE_TRAIN, dtype, device)
+
+    def target_data(self, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Split:
+        """TARGET_SIZE noisy samples of the target, split TARGET_TRAIN / rest."""
+        return self._sample(self.target, "target", seed, TARGET_SIZE, TARGET_TRAIN, dtype, device)
+
+    def _sample(
+        self,
+        f: Callable[[Tensor], Tensor],
+        stream: str,
+        seed: int,
+        n: int,
+        n_train: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> Split:
+        # Drawn in float64 on CPU from a generator named by (task, stream, seed): identical tensors for every
+        # dtype and device, independent seeds, and source/target never share a stream.
+        g = generator("data", self.name, stream, seed)
+        lo, hi = self.bounds  # (2,), (2,)
+        x = lo + (hi - lo) * torch.rand(n, len(lo), generator=g, dtype=torch.float64)  # (n, 2)
+        y = f(x) + LABEL_NOISE * torch.randn(n, generator=g, dtype=torch.float64)  # (n,)
+        x, y = x.to(dtype=dtype, device=device), y.to(dtype=dtype, device=device)
+        return Split(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+def task(name: str) -> Task:
+    """The source -> target task of the card `name` (target coefficients, rotation and output map from the card)."""
+    c = card(name)
+    target = Target(function(name, **c.target_coefficients), c.rotation_deg, c.out_scale, c.out_shift)
+    return Task(name, c, function(name), target, c.instruction)
