@@ -276,6 +276,17 @@ class AdaptResult:
     trainable_params: int
     total_params: int
     wall_time_s: float
+    model: nn.Module  # the adapted stack, final state
+
+
+def build_model(pretrained: Pretrained, method_name: str, config, *, device, dtype) -> tuple[nn.Module, StackedData]:
+    """`method` built on a fresh copy of the pretrained stack (member e's new parameters seeded by its function
+    and seed), and the members' target data."""
+    arch, members = pretrained.arch, pretrained.members
+    data = StackedData.build(members, "target", device=device, dtype=dtype)
+    init = [generator("init", method_name, arch, f, s) for f, s in members]
+    model = adapters.get(method_name).build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
+    return model, data
 
 
 def adapt(pretrained: Pretrained, method_name: str, config, budget: Budget, *, device, dtype=torch.float32,
@@ -285,9 +296,7 @@ def adapt(pretrained: Pretrained, method_name: str, config, budget: Budget, *, d
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
-    data = StackedData.build(members, "target", device=device, dtype=dtype)
-    init = [generator("init", method_name, arch, f, s) for f, s in members]
-    model = method.build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
+    model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype)
     if method.trains:
         optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay)
         order = [generator("order", "adapt", arch, f, s) for f, s in members]
@@ -297,4 +306,4 @@ def adapt(pretrained: Pretrained, method_name: str, config, budget: Budget, *, d
         te = evaluate(model, data.x_test, data.y_test).cpu()
         curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None] * len(members))
     return AdaptResult(members, curves, adapters.trainable_parameter_count(model),
-                       adapters.total_parameter_count(model), time.perf_counter() - t0)
+                       adapters.total_parameter_count(model), time.perf_counter() - t0, model)

@@ -81,6 +81,44 @@ def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, s
                 dtype, Path(out_dir))
 
 
+def model_path(out_dir: Path, arch: str, function: str, method: str) -> Path:
+    return Path(out_dir) / "models" / arch / function / f"{method}.pt"
+
+
+def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:
+    """The trainable parameters of the given members (the adapter weights, peft-style; the frozen backbone is in
+    the pretraining cache)."""
+    return {n: p.detach()[rows].cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module, engine.StackedData, dict]:
+    """Rebuild a finished adapter cell from its record: pretrained stack (from the cache, retrained if missing),
+    the method built on it, and the saved final adapter weights. Returns (model, target data, record)."""
+    rec = results.read_record(record)
+    cfg = rec["run_info"]["config"]
+    out_dir = Path(record).parents[3]  # <out>/records/<arch>/<function>/<method>.json
+    arch, function, method = cfg["arch"], cfg["function"], cfg["method"]
+    spec = adapters.get(method)
+    config = spec.config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg["method_config"].items()})
+    b = cfg["budget"]
+    pretrain_phase = engine.Phase(**b["pretrain"])
+    members = [(function, s) for s in cfg["seeds"]]
+    dtype, dev = DTYPES[cfg["dtype"]], engine.resolve_device(device)
+    pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, cache_dir=out_dir / "backbones")
+    model, data = engine.build_model(pre, method, config, device=dev, dtype=dtype)
+    path = model_path(out_dir, arch, function, method)
+    if not path.exists():
+        raise FileNotFoundError(f"no saved weights for {method} at {path}")
+    saved = torch.load(path, map_location=dev)
+    if saved["config_hash"] != rec["run_info"]["config_hash"]:
+        raise ValueError(f"{path} belongs to another run than {record}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in saved["state"].items():
+            params[name].copy_(value)
+    return model, data, rec
+
+
 def _finished(path: Path, config: dict) -> bool:
     if not path.exists():
         return False
@@ -156,4 +194,7 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
                                   wall_time_s=res.wall_time_s, stacked_members=len(res.members),
                                   trainable_params=res.trainable_params, total_params=res.total_params,
                                   eval_epochs=c.epochs, per_seed=per_seed)
-        results.write_json_atomic(rec, results.record_path(p.out_dir, p.arch, f, method))
+        if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
+            engine.atomic_save({"config_hash": rec["run_info"]["config_hash"], "members": [res.members[i] for i in idx],
+                                "state": trainable_state(res.model, idx)}, model_path(p.out_dir, p.arch, f, method))
+        results.write_json_atomic(rec, results.record_path(p.out_dir, p.arch, f, method))  # the record commits
