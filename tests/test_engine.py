@@ -1,0 +1,131 @@
+"""The stacked engine: a stack equals separate runs, members are isolated, runs are deterministic, and pretraining
+is cached and shared."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qlbench import adapters, engine, experiment, results
+
+F64 = torch.float64
+PRE = engine.Phase(epochs=2, lr=3e-3)
+BUDGET = engine.Budget("test", 3, PRE, engine.Phase(epochs=3, lr=5e-4), eval_every=1)
+
+
+def run(members, method, *, dtype=F64, cache_dir=None, break_member=None):
+    pre = engine.pretrain("deep-narrow", members, PRE, device="cpu", dtype=dtype, cache_dir=cache_dir)
+    spec = adapters.get(method)
+    if break_member is None:
+        return engine.adapt(pre, method, spec.make_config(), BUDGET, device="cpu", dtype=dtype)
+    model, data = engine.build_model(pre, method, spec.make_config(), device="cpu", dtype=dtype)
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.requires_grad)[break_member].fill_(torch.nan)
+    opt = spec.optimizer(model, spec.make_config(), BUDGET.adapt.lr, BUDGET.adapt.weight_decay)
+    order = [engine.generator("order", "adapt", "deep-narrow", f, s) for f, s in members]
+    return engine.fit(model, opt, data, BUDGET.adapt, BUDGET.eval_every, order)
+
+
+MEMBERS = [("dropwave", 0), ("dropwave", 1), ("levy", 0)]  # two seeds and a second function in one stack
+
+
+@pytest.mark.parametrize("method", ["lora", "queryable"])
+def test_stacked_run_equals_separate_runs(method):
+    stacked = run(MEMBERS, method)
+    for e, m in enumerate(MEMBERS):
+        alone = run([m], method)
+        for key in ("train_mse", "test_mse"):
+            torch.testing.assert_close(getattr(stacked.curves, key)[e], getattr(alone.curves, key)[0],
+                                       rtol=1e-10, atol=0)
+    assert stacked.curves.train_mse.shape == (3, BUDGET.adapt.epochs + 1)
+
+
+def test_pretraining_stacked_equals_separate():
+    stacked = engine.pretrain("deep-narrow", MEMBERS, PRE, device="cpu", dtype=F64)
+    for e, m in enumerate(MEMBERS):
+        alone = engine.pretrain("deep-narrow", [m], PRE, device="cpu", dtype=F64)
+        for k, v in alone.state.items():
+            # batched and single matmuls round differently; after 76 AdamW steps (which normalise each
+            # coordinate's step) that leaves ~1e-12 differences in float64, nowhere near a real mix-up (~1e-3)
+            torch.testing.assert_close(stacked.state[k][e], v[0], rtol=1e-8, atol=1e-10)
+        assert stacked.source_test_mse[e] == pytest.approx(alone.source_test_mse[0], rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["lora", "full-soap"])
+def test_a_diverging_member_is_marked_and_the_others_go_on(method):
+    clean = run(MEMBERS, method, break_member=None).curves
+    broken = run(MEMBERS, method, break_member=1)
+    assert broken.diverged_epoch == [None, 0, None]
+    assert torch.isnan(broken.train_mse[1]).all()
+    for e in (0, 2):
+        torch.testing.assert_close(broken.train_mse[e], clean.train_mse[e], rtol=1e-12, atol=0)
+        torch.testing.assert_close(broken.test_mse[e], clean.test_mse[e], rtol=1e-12, atol=0)
+    assert broken.member_summary(1)["best_train_mse"] is None
+
+
+def test_same_seed_same_numbers_float32():
+    a = run(MEMBERS[:2], "queryable", dtype=torch.float32).curves
+    b = run(MEMBERS[:2], "queryable", dtype=torch.float32).curves
+    assert torch.equal(a.train_mse, b.train_mse) and torch.equal(a.test_mse, b.test_mse)
+
+
+def test_training_changes_the_adapter_and_seeds_differ():
+    r = run(MEMBERS[:2], "lora").curves
+    assert not torch.equal(r.train_mse[:, 0], r.train_mse[:, -1])  # it trained
+    assert r.train_mse[0, 0] != r.train_mse[1, 0]  # seeds are different models on different data
+
+
+def test_member_summary_selects_without_peeking():
+    c = engine.Curves([0, 10, 20], torch.tensor([[3.0, 1.0, 2.0]]), torch.tensor([[5.0, 4.0, 0.5]]), [None])
+    s = c.member_summary(0)
+    assert (s["best_train_mse"], s["best_train_epoch"]) == (1.0, 10)
+    assert (s["best_test_mse"], s["best_test_epoch"]) == (0.5, 20)  # the paper's test-selected number
+    assert s["test_at_best_train"] == 4.0  # the honest one
+
+
+def test_pretraining_cache_is_reused_across_stackings(tmp_path):
+    first = engine.pretrain("deep-narrow", MEMBERS[:2], PRE, device="cpu", dtype=F64, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.pt"))) == 2
+    assert not engine.pretrain_needed("deep-narrow", MEMBERS[1:2], PRE, F64, tmp_path)
+    calls = []
+    again = engine.pretrain("deep-narrow", MEMBERS[1:2], PRE, device="cpu", dtype=F64, cache_dir=tmp_path,
+                            progress=calls.append)
+    assert calls == []  # nothing trained
+    for k, v in again.state.items():
+        assert torch.equal(v[0], first.state[k][1])
+    assert engine.pretrain_needed("deep-narrow", MEMBERS, PRE, F64, tmp_path)  # levy is not cached yet
+
+
+def test_paper_budget_is_the_papers_protocol():
+    for arch in ("deep-narrow", "transformer"):
+        b = engine.budget("paper", arch)
+        assert (b.pretrain.epochs, b.pretrain.lr, b.adapt.epochs, b.adapt.lr) == (300, 3e-3, 5000, 5e-4)
+        assert (b.pretrain.batch_size, b.adapt.batch_size, b.seeds) == (64, 64, 5)
+    with pytest.raises(ValueError, match="valid: paper, quick, smoke"):
+        engine.budget("fast", "deep-narrow")
+
+
+def test_experiment_writes_records_resumes_and_reloads(tmp_path):
+    plan = experiment.plan(functions=["matyas"], arch="deep-narrow", methods=["queryable", "mean"], seeds=2,
+                           budget="smoke", device="cpu", dtype="float64", out_dir=tmp_path)
+    paths = experiment.run(plan, progress=False, log=lambda m: None)
+    rec = results.read_record(paths[0])
+    assert rec["train_info"]["status"] == "ok" and rec["run_info"]["seeds"] == [0, 1]
+    assert set(rec) == {"schema", "run_info", "train_info", "meta_info"}
+    assert {"created_at", "qlbench_version", "git", "config", "config_hash", "budget", "device"} <= set(rec["run_info"])
+    seed0 = rec["train_info"]["per_seed"][0]
+    assert len(seed0["test_curve"]) == len(rec["train_info"]["eval_epochs"])
+    assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave no temp files
+    json.loads(paths[0].read_text())  # strict JSON (no NaN)
+    stamp = paths[0].stat().st_mtime_ns
+    logs = []
+    experiment.run(plan, progress=False, log=logs.append)
+    assert paths[0].stat().st_mtime_ns == stamp and "skipped" in logs[0]
+    frame = results.load(tmp_path)
+    assert sorted(frame["method"].unique()) == ["mean", "queryable"] and len(frame) == 4
+    model, data, _ = experiment.load_adapted(paths[0])  # the saved adapter reproduces the recorded test MSE
+    torch.testing.assert_close(engine.evaluate(model, data.x_test, data.y_test),
+                               torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]], dtype=F64),
+                               rtol=1e-9, atol=0)

@@ -1,0 +1,178 @@
+"""Queryable LoRA: the limits and structure methods.md and the paper's Algorithm 2 promise, on the real module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qlbench import adapters
+from qlbench.adapters.queryable import QueryableConfig, RoutingState
+from qlbench.backbones import DeepNarrowMLP, RegressionTransformer, TransformerConfig, build_backbone
+from qlbench.seeding import generator
+from qlbench.stacked import ForwardContext
+
+F64 = torch.float64
+TINY_TF = TransformerConfig(d_model=32, n_layers=4, n_heads=4, d_ff=64)
+
+
+def gens(tag, n=2):
+    return [generator("test", tag, i) for i in range(n)]
+
+
+def backbone(arch: str, members: int = 2) -> torch.nn.Module:
+    if arch == "deep-narrow":
+        return DeepNarrowMLP(gens("bb", members), dtype=F64)
+    return RegressionTransformer(gens("bb", members), TINY_TF, dtype=F64)
+
+
+def adapted(arch: str, method: str = "queryable", members: int = 2, **kw) -> torch.nn.Module:
+    spec = adapters.get(method)
+    if method == "queryable" and arch == "transformer":
+        kw.setdefault("n_blocks", 2)
+    return spec.build(backbone(arch, members), spec.make_config(**kw), gens(method, members), None)
+
+
+def randomize_B(model: torch.nn.Module, tag: str = "B") -> None:
+    """Give every up-projection B non-zero values, so the routed part reaches the output."""
+    g = generator("test", "B", tag)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_B"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=F64) * 0.3)
+
+
+def inputs(members: int = 2, n: int = 16) -> torch.Tensor:
+    return torch.rand(members, n, 2, generator=torch.Generator().manual_seed(0), dtype=F64) * 4 - 2
+
+
+@pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
+def test_equals_frozen_model_at_step_0(arch):
+    x = inputs()
+    frozen = backbone(arch)(x)
+    assert torch.equal(adapted(arch)(x), frozen)
+
+
+@pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
+def test_zero_gate_is_exactly_lora(arch):
+    """g = sigmoid(eta) = 0 removes the routed term: the layer is LoRA with the same A and B."""
+    q = adapted(arch)
+    randomize_B(q)
+    lora = adapted(arch, "lora")
+    with torch.no_grad():
+        qp = dict(q.named_parameters())
+        for name, p in lora.named_parameters():
+            if name.endswith(("lora_A", "lora_B")):
+                p.copy_(qp[name.replace("lora_", "queryable_")])
+        for name, p in qp.items():
+            if name.endswith("queryable_eta"):
+                p.fill_(-torch.inf)
+    x = inputs()
+    assert torch.allclose(q(x), lora(x), rtol=0, atol=1e-12)
+    with torch.no_grad():  # and the gate really matters when open
+        for name, p in q.named_parameters():
+            if name.endswith("queryable_eta"):
+                p.fill_(0.0)
+    assert not torch.allclose(q(x), lora(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
+def test_state_only_routing_ignores_the_instruction(arch):
+    x, e1, e2 = inputs(), torch.randn(2, 6, dtype=F64), torch.randn(2, 6, dtype=F64)
+    state_only = adapted(arch, instruction_dim=6)  # tau_lang = lambda_ctx = 0, channels present
+    randomize_B(state_only)
+    assert torch.equal(state_only(x, e1), state_only(x, e2))
+    for channel in ({"lambda_ctx": 1.0}, {"tau_lang": 1.0}):  # either channel alone makes e(c) matter
+        m = adapted(arch, instruction_dim=6, **channel)
+        randomize_B(m)
+        assert not torch.allclose(m(x, e1), m(x, e2), atol=1e-9), channel
+
+
+def test_instruction_channels_need_an_embedding():
+    m = adapted("deep-narrow", instruction_dim=6, tau_lang=1.0)
+    with pytest.raises(ValueError, match="instruction"):
+        m(inputs())
+    with pytest.raises(ValueError, match="instruction_dim"):
+        QueryableConfig(tau_lang=1.0)
+
+
+def routes(model, x) -> RoutingState:
+    ctx = ForwardContext(model.shared)
+    model(x, ctx=ctx)
+    return ctx.scratch["queryable"]
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_routing_weights_are_a_top_k_distribution_per_sample(k):
+    m = adapted("deep-narrow", top_k=k)
+    state = routes(m, inputs(n=32))
+    assert sorted(state.routes) == [0, 1, 2, 3]  # one route per block
+    for r in state.routes.values():
+        a = r.alpha  # (E, N, M)
+        assert a.shape == (2, 32, 8)
+        assert (a >= 0).all()
+        torch.testing.assert_close(a.sum(-1), torch.ones(2, 32, dtype=F64), rtol=0, atol=1e-12)
+        assert ((a > 0).sum(-1) == k).all()
+        # the chosen atoms are the k largest fused logits
+        top = r.logits.topk(k, dim=-1).indices
+        assert torch.equal(torch.zeros_like(a, dtype=torch.bool).scatter(-1, top, True), a > 0)
+        if k > 1:  # routing is per sample: distinct samples get distinct weights
+            assert torch.unique(a[0].round(decimals=9), dim=0).shape[0] > 1
+        torch.testing.assert_close(r.S, torch.einsum("enm,emij->enij", a, m.shared["queryable"].atoms))
+
+
+def test_blocks_and_depth_summaries_follow_algorithm_2():
+    """32 layers, 4 blocks: block b's summaries are the means of the rank states of the 8 layers of blocks < b,
+    and the first block has no depth summary."""
+    m = adapted("deep-narrow")
+    layers = [m.hidden[i] for i in range(32)]
+    assert [i for i, l in enumerate(layers) if l.entry] == [0, 8, 16, 24]
+    assert [l.block for l in layers] == [i // 8 for i in range(32)]
+    x = inputs()
+    state = routes(m, x)
+    assert [len(state.states[b]) for b in range(4)] == [8, 8, 8, 8]
+    assert state.routes[0].u is None and state.routes[0].beta is None
+    for b in (1, 2, 3):
+        assert state.routes[b].beta.shape == (2, 16, b)
+        sbar = torch.stack([torch.stack(state.states[i]).mean(0) for i in range(b)], 2)  # (E, N, b, r)
+        expect = (state.routes[b].beta.unsqueeze(-1) * sbar).sum(2)
+        torch.testing.assert_close(state.routes[b].u, expect)
+    # the entry state of block 1 is A_8 h_8: recompute it from the layer's own factor
+    h = torch.nn.functional.gelu(m.inp(x))
+    ctx = ForwardContext(m.shared)
+    for i in range(8):
+        h = torch.nn.functional.gelu(m.hidden[i](h, ctx))
+    s_entry = h @ m.hidden[8].queryable_A.transpose(1, 2)
+    torch.testing.assert_close(state.states[1][0], s_entry)
+
+
+def test_transformer_routes_once_per_block_per_sequence():
+    m = adapted("transformer", n_blocks=2)  # 4 layers -> 2 blocks of 2 layers
+    state = routes(m, inputs(n=5))
+    assert sorted(state.routes) == [0, 1]
+    for r in state.routes.values():
+        assert r.alpha.shape == (2, 5, 8) and r.S.shape == (2, 5, 8, 8)  # per sequence, not per token
+    assert [len(state.states[b]) for b in (0, 1)] == [2, 2]  # one Q/K/V state per layer (O does not feed it)
+    gates = [n for n, _ in m.named_parameters() if n.endswith("queryable_eta")]
+    assert len(gates) == 4 * 4  # one gate per projection q, k, v, o in each layer
+
+
+@pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
+def test_trainable_parameters_within_ten_percent_of_lora(arch):
+    q = adapters.get("queryable").build(build_backbone(arch, [0]), QueryableConfig(), [generator("q")], None)
+    lora = adapters.get("lora").build(build_backbone(arch, [0]), adapters.get("lora").make_config(), [generator("l")], None)
+    ratio = adapters.trainable_parameter_count(q) / adapters.trainable_parameter_count(lora)
+    assert 1.0 < ratio <= 1.10
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(top_k=9), "top_k"), (dict(top_k=0), "top_k"), (dict(n_atoms=0), "n_atoms"), (dict(t_attn=0.0), "t_attn"),
+    (dict(tau_lang=-1.0, instruction_dim=4), "tau_lang"), (dict(r=0), "r must"),
+])
+def test_config_rejects_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        QueryableConfig(**bad)
+
+
+def test_more_blocks_than_layers_is_rejected():
+    with pytest.raises(ValueError, match="n_blocks"):
+        adapted("transformer", n_blocks=5)
