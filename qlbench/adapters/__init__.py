@@ -8,16 +8,17 @@
 
 from __future__ import annotations
 
-from qlbench.adapters import full, lora, queryable, reference
+from qlbench.adapters import dora, doran, full, hyra, lora, queryable, reference, replora
 from qlbench.adapters.base import AdapterMethod, Method, NoConfig, inject, total_parameter_count, trainable_parameter_count
 
 REGISTRY: dict[str, Method] = {
     m.name: m
-    for m in (full.FULL_SOAP, full.FULL_ADAMW, lora.METHOD, queryable.METHOD, reference.FROZEN, reference.MEAN)
+    for m in (full.FULL_SOAP, full.FULL_ADAMW, lora.METHOD, dora.METHOD, replora.METHOD, hyra.METHOD, doran.METHOD,
+              queryable.METHOD, reference.FROZEN, reference.MEAN)
 }
 
 # `qlbench run` default: the paper's comparison plus the honest reference rows.
-DEFAULT_METHODS = ("full-soap", "lora", "queryable", "frozen", "mean")
+DEFAULT_METHODS = ("full-soap", "lora", "dora", "hyra", "replora", "doran", "queryable", "frozen", "mean")
 
 
 def names() -> list[str]:

@@ -1,0 +1,103 @@
+"""RepLoRA (Truong et al., ICML 2025, arXiv 2502.03044): LoRA factors produced by shared generator MLPs.
+
+qlbench interpretation (methods.md; the public record is thin):
+
+    A = G_A(A~) row-wise,  B = G_B(B~) column-wise,  G(u) = u + W2 gelu(W1 u)  (no biases, hidden h = 64)
+    y = W0 x + b0 + s B (A x)
+
+- every adapted layer keeps latent factors A~ (r, d_in) and B~ (d_out, r), initialised as LoRA's A and B (so B~ = 0);
+- one generator pair (G_A over d_in, G_B over d_out) per (role, shape) is shared by all layers of that key (the
+  deep-narrow MLP has one pair; the Transformer one per projection q, k, v, o (fc1, fc2)), which couples the layers;
+- W1 is Kaiming-uniform as PyTorch's default (a = sqrt(5): U(+-1/sqrt(d))), W2 ~ N(0, 0.02^2). G(0) = 0, so B = 0
+  and the model equals the frozen one at step 0;
+- `RepLoraLinear.factors` materialises (A, B), after which inference is plain LoRA.
+
+Trainable: L r (d_in + d_out) + sum over (role, shape) keys of 2 h (d_in + d_out).
+DoRAN (doran.py) reuses `RepLoraGenerators` as its auxiliary networks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qlbench.adapters.base import AdapterMethod, Site
+from qlbench.adapters.lora import LoraConfig, lora_factors, low_rank_update
+from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, rank_project, uniform_members
+
+W2_STD = 0.02  # small, so the generators start close to the identity
+
+
+@dataclass
+class RepLoraConfig(LoraConfig):
+    gen_hidden: int = 64  # hidden width h of the generator MLPs
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.gen_hidden, int) and self.gen_hidden >= 1):
+            raise ValueError(f"gen_hidden must be an integer >= 1, got {self.gen_hidden!r}")
+
+
+def role_shape_key(site: Site, base: StackedLinear) -> str:
+    """The (role, shape) a shared generator serves, e.g. "q_256x256" (d_out x d_in)."""
+    return f"{site.target.role}_{base.d_out}x{base.d_in}"
+
+
+class FactorGenerator(nn.Module):
+    """G(u) = u + W2 gelu(W1 u) on the last dimension: u (E, n, d) -> (E, n, d); W1 (E, h, d), W2 (E, d, h)."""
+
+    def __init__(self, d: int, hidden: int, generators: list[torch.Generator], like: torch.Tensor):
+        super().__init__()
+        self.W1 = param(uniform_members((hidden, d), 1.0 / math.sqrt(d), generators), like=like)
+        self.W2 = param(normal_members((d, hidden), W2_STD, generators), like=like)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return u + F.gelu(u @ self.W1.transpose(1, 2)) @ self.W2.transpose(1, 2)  # (E, n, d)
+
+
+class RepLoraGenerators(nn.ModuleDict):
+    """The shared module: one {"A": G_A, "B": G_B} pair per (role, shape) key, built in forward order."""
+
+    def __init__(self, model: nn.Module, sites: list[Site], config: RepLoraConfig,
+                 generators: list[torch.Generator], like: torch.Tensor):
+        super().__init__()
+        for site in sites:
+            base = model.get_submodule(site.target.path)
+            key = role_shape_key(site, base)
+            if key not in self:
+                self[key] = nn.ModuleDict({"A": FactorGenerator(base.d_in, config.gen_hidden, generators, like),
+                                           "B": FactorGenerator(base.d_out, config.gen_hidden, generators, like)})
+
+    def factors(self, key: str, A_latent: torch.Tensor, B_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A = G_A(A~) over the rows of A~ (E, r, d_in); B = G_B(B~) over the columns of B~ (E, d_out, r)."""
+        pair = self[key]
+        A = pair["A"](A_latent)  # (E, r, d_in)
+        B = pair["B"](B_latent.transpose(1, 2)).transpose(1, 2)  # (E, d_out, r)
+        return A, B
+
+
+class RepLoraLinear(nn.Module):
+    """A frozen StackedLinear plus s B A, with (A, B) generated from this layer's latents by the shared pair."""
+
+    def __init__(self, base: StackedLinear, site: Site, config: RepLoraConfig, generators: list[torch.Generator]):
+        super().__init__()
+        self.base, self.scale = base, config.scale
+        self.key = role_shape_key(site, base)
+        self.replora_latent_A, self.replora_latent_B = lora_factors(base, config.r, generators)  # A~, B~
+
+    def factors(self, shared: nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The materialised LoRA factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`."""
+        return shared["replora"].factors(self.key, self.replora_latent_A, self.replora_latent_B)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        A, B = self.factors(ctx.shared)
+        s = rank_project(x, A)  # (E, ..., r)
+        return low_rank_update(self.base(x), s, B, self.scale)  # (E, ..., d_out)
+
+
+METHOD = AdapterMethod("replora", "RepLoRA: LoRA factors generated by MLPs shared across layers of a (role, shape)",
+                       RepLoraConfig, RepLoraLinear, prefix="replora", shared_cls=RepLoraGenerators)
