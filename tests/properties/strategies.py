@@ -1,0 +1,130 @@
+"""Hypothesis strategies for the router's inputs, all float64 (paper Section 3; routing.route's arguments).
+
+Raw arrays are drawn element by element (so hypothesis shrinks them towards zeros, ties and tiny vectors: the cases
+where RMSNorm's eps and top-k ties matter). One member (E = 1) keeps examples small; the member dimension is
+exercised by the real-model strategies in models.py (E = 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from qlbench.adapters.routing import Route, route
+
+EPS = torch.finfo(torch.float64).eps
+
+
+def tol(*scales: float | torch.Tensor, ops: int = 64) -> float:
+    """A float64 rounding allowance: ops * eps * (1 + the largest magnitude involved)."""
+    ts = [torch.as_tensor(s).detach() for s in scales]
+    m = max([float(t.abs().max()) for t in ts if t.numel()] + [0.0])
+    return ops * EPS * (1.0 + m)
+
+
+def elements(bound: float = 3.0):
+    return st.floats(-bound, bound, allow_nan=False, allow_infinity=False, allow_subnormal=False, width=64)
+
+
+def tensors(*shape: int, bound: float = 3.0):
+    """float64 torch tensors of the given shape with entries in [-bound, bound]."""
+    return arrays(np.float64, shape, elements=elements(bound)).map(torch.from_numpy)
+
+
+# Scalars of the router (strictly positive temperatures; strengths >= 0). A separate scale multiplies the states and
+# keys so hypothesis also visits vectors far below RMSNorm's eps and large ones.
+temperatures = st.floats(0.1, 10.0)
+tau_langs = st.floats(0.0, 5.0)
+positive_tau_langs = st.floats(0.05, 5.0)
+lambda_ctxs = st.floats(0.0, 3.0)
+positive_lambda_ctxs = st.floats(0.05, 3.0)
+rms_eps_values = st.sampled_from([1e-6, 1e-3, 1e-1])  # the code's default first
+scales = st.sampled_from([1.0, 1e-3, 20.0])
+ranks = st.integers(1, 4)
+key_dims = st.integers(1, 8)
+instruction_dims = st.integers(1, 5)
+
+
+@dataclass
+class RouterCase:
+    """One block's routing inputs (routing.route's arguments) for E = 1 member."""
+
+    s_entry: torch.Tensor  # (E, N, r)
+    summaries: torch.Tensor | None  # (E, N, b-1, r)
+    w: torch.Tensor  # (E, d_k)
+    Q_cur: torch.Tensor  # (E, d_k, r)
+    Q_dep: torch.Tensor  # (E, d_k, r)
+    Q_dep_q: torch.Tensor  # (E, d_k, d_k)
+    Q_dep_k: torch.Tensor  # (E, d_k, r)
+    keys: torch.Tensor  # (E, M, d_k)
+    atoms: torch.Tensor  # (E, M, r, r)
+    instruction: torch.Tensor  # (E, d_c)
+    Q_ctx: torch.Tensor  # (E, d_k, d_c)
+    R_ctx: torch.Tensor  # (E, d_k, d_c)
+    top_k: int
+    t_attn: float
+    t_dep: float
+    t_lang: float
+    tau_lang: float
+    lambda_ctx: float
+    eps: float
+
+    @property
+    def M(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def n_done(self) -> int:
+        """Completed blocks b - 1 (the code's block index)."""
+        return 0 if self.summaries is None else self.summaries.shape[2]
+
+    def kwargs(self) -> dict:
+        return dict(w=self.w, Q_cur=self.Q_cur, Q_dep=self.Q_dep, Q_dep_q=self.Q_dep_q, Q_dep_k=self.Q_dep_k,
+                    keys=self.keys, atoms=self.atoms, top_k=self.top_k, t_attn=self.t_attn, t_dep=self.t_dep,
+                    t_lang=self.t_lang, tau_lang=self.tau_lang, lambda_ctx=self.lambda_ctx,
+                    instruction=self.instruction, Q_ctx=self.Q_ctx, R_ctx=self.R_ctx, eps=self.eps)
+
+    def route(self, **changes) -> Route:
+        """qlbench's router (routing.route) on this case, with any field replaced."""
+        c = replace(self, **changes) if changes else self
+        return route(c.s_entry, c.summaries, **c.kwargs())
+
+
+@st.composite
+def router_cases(draw, *, min_done: int = 0, max_done: int = 3, tau=tau_langs, lam=lambda_ctxs,
+                 min_atoms: int = 1, max_atoms: int = 6, min_key_dim: int = 1, max_samples: int = 3) -> RouterCase:
+    E = 1
+    N = draw(st.integers(1, max_samples))
+    r, d_k, d_c = draw(ranks), draw(st.integers(min_key_dim, 8)), draw(instruction_dims)
+    M = draw(st.integers(min_atoms, max_atoms))
+    k = draw(st.integers(1, M))
+    P = draw(st.integers(min_done, max_done))
+    state_scale, key_scale = draw(scales), draw(scales)
+    s_entry = draw(tensors(E, N, r)) * state_scale
+    summaries = draw(tensors(E, N, P, r)) * state_scale if P else None
+    return RouterCase(
+        s_entry=s_entry, summaries=summaries, w=draw(tensors(E, d_k)), Q_cur=draw(tensors(E, d_k, r)),
+        Q_dep=draw(tensors(E, d_k, r)), Q_dep_q=draw(tensors(E, d_k, d_k)), Q_dep_k=draw(tensors(E, d_k, r)),
+        keys=draw(tensors(E, M, d_k)) * key_scale, atoms=draw(tensors(E, M, r, r)),
+        instruction=draw(tensors(E, d_c)), Q_ctx=draw(tensors(E, d_k, d_c)), R_ctx=draw(tensors(E, d_k, d_c)),
+        top_k=k, t_attn=draw(temperatures), t_dep=draw(temperatures), t_lang=draw(temperatures),
+        tau_lang=draw(tau), lambda_ctx=draw(lam), eps=draw(rms_eps_values))
+
+
+def instruction_pairs(case: RouterCase):
+    """A second instruction e' for `case`: a perturbation of e that is either tiny (the local Lipschitz constant) or
+    of the order of e itself."""
+    d_c = case.instruction.shape[1]
+    return st.tuples(tensors(1, d_c), st.sampled_from([1e-6, 1e-2, 1.0])).map(
+        lambda t: case.instruction + t[0] * t[1])
+
+
+@st.composite
+def vectors(draw, *, max_dim: int = 8, max_count: int = 4):
+    """(n, d) float64 vectors at a drawn scale (RMSNorm / Jacobian lemmas)."""
+    d, n = draw(st.integers(1, max_dim)), draw(st.integers(1, max_count))
+    return draw(tensors(n, d)) * draw(st.sampled_from([1.0, 1e-4, 1e-2, 30.0]))
