@@ -64,23 +64,18 @@ class HyperNetwork(nn.Module):
         W_out_A = uniform_members((c.r * d_in, c.hyper_hidden), 1.0 / math.sqrt(d_in), generators)
         # A_l = W_out_A z_l has entry variance Var(W_out_A) ||z_l||^2; dividing by the RMS of ||z_l|| over the
         # layers gives LoRA's 1 / (3 d_in) on average (member by member: no op mixes members).
-        z = F.gelu(self.with_head(layer_emb, torch.zeros_like(layer_emb)) @ W_in.transpose(1, 2))  # (E, L, hidden)
+        z = F.gelu(layer_emb @ W_in[:, :, :c.d_e].transpose(1, 2))  # gelu(W_in [e_l; 0]) (E, L, hidden)
         W_out_A = W_out_A / z.pow(2).sum(-1).mean(-1).sqrt().view(E, 1, 1)
         self.layer_emb, self.head_emb = param(layer_emb, like=like), param(head_emb, like=like)
         self.W_in, self.W_out_A = param(W_in, like=like), param(W_out_A, like=like)
         self.W_out_B = param(torch.zeros(E, d_out // heads * c.r, c.hyper_hidden, dtype=torch.float64), like=like)
-
-    @staticmethod
-    def with_head(layer: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        """The hypernetwork input [e_l; h_j]: (E, n, d_e) twice -> (E, n, 2 d_e)."""
-        return torch.cat([layer, head], dim=-1)
 
     def factors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s A (E, r, d_in) from H([e_l; 0]) and B (E, d_out, r), block j from H([e_l; h_j])."""
         E, H = self.head_emb.shape[:2]
         e = self.layer_emb[:, layer:layer + 1].expand(E, H + 1, -1)  # (E, 1 + H, d_e)
         h = torch.cat([torch.zeros_like(self.head_emb[:, :1]), self.head_emb], dim=1)  # (E, 1 + H, d_e), row 0 = 0
-        z = F.gelu(self.with_head(e, h) @ self.W_in.transpose(1, 2))  # (E, 1 + H, hidden)
+        z = F.gelu(torch.cat([e, h], dim=-1) @ self.W_in.transpose(1, 2))  # H's hidden layer (E, 1 + H, hidden)
         A = (z[:, :1] @ self.W_out_A.transpose(1, 2)).view(E, self.r, self.d_in)
         B = (z[:, 1:] @ self.W_out_B.transpose(1, 2)).view(E, self.d_out, self.r)  # head blocks stacked row-wise
         return A, B
