@@ -1,4 +1,4 @@
-"""`qlbench` command line: functions | run.
+"""`qlbench` command line: functions | run | verify.
 
 Bad input (unknown function, arch, method, budget, device, hyper-parameter, or a value out of range) prints one
 line naming the problem and the valid choices, and exits with code 2; no traceback.
@@ -77,7 +77,7 @@ def cmd_run(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qlbench import adapters, engine, zoo
+    from qlbench import adapters, engine, verify, zoo
     from qlbench.backbones import ARCHS
 
     parser = Parser(prog="qlbench", description=__doc__.splitlines()[0])
@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "that has the field)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_run)
+
+    verify.add_parser(sub)
     return parser
 
 
