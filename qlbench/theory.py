@@ -327,12 +327,27 @@ class Bound:
                     status=status, note=note)
 
 
+# Report order: the paper's order of statements, and within one statement the order of its proof.
+STATEMENTS = ("prop:app_convex_hull_bound", "cor:app_update_norm_bound", "prop:app_depth_summary_bounded",
+              "cor:app_query_norm_bound", "lem:app_rmsnorm_jacobian", "lem:app_softmax_jacobian",
+              "prop:app_summary_lipschitz", "prop:app_router_operator_lipschitz",
+              "thm:app_attention_projection_norm_stability")
+_QUANTITY_ORDER = ("||u(", "||beta(", "||q(", "|zeta", "|rho", "||alpha", "||S_b(e)", "||Delta W^l(e)")
+
+
+def _rank(b: Bound) -> tuple[int, int]:
+    label = STATEMENTS.index(b.label) if b.label in STATEMENTS else len(STATEMENTS)
+    q = next((i for i, key in enumerate(_QUANTITY_ORDER) if b.quantity.startswith(key)), -1)
+    return label, q
+
+
 def _merge(bounds: list[Bound]) -> list[Bound]:
+    """Pool the items of equal statements (label and quantity), in report order."""
     out: dict[tuple[str, str], Bound] = {}
     for b in bounds:
         key = (b.label, b.quantity)
         out[key] = out[key].extend(b) if key in out else b
-    return list(out.values())
+    return sorted(out.values(), key=_rank)
 
 
 # ---------------------------------------------------------------------------------------------------------------
