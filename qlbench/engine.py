@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from qlbench import adapters, zoo
+from qlbench.adapters.base import adamw
 from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
 
@@ -130,6 +131,22 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=Non
     return sq.mean(dim=1)
 
 
+def make_step(model: nn.Module, optimizer, instruction: torch.Tensor | None = None) -> Callable:
+    """The training step every method and the benchmarks run: step(xb (E, b, 2), yb (E, b)) -> loss (E,).
+
+    Each member's loss is its own batch mean and the stack minimises their sum, so member e's gradient is the one
+    it would get alone.
+    """
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        loss = (model(xb, instruction) - yb).pow(2).mean(dim=1)  # (E,)
+        loss.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def fit(model: nn.Module, optimizer, data: StackedData, phase: Phase, eval_every: int,
         order: list[torch.Generator], *, instruction: torch.Tensor | None = None,
         progress: Callable[[int], None] | None = None) -> Curves:
@@ -160,18 +177,14 @@ def fit(model: nn.Module, optimizer, data: StackedData, phase: Phase, eval_every
         train_hist.append(torch.where(dead, torch.nan, tr))
         test_hist.append(torch.where(dead, torch.nan, te))
 
+    step = make_step(model, optimizer, instruction)
     model.train()
     record(0)
     for epoch in range(1, phase.epochs + 1):
         perm = torch.stack([torch.randperm(N, generator=g) for g in order]).to(device)  # (E, N)
         xs, ys = data.x_train[rows, perm], data.y_train[rows, perm]  # this epoch's order, (E, N, 2), (E, N)
         for i in range(0, N, phase.batch_size):
-            xb, yb = xs[:, i:i + phase.batch_size], ys[:, i:i + phase.batch_size]  # (E, b, 2), (E, b)
-            loss = (model(xb, instruction) - yb).pow(2).mean(dim=1)  # (E,) each member's own batch MSE
-            loss.sum().backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            running += loss.detach()
+            running += step(xs[:, i:i + phase.batch_size], ys[:, i:i + phase.batch_size])  # (E, b, 2), (E, b)
         if progress is not None:
             progress(n_batches)
         if epoch % eval_every == 0 or epoch == phase.epochs:
@@ -250,7 +263,7 @@ def pretrain(arch: str, members: list[Member], phase: Phase, *, device, dtype=to
         sub = [members[i] for i in todo]
         model = build_backbone(arch, sub, device=device, dtype=dtype)
         data = StackedData.build(sub, "source", device=device, dtype=dtype)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=phase.lr, weight_decay=phase.weight_decay, foreach=True)
+        optimizer = adamw(model.parameters(), phase.lr, phase.weight_decay)
         order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
         curves = fit(model, optimizer, data, phase, eval_every=phase.epochs, order=order, progress=progress)
         state = model.state_dict()

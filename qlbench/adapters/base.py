@@ -30,6 +30,13 @@ class Site:
     n_layers: int  # number of backbone layers (the units routing blocks are made of)
 
 
+def adamw(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW as pretraining and every element-wise method use it: fused (one kernel over all tensors; about 4x
+    faster than foreach for the deep-narrow stack on a 2-core CPU) and exact on stacked leaves, since it acts
+    element by element."""
+    return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, fused=True)
+
+
 class Method:
     """One comparison row. Subclasses set `name`, `summary` and `config_cls` and implement `build`."""
 
@@ -47,8 +54,7 @@ class Method:
 
     def optimizer(self, model: nn.Module, config, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """AdamW over the trainable parameters: element-wise, so exact on stacked leaves."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        return adamw((p for p in model.parameters() if p.requires_grad), lr, weight_decay)
 
     def make_config(self, **overrides) -> object:
         """The method's config with `overrides` applied to the fields it has (others are ignored)."""
