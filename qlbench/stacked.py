@@ -26,7 +26,7 @@ def normal_members(shape: tuple[int, ...], std: float, generators: list[torch.Ge
 def param(values: torch.Tensor, like: torch.Tensor | None = None, *, device=None, dtype=None) -> nn.Parameter:
     """A trainable parameter from float64 CPU `values`, moved to `like`'s (or the given) device and dtype."""
     device = like.device if like is not None else device
-    dtype = like.dtype if like is not None else dtype
+    dtype = like.dtype if like is not None else (dtype or torch.get_default_dtype())
     return nn.Parameter(values.to(device=device, dtype=dtype))
 
 

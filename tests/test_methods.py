@@ -36,15 +36,6 @@ FULL = {"deep-narrow": (DeepNarrowMLP, DeepNarrowConfig()), "transformer": (Regr
 STEPS = engine.Phase(epochs=2, lr=1e-2, batch_size=8)  # 16 training samples: 2 steps per epoch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: intra-op threads only add synchronisation (10x slower wall time on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def gens(tag: str, members) -> list[torch.Generator]:
     return [generator("test-methods", tag, e) for e in members]
 
