@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from qlbench import adapters
 from qlbench.adapters import queryable
 from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP, RegressionTransformer, TransformerConfig
+from strategies import reals
 
 
 @dataclass(frozen=True)
@@ -108,11 +109,11 @@ def model_cases(draw, arch: str = "deep-narrow", *, instruction: bool | None = N
         arch=arch, seed=draw(st.integers(0, 2 ** 16)), n_layers=n_layers, n_blocks=n_blocks, r=draw(st.integers(1, 4)),
         n_atoms=M, top_k=draw(st.integers(1, M)), d_k=draw(st.integers(1, 6)),
         instruction_dim=draw(st.integers(1, 4)) if use else None,
-        lambda_ctx=draw(st.floats(0.05, 2.0)) if use else 0.0, tau_lang=draw(st.floats(0.05, 3.0)) if use else 0.0,
-        t_attn=draw(st.floats(0.2, 5.0)), t_dep=draw(st.floats(0.2, 5.0)), t_lang=draw(st.floats(0.2, 5.0)),
+        lambda_ctx=draw(reals(0.05, 2.0)) if use else 0.0, tau_lang=draw(reals(0.05, 3.0)) if use else 0.0,
+        t_attn=draw(reals(0.2, 5.0)), t_dep=draw(reals(0.2, 5.0)), t_lang=draw(reals(0.2, 5.0)),
         rms_eps=draw(st.sampled_from([1e-6, 1e-3])), scale_A=draw(st.sampled_from([1.0, 3.0])),
         scale_B=draw(st.sampled_from([0.3, 1.0, 3.0])), scale_atoms=draw(st.sampled_from([0.02, 0.5, 2.0])),
-        eta_mean=draw(st.floats(-3.0, 3.0)), n_samples=draw(st.integers(1, 4)))
+        eta_mean=draw(reals(-3.0, 3.0)), n_samples=draw(st.integers(1, 4)))
 
 
 @contextmanager
