@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import assume, example, given, settings, target
 from hypothesis import strategies as st
 
 from models import ModelCase, model_cases
 from qlbench import theory
-from strategies import instruction_pairs, positive_lambda_ctxs, reals, router_cases, tol
+from strategies import instruction_pairs, positive_lambda_ctxs, ratio, reals, router_cases, tol
 
 MODEL_EXAMPLES = max(5, settings().max_examples // 2)
 
@@ -59,6 +59,8 @@ def test_summary_and_query_lipschitz_router(case, data):
     L_u = theory.summary_lipschitz(b1, R_s, Qdq, case.lambda_ctx, Qctx, case.t_dep, rho)
     L_beta = theory.depth_weight_lipschitz(b1, Qdq, case.lambda_ctx, Qctx, case.t_dep, rho)
     L_q = theory.query_lipschitz(b1, R_s, Qdep, Qdq, case.lambda_ctx, Qctx, case.t_dep, rho)
+    target(ratio(theory.vnorm(R1.u - R2.u), L_u * de), label="||du|| / (L_u ||de||)")
+    target(ratio(theory.vnorm(R1.q - R2.q), L_q * de), label="||dq|| / (L_q ||de||)")
     assert _le(theory.vnorm(R1.u - R2.u), L_u * de, R1.u, R2.u)
     assert _le(theory.vnorm(R1.beta - R2.beta), L_beta * de, 1.0)
     assert _le(theory.vnorm(R1.q - R2.q), L_q * de, R1.q, R2.q)
@@ -89,6 +91,7 @@ def test_router_and_operator_lipschitz_router(case, data):
     L_q = theory.query_lipschitz(case.n_done, R_s, Qdep, Qdq, case.lambda_ctx, Qctx, case.t_dep, rho)
     L_a = theory.router_lipschitz(k, rho, L_q, case.t_attn, case.tau_lang, Rctx, case.t_lang)
     R_C = theory.opnorm(case.atoms).max(-1).values[:, None]
+    target(ratio(theory.vnorm(R1.alpha - R2.alpha), L_a * de), label="||dalpha|| / (L_alpha ||de||)")
     assert _le((R1.zeta - R2.zeta).abs().amax(-1), L_q / (case.t_attn * rho) * de, R1.zeta, R2.zeta)
     if case.tau_lang:
         assert _le((R1.rho - R2.rho).abs().amax(-1), Rctx / (case.t_lang * rho) * de, R1.rho, R2.rho)

@@ -9,11 +9,11 @@ forward (theory.trace) and compute only the right-hand sides.
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given, settings, target
 
 from models import model_cases
 from qlbench import theory
-from strategies import router_cases, tol
+from strategies import ratio, router_cases, tol
 
 MODEL_EXAMPLES = max(5, settings().max_examples // 2)
 
@@ -43,6 +43,7 @@ def test_convex_hull_router(case):
     S = theory.opnorm(R.S)
     mid = (R.alpha * C[:, None]).sum(-1)
     t = tol(C, ops=256)
+    target(ratio(S, C.max(-1).values[:, None]), label="||S|| / R_C")
     assert (S <= mid + t).all()
     assert (mid <= C.max(-1).values[:, None] + t).all()
 
@@ -127,6 +128,7 @@ def test_depth_summary_bounded_router(case):
     torch.testing.assert_close(R.u, torch.einsum("enp,enpr->enr", R.beta, case.summaries), rtol=0,
                                atol=tol(case.summaries, ops=64))
     R_s = theory.vnorm(case.summaries).max(-1).values
+    target(ratio(theory.vnorm(R.u), R_s), label="||u|| / R_s")
     assert (theory.vnorm(R.u) <= R_s + tol(R_s, ops=64)).all()
 
 
@@ -167,6 +169,7 @@ def test_query_norm_bound_router(case):
     rhs = theory.query_norm_bound(theory.vnorm(case.w)[:, None], theory.opnorm(case.Q_cur)[:, None], R_s,
                                   case.lambda_ctx, theory.opnorm(case.Q_ctx)[:, None],
                                   theory.vnorm(case.instruction)[:, None], theory.opnorm(case.Q_dep)[:, None])
+    target(ratio(theory.vnorm(R.q), rhs), label="||q|| / bound")
     assert (theory.vnorm(R.q) <= rhs + tol(rhs, ops=256)).all()
 
 
