@@ -323,3 +323,26 @@ def test_configs_reject_bad_values(name, field, value, match):
     with pytest.raises(ValueError, match=match):
         adapters.get(name).make_config(**{field: value})
 
+
+
+@pytest.mark.parametrize("d_in, d_out", [(32, 32), (256, 256)])  # a merged and an unmerged shape
+def test_lora_merged_and_unmerged_forms_agree(d_in, d_out):
+    """lora_linear picks the merged weight W0 + s B A for narrow layers; both forms give the same outputs and
+    gradients."""
+    from qlbench.adapters.lora import lora_linear, low_rank_update, merges
+    from qlbench.stacked import StackedLinear, stacked_linear
+
+    base = StackedLinear(d_in, d_out, gens("merge", range(2)), dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(2, 8, d_in, generator=g, dtype=torch.float64, requires_grad=True)
+    B = torch.randn(2, d_out, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 5, 3, d_in, generator=g, dtype=torch.float64)
+    merged = stacked_linear(x, base.weight + 2.0 * B @ A, base.bias)
+    unmerged = low_rank_update(base(x), stacked_linear(x, A), B, 2.0)
+    chosen = lora_linear(x, base, A, B, 2.0)
+    assert merges(d_in, d_out, 8) == (d_in == 32)
+    for other in (merged, unmerged):
+        torch.testing.assert_close(chosen, other, rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad(chosen.square().sum(), (A, B))
+        for a, b in zip(grads, torch.autograd.grad(other.square().sum(), (A, B))):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

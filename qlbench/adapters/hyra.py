@@ -30,9 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qlbench.adapters.base import AdapterMethod, Site
-from qlbench.adapters.lora import LoraConfig, low_rank_update
+from qlbench.adapters.lora import LoraConfig, lora_linear
 from qlbench.adapters.replora import role_shape_key
-from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, rank_project, uniform_members
+from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, uniform_members
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
 MLP_HEADS = 4  # heads an MLP layer is split into
@@ -113,8 +113,7 @@ class HyraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         A, B = self.factors(ctx.shared)
-        s = rank_project(x, A)  # (E, ..., r)
-        return low_rank_update(self.base(x), s, B, self.scale)  # (E, ..., d_out)
+        return lora_linear(x, self.base, A, B, self.scale)  # (E, ..., d_out)
 
 
 METHOD = AdapterMethod("hyra", "HyRA: one hypernetwork per (role, shape) generates every layer's factors, "
