@@ -343,6 +343,6 @@ def test_lora_merged_and_unmerged_forms_agree(d_in, d_out):
     assert merges(d_in, d_out, 8) == (d_in == 32)
     for other in (merged, unmerged):
         torch.testing.assert_close(chosen, other, rtol=1e-12, atol=1e-12)
-        grads = torch.autograd.grad(chosen.square().sum(), (A, B))
+        grads = torch.autograd.grad(chosen.square().sum(), (A, B), retain_graph=True)
         for a, b in zip(grads, torch.autograd.grad(other.square().sum(), (A, B))):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
