@@ -137,6 +137,19 @@ def summary_lipschitz(n_done, R_s, Q_dep_q_norm, lambda_ctx, Q_ctx_norm, t_dep, 
     return n_done * R_s * Q_dep_q_norm * lambda_ctx * Q_ctx_norm / (2 * t_dep * rho_min)
 
 
+def depth_logit_lipschitz(Q_dep_q_norm, lambda_ctx, Q_ctx_norm, t_dep, rho_min):
+    """Proof step of prop:app_summary_lipschitz: every depth logit moves by at most
+    |xi_i(e) - xi_i(e')| <= ||Q_dep,q|| lambda_ctx ||Q_ctx|| / (T_dep rho_min) ||e - e'||."""
+    return Q_dep_q_norm * lambda_ctx * Q_ctx_norm / (t_dep * rho_min)
+
+
+def depth_logit_spread(beta1: torch.Tensor, beta2: torch.Tensor) -> torch.Tensor:
+    """max_{i,j} |(xi_i - xi_j)(e) - (xi_i - xi_j)(e')| from the depth weights alone (xi = log beta + const):
+    at most twice the per-logit bound above."""
+    d = beta1.log() - beta2.log()
+    return d.amax(-1) - d.amin(-1)
+
+
 def depth_weight_lipschitz(n_done, Q_dep_q_norm, lambda_ctx, Q_ctx_norm, t_dep, rho_min):
     """eq:app_depth_weight_bound with eq:app_depth_logit_vector_bound:
     ||beta(e) - beta(e')|| <= (1/2) sqrt(b-1) ||Q_dep,q|| lambda_ctx ||Q_ctx|| / (T_dep rho_min) ||e - e'||."""
@@ -169,7 +182,9 @@ class LayerCall:
 
     @property
     def role(self) -> str:
-        return self.name.rsplit(".", 1)[-1] if not self.name.rsplit(".", 1)[-1].isdigit() else "hidden"
+        """The projection of a Transformer layer (q, k, v, o, ... from layers.3.q), or hidden for an MLP layer."""
+        last = self.name.rsplit(".", 1)[-1]
+        return "hidden" if last.isdigit() else last
 
 
 @dataclass
@@ -332,7 +347,7 @@ STATEMENTS = ("prop:app_convex_hull_bound", "cor:app_update_norm_bound", "prop:a
               "cor:app_query_norm_bound", "lem:app_rmsnorm_jacobian", "lem:app_softmax_jacobian",
               "prop:app_summary_lipschitz", "prop:app_router_operator_lipschitz",
               "thm:app_attention_projection_norm_stability")
-_QUANTITY_ORDER = ("||u(", "||beta(", "||q(", "|zeta", "|rho", "||alpha", "||S_b(e)", "||Delta W^l(e)")
+_QUANTITY_ORDER = ("||u(", "|xi_i", "||beta(", "||q(", "|zeta", "|rho", "||alpha", "||S_b(e)", "||Delta W^l(e)")
 
 
 def _rank(b: Bound) -> tuple[int, int]:
@@ -559,6 +574,11 @@ def lipschitz(t: Trace, e2: torch.Tensor) -> list[Bound]:
             L_u = summary_lipschitz(n_done, R_s, Q_dep_q, lam, Q_ctx, c.t_dep, rho11)
             B.append(Bound("prop:app_summary_lipschitz", "||u(e) - u(e')|| <= L_u ||e - e'||",
                            vnorm(r1.u - r2.u), L_u * de, vnorm(r1.u) + vnorm(r2.u)))
+            L_xi = depth_logit_lipschitz(Q_dep_q, lam, Q_ctx, c.t_dep, rho11)
+            B.append(Bound("prop:app_summary_lipschitz",
+                           "|xi_i - xi_j|(e) - (e') <= 2 L_xi ||e - e'|| (proof step, xi = log beta + const)",
+                           depth_logit_spread(r1.beta, r2.beta), 2 * L_xi * de,
+                           (r1.beta.log().abs() + r2.beta.log().abs()).amax(-1)))
             L_beta = depth_weight_lipschitz(n_done, Q_dep_q, lam, Q_ctx, c.t_dep, rho11)
             B.append(Bound("prop:app_summary_lipschitz", "||beta(e) - beta(e')|| <= L_beta ||e - e'|| (proof step)",
                            vnorm(r1.beta - r2.beta), L_beta * de, 2.0))

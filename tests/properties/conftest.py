@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 _common = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", derandomize=True, max_examples=25, database=None, **_common)
+settings.register_profile("ci", derandomize=True, max_examples=50, database=None, **_common)
 settings.register_profile("dev", max_examples=400, **_common)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)

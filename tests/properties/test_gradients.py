@@ -18,7 +18,7 @@ from models import ModelCase, capture_rank_updates, model_cases
 from qlbench import theory
 from strategies import tol
 
-EXAMPLES = max(4, settings().max_examples // 3)
+EXAMPLES = max(4, settings().max_examples // 6)
 ARCH_CASES = st.one_of(model_cases("deep-narrow"), model_cases("transformer", max_layers=2))
 
 

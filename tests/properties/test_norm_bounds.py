@@ -15,7 +15,7 @@ from models import model_cases
 from qlbench import theory
 from strategies import ratio, router_cases, tol
 
-MODEL_EXAMPLES = max(5, settings().max_examples // 2)
+MODEL_EXAMPLES = max(5, settings().max_examples // 4)
 
 
 def assert_holds(bounds: list[theory.Bound]):

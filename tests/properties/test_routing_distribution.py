@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -94,7 +93,7 @@ def test_variational_retrieval_beats_simplex_points(case, seed):
 
 
 @given(case=router_cases(max_samples=1), seed=st.integers(0, 2 ** 16))
-@settings(max_examples=max(5, settings().max_examples // 2))
+@settings(max_examples=max(5, settings().max_examples // 4))
 def test_variational_retrieval_matches_scipy(case, seed):
     """An independent solver (scipy SLSQP on the simplex) finds the same maximiser, no better than alpha."""
     R = case.route()
@@ -169,7 +168,7 @@ def test_limit_a_state_only_router(case, other):
 
 
 @given(case=model_cases("deep-narrow", instruction=None))
-@settings(max_examples=max(5, settings().max_examples // 2))
+@settings(max_examples=max(5, settings().max_examples // 4))
 def test_limit_b_zero_gate_is_lora(case):
     """(b) g_l = 0 for every layer (eta = -inf): the queryable model is exactly LoRA with the same A, B."""
     model = case.build()
