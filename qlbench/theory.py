@@ -29,8 +29,7 @@ from qlbench.adapters.routing import Route, rmsnorm, topk_softmax
 from qlbench.stacked import ForwardContext, rank_project
 
 # The QueryableLinear method that applies the routed update: (x, s = A x, S) -> W0 x + b0 + s B (s + g S s).
-# Its name shadows nn.Module._apply (so model.to()/double() fail on an adapted model); if it is renamed, change it here.
-UPDATE_METHOD = "_apply"
+UPDATE_METHOD = "routed_update"
 
 # "holds" means observed <= bound * (1 + REL_TOL) (+ ABS_TOL * scale): float64 rounding of a few SVDs and sums.
 REL_TOL = 1024 * torch.finfo(torch.float64).eps
@@ -635,16 +634,6 @@ def lipschitz(t: Trace, e2: torch.Tensor) -> list[Bound]:
 NORM_STATEMENTS = (convex_hull, layer_updates, depth_summaries, query_norms, rmsnorm_jacobians, softmax_jacobians)
 
 
-def to_float64(model: torch.nn.Module) -> torch.nn.Module:
-    """Cast parameters and buffers to float64 in place (model.double() trips over QueryableLinear._apply)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.to(torch.float64)
-        for b in model.buffers():
-            b.data = b.data.to(torch.float64) if b.is_floating_point() else b.data
-    return model
-
-
 def probe_instruction(e: torch.Tensor, generator: torch.Generator, rel: float = 1e-3) -> torch.Tensor:
     """e' = e + delta, a random direction per member with ||delta|| = rel * max(1, ||e||)."""
     d = torch.randn(e.shape, generator=generator, dtype=e.dtype).to(e.device)
@@ -656,7 +645,7 @@ def check_model(model: torch.nn.Module, x: torch.Tensor, instruction: torch.Tens
                 chunk: int = 200, seed: int = 0) -> list[Bound]:
     """Every norm and Lipschitz statement over the samples x (E, N, ...) in float64 (a float64 copy of the weights
     is made in place: pass a model you no longer train). Lipschitz statements probe e' = e + delta per chunk."""
-    to_float64(model)
+    model.double()
     x = x.to(torch.float64)
     if instruction is not None:
         instruction = instruction.to(torch.float64)

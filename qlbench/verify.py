@@ -9,7 +9,7 @@ number of items (samples x blocks x layers ...) and holds / VIOLATED; prints a t
 <results>/verify.json). A violated bound is reported on stderr and exits 1; bad input exits 2 (qlbench.cli.UsageError).
 
 The Lipschitz statements are about the instruction embedding e: they probe e' = e + delta per chunk of samples with
-each block's states held fixed (their premise; see THEOREMS.md). A model without instruction channels
+each block's states held fixed (their premise; see tests/properties/THEOREMS.md). A model without instruction channels
 (lambda_ctx = tau_lang = 0) does not depend on e at all; its rows are reported as vacuous (0 <= 0).
 """
 

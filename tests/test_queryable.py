@@ -176,3 +176,13 @@ def test_config_rejects_bad_values(bad, match):
 def test_more_blocks_than_layers_is_rejected():
     with pytest.raises(ValueError, match="n_blocks"):
         adapted("transformer", n_blocks=5)
+
+
+def test_adapted_model_moves_and_casts_like_any_module():
+    """model.to()/double() go through nn.Module._apply, which an adapter must not shadow."""
+    m = adapted("deep-narrow", members=1)
+    x = inputs(members=1)
+    y = m(x)
+    m32 = m.to(torch.float32)
+    assert m32.hidden[0].queryable_A.dtype == torch.float32
+    torch.testing.assert_close(m32.double()(x), y, rtol=1e-6, atol=1e-6)

@@ -46,12 +46,12 @@ class Mutant:
 MUTANTS = [
     # RMSNorm (paper Assumption 3: x / sqrt(mean(x^2) + eps))
     Mutant("rmsnorm_dropped", ROUTING,
-           "return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)", "return x"),
+           "return F.rms_norm(x, x.shape[-1:], eps=eps)", "return x"),
     Mutant("rmsnorm_eps_outside_sqrt", ROUTING,
-           "return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)",
+           "return F.rms_norm(x, x.shape[-1:], eps=eps)",
            "return x / (x.pow(2).mean(dim=-1, keepdim=True).sqrt() + eps)"),
     Mutant("rmsnorm_sum_not_mean", ROUTING,
-           "return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)",
+           "return F.rms_norm(x, x.shape[-1:], eps=eps)",
            "return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)"),
     # state / language logits <RMSNorm(a), RMSNorm(k_m)> / (sqrt(d_k) T)
     Mutant("similarity_temperature_multiplied", ROUTING,
@@ -96,7 +96,7 @@ MUTANTS = [
     Mutant("gate_without_sigmoid", QUERYABLE,
            "g = torch.sigmoid(self.queryable_eta)", "g = self.queryable_eta"),
     Mutant("S_transposed", QUERYABLE,
-           "d = (S @ s.unsqueeze(-1)).squeeze(-1)", "d = (S.transpose(-1, -2) @ s.unsqueeze(-1)).squeeze(-1)"),
+           "d = (S * s.unsqueeze(-2)).sum(-1)", "d = (S * s.unsqueeze(-1)).sum(-2)"),
     Mutant("S_transposed_tokens", QUERYABLE,
            "d = s @ S.transpose(-1, -2)", "d = s @ S"),
 ]
