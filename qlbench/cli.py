@@ -1,4 +1,4 @@
-"""`qlbench` command line: functions | run | verify.
+"""`qlbench` command line: functions | run | sweep | verify.
 
 Bad input (unknown function, arch, method, budget, device, hyper-parameter, or a value out of range) prints one
 line naming the problem and the valid choices, and exits with code 2; no traceback.
@@ -54,31 +54,58 @@ def cmd_functions(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from qlbench import experiment, report, results
+    """`run` is a sweep over one function."""
+    args.functions = args.function
+    return cmd_sweep(args)
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+
+def cmd_sweep(args) -> int:
+    from qlbench import experiment, report, results, zoo
+
+    split = lambda text: [v.strip() for v in text.split(",") if v.strip()]
+    functions = zoo.names() if args.functions == "all" else split(args.functions)
+    methods = split(args.methods) if args.methods else None
     try:
-        plan = experiment.plan(functions=[args.function], arch=args.arch, methods=methods, seeds=args.seeds,
+        plan = experiment.plan(functions=functions, arch=args.arch, methods=methods, seeds=args.seeds,
                                budget=args.budget, device=args.device, dtype=args.dtype, out_dir=args.out,
-                               overrides=parse_overrides(args.hp))
+                               overrides=parse_overrides(args.hp), compile=args.compile)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    print(f"qlbench run: {args.function} on {args.arch}, budget {plan.budget.name} "
-          f"(pretrain {plan.budget.pretrain.epochs} epochs, adapt {plan.budget.adapt.epochs} epochs), "
-          f"seeds {plan.seeds}, methods {', '.join(plan.methods)}, device {plan.device}", flush=True)
+    b = plan.budget
+    print(f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}, budget {b.name} (pretrain "
+          f"{b.pretrain.epochs} epochs, adapt {b.adapt.epochs} epochs), seeds {plan.seeds}, methods "
+          f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}", flush=True)
     t0 = time.perf_counter()
     paths = experiment.run(plan, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr, flush=True))
     frame = results.load([p for p in paths if p.exists()])
-    table = report.method_table(frame)
     print()
-    print(report.markdown(table))
-    print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {plan.out_dir / 'records' / plan.arch / args.function}")
+    print(report.markdown(report.method_table(frame)))
+    print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {plan.out_dir / 'records' / plan.arch}")
     return 0 if (frame["cell_status"] != "failed").all() else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from qlbench import adapters, engine, verify, zoo
+def add_experiment_options(p: argparse.ArgumentParser) -> None:
+    from qlbench import adapters, engine
     from qlbench.backbones import ARCHS
+
+    methods_help = "; ".join(f"{n}: {m.summary}" for n, m in adapters.REGISTRY.items())
+    p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
+    p.add_argument("--methods", metavar="M1,M2",
+                   help=f"comma-separated (default: {','.join(adapters.DEFAULT_METHODS)}). {methods_help}")
+    p.add_argument("--seeds", type=int, help="number of seeds 0..N-1 (default: the budget's)")
+    p.add_argument("--budget", default="quick", help=f"one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default quick)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda (default auto)")
+    p.add_argument("--compile", default="auto", help="torch.compile the training step: auto (on CUDA only), on, off")
+    p.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+    p.add_argument("--out", default="results", type=Path, help="results folder (default ./results)")
+    p.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE",
+                   help="method hyper-parameter override, e.g. --hp top_k=3 --hp r=4 (applies to every method "
+                        "that has the field)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from qlbench import verify, zoo
 
     parser = Parser(prog="qlbench", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"qlbench {__version__}")
@@ -87,25 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("functions", help="list the function zoo (name, domain, optimum)")
     p.set_defaults(func=cmd_functions)
 
-    methods_help = "; ".join(f"{n}: {m.summary}" for n, m in adapters.REGISTRY.items())
     p = sub.add_parser("run", help="pretrain, adapt with every method over seeds, print a mean ± std table",
                        description="Pretrain a backbone on the source function, adapt it to the shifted target "
                                    "with each method over several seeds (stacked), write one JSON record per "
                                    "method and print a mean ± std table.")
     p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
-    p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
-    p.add_argument("--methods", metavar="M1,M2", help=f"comma-separated (default: {','.join(adapters.DEFAULT_METHODS)}). "
-                                                    f"{methods_help}")
-    p.add_argument("--seeds", type=int, help="number of seeds 0..N-1 (default: the budget's)")
-    p.add_argument("--budget", default="quick", help=f"one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default quick)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda (default auto)")
-    p.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
-    p.add_argument("--out", default="results", type=Path, help="results folder (default ./results)")
-    p.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE",
-                   help="method hyper-parameter override, e.g. --hp top_k=3 --hp r=4 (applies to every method "
-                        "that has the field)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_experiment_options(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("sweep", help="run several functions (default: all nine) stacked functions x seeds",
+                       description="Like `run`, for several functions at once: every method trains one stack of "
+                                   "all functions x seeds. Finished cells are skipped, so a sweep resumes.")
+    p.add_argument("--functions", default="all", metavar="F1,F2",
+                   help=f"comma-separated, or all (default): {', '.join(zoo.names())}")
+    add_experiment_options(p)
+    p.set_defaults(func=cmd_sweep)
 
     verify.add_parser(sub)
     return parser

@@ -34,6 +34,7 @@ class Plan:
     device: torch.device
     dtype: str
     out_dir: Path
+    compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
 
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused."""
@@ -47,7 +48,7 @@ class Plan:
 
 def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, seeds: int | None = None,
          budget: str = "quick", device: str = "auto", dtype: str = "float32", out_dir: str | Path = "results",
-         overrides: dict | None = None) -> Plan:
+         overrides: dict | None = None, compile: str = "auto") -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
@@ -77,8 +78,12 @@ def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, s
             configs[m] = adapters.get(m).make_config(**overrides)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{m}: {err}") from None
-    return Plan(list(functions), arch, methods, list(range(n_seeds)), b, configs, engine.resolve_device(device),
-                dtype, Path(out_dir))
+    if compile not in ("auto", "on", "off"):
+        raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
+    dev = engine.resolve_device(device)
+    use_compile = compile == "on" or (compile == "auto" and dev.type == "cuda")
+    return Plan(list(dict.fromkeys(functions)), arch, methods, list(range(n_seeds)), b, configs, dev, dtype,
+                Path(out_dir), use_compile)
 
 
 def model_path(out_dir: Path, arch: str, function: str, method: str) -> Path:
@@ -144,7 +149,7 @@ def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
                 p.arch, members, p.budget.pretrain, dtype, cache) else 0), desc=f"pretrain {p.arch} x{len(members)}",
                   unit="step", disable=not progress, leave=False) as bar:
             pre = engine.pretrain(p.arch, members, p.budget.pretrain, device=p.device, dtype=dtype,
-                                  cache_dir=cache, progress=bar.update)
+                                  cache_dir=cache, progress=bar.update, compile=p.compile)
         trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
         total = engine.steps(p.budget.adapt, n_train) * len(trained)
         with tqdm(total=total, desc="adapt", unit="step", disable=not progress) as bar:
@@ -162,11 +167,11 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
     t0 = time.perf_counter()
     try:
         res = engine.adapt(pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype,
-                           progress=progress)
+                           progress=progress, compile=p.compile)
     except Exception as err:  # record the failure and go on with the other methods
         log(f"{method}: failed: {type(err).__name__}: {err}")
         for f in functions:
-            rec = results.make_record(config=p.cell_config(f, method), seeds=p.seeds, device=p.device,
+            rec = results.make_record(config=p.cell_config(f, method), seeds=p.seeds, device=p.device, compile=p.compile,
                                       status="failed", message=f"{type(err).__name__}: {err}",
                                       wall_time_s=time.perf_counter() - t0)
             results.write_json_atomic(rec, results.record_path(p.out_dir, p.arch, f, method))
@@ -189,7 +194,7 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
         message = f"diverged seeds: {bad}" if bad else ""
         if bad:
             log(f"{method} on {f}: seed(s) {bad} diverged (non-finite loss); the other seeds completed")
-        rec = results.make_record(config=p.cell_config(f, method), seeds=p.seeds, device=p.device,
+        rec = results.make_record(config=p.cell_config(f, method), seeds=p.seeds, device=p.device, compile=p.compile,
                                   status="diverged" if bad else "ok", message=message,
                                   wall_time_s=res.wall_time_s, stacked_members=len(res.members),
                                   trainable_params=res.trainable_params, total_params=res.total_params,

@@ -3,6 +3,8 @@ render under any backend, Agg included."""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
@@ -61,13 +63,21 @@ METRICS = {
 }
 
 
+def _num(v: float, sig: int) -> str:
+    """`sig` significant digits, positional between 1e-3 and 1e5, scientific outside."""
+    if v == 0 or not math.isfinite(v):
+        return f"{v:g}"
+    e = math.floor(math.log10(abs(v)))
+    return f"{v:.{max(sig - 1 - e, 0)}f}" if -3 <= e < 5 else f"{v:.{sig - 1}e}"
+
+
 def _mean_std(values: pd.Series) -> str:
     v = values.dropna()
     if v.empty:
         return "n/a"
     if len(v) == 1:
-        return f"{v.iloc[0]:.3g}"
-    return f"{v.mean():.3g} ± {v.std(ddof=1):.2g}"
+        return _num(v.iloc[0], 3)
+    return f"{_num(v.mean(), 3)} ± {_num(v.std(ddof=1), 2)}"
 
 
 def method_table(frame: pd.DataFrame) -> pd.DataFrame:

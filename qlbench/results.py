@@ -3,7 +3,7 @@ any set of records into the tidy DataFrame every table, figure and notebook read
 
 Record layout (schema 1), in the spirit of huggingface peft's method_comparison:
     run_info:   created_at, qlbench_version, git {commit, dirty}, config (fully resolved), config_hash, budget,
-                device, dtype, seeds
+                device, compile, dtype, seeds
     train_info: status (ok | diverged | failed), message, wall_time_s, stacked_members, trainable_params,
                 total_params, eval_epochs, per_seed [{seed, status, diverged_epoch, best_train_mse,
                 best_train_epoch, best_test_mse (test-selected, as the paper), best_test_epoch,
@@ -86,7 +86,8 @@ def write_json_atomic(obj: dict, path: Path) -> None:
         raise
 
 
-def make_record(*, config: dict, seeds: list[int], device: torch.device, status: str, message: str = "",
+def make_record(*, config: dict, seeds: list[int], device: torch.device, compile: bool = False, status: str,
+                message: str = "",
                 wall_time_s: float = 0.0, stacked_members: int = 0, trainable_params: int | None = None,
                 total_params: int | None = None, eval_epochs: list[int] | None = None,
                 per_seed: list[dict] | None = None) -> dict:
@@ -105,6 +106,7 @@ def make_record(*, config: dict, seeds: list[int], device: torch.device, status:
             "config_hash": config_hash(config),
             "budget": config["budget"]["name"],
             "device": str(device),
+            "compile": compile,
             "dtype": config["dtype"],
             "seeds": seeds,
         },

@@ -33,6 +33,8 @@ def one_line_error(capsys, argv) -> str:
     (["run", "--function", "dropwave", "--device", "tpu"], ["'tpu'", "auto", "cpu"]),
     (["run", "--function", "dropwave", "--dtype", "half"], ["'half'", "float32", "float64"]),
     (["run"], ["--function"]),
+    (["sweep", "--functions", "dropwave,nope"], ["'nope'", "levy"]),
+    (["run", "--function", "dropwave", "--compile", "maybe"], ["'maybe'", "auto", "on", "off"]),
     (["frobnicate"], ["frobnicate", "run"]),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, expect):
