@@ -1,4 +1,4 @@
-"""`qlbench` command line: functions | run | sweep | verify.
+"""`qlbench` command line: functions | run | sweep | verify | bench.
 
 Bad input (unknown function, arch, method, budget, device, hyper-parameter, or a value out of range) prints one
 line naming the problem and the valid choices, and exits with code 2; no traceback.
@@ -105,7 +105,7 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qlbench import verify, zoo
+    from qlbench import bench, verify, zoo
 
     parser = Parser(prog="qlbench", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"qlbench {__version__}")
@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep)
 
     verify.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

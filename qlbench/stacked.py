@@ -57,13 +57,12 @@ class StackedLinear(nn.Module):
 
 def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (E, ..., d_in) @ weight (E, d_out, d_in)^T + bias (E, d_out) -> (E, ..., d_out), one batched matmul."""
-    E, d_in = x.shape[0], x.shape[-1]
-    x2 = x.reshape(E, -1, d_in)  # (E, N, d_in)
+    x2 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])  # (E, N, d_in); no reshape ops when 3-D
     if bias is None:
         y = torch.bmm(x2, weight.transpose(1, 2))
     else:
         y = torch.baddbmm(bias.unsqueeze(1), x2, weight.transpose(1, 2))  # (E, N, d_out)
-    return y.reshape(*x.shape[:-1], weight.shape[1])
+    return y if x.dim() == 3 else y.reshape(*x.shape[:-1], weight.shape[1])
 
 
 def rank_project(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:

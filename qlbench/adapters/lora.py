@@ -44,6 +44,8 @@ def lora_factors(base: StackedLinear, r: int, generators: list[torch.Generator])
 
 def low_rank_update(y: torch.Tensor, t: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
     """y + scale * B t for y (E, ..., d_out), t (E, ..., r), B (E, d_out, r), in one fused batched matmul."""
+    if y.dim() == 3:
+        return torch.baddbmm(y, t, B.transpose(1, 2), alpha=scale)
     E, r = t.shape[0], t.shape[-1]
     out = torch.baddbmm(y.reshape(E, -1, y.shape[-1]), t.reshape(E, -1, r), B.transpose(1, 2), alpha=scale)
     return out.view(y.shape)

@@ -1,0 +1,392 @@
+"""`qlbench bench`: speed, measured side by side in one process, reported as ratios.
+
+Three tables:
+  - adaptation throughput (model-steps/s at batch 64) of every method on both backbones: the stacked engine at
+    E = 5 and E = 45 members against a naive per-seed eager loop (the same modules, one member at a time, PyTorch's
+    default threads), plus a plain-PyTorch anchor (nn.Linear + LoRA, the loop a user would write) so the naive
+    baseline can be seen not to be artificially slow;
+  - the share of this machine's dense matmul peak the stacked engine reaches (FLOPs counted with
+    torch.utils.flop_counter over one real step; the peak from a large sgemm timed in the same run);
+  - inference efficiency like the paper's: forward latency at batch 64, overhead against LoRA, samples/s and FLOP
+    overhead against LoRA, for every method on both backbones.
+Measurements alternate between the compared variants in rounds (A B A B ...) and report medians, so slow drift of
+a shared machine hits both sides alike. Nothing here asserts a speed: the numbers are reported, not tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from qlbench import adapters, engine, results
+from qlbench.backbones import ARCHS, build_backbone
+from qlbench.seeding import generator
+
+BATCH = 64
+
+
+@contextlib.contextmanager
+def threads(n: int | None):
+    """Run a block with n intra-op threads (None: leave as is)."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def stacked_model(arch: str, method: str, members: int, device) -> tuple[nn.Module, object]:
+    """A randomly initialised stack with `method` built on it, and its optimizer (throughput does not depend on
+    the values; flush-denormal keeps tiny values from slowing the CPU)."""
+    keys = [("bench", e) for e in range(members)]
+    spec = adapters.get(method)
+    config = spec.make_config()
+    y = torch.zeros(members, BATCH, device=device)
+    model = spec.build(build_backbone(arch, keys, device=device), config,
+                       [generator("init", "bench", method, k) for k in keys], y)
+    opt = spec.optimizer(model, config, 5e-4, 0.01) if spec.trains else None
+    return model, opt
+
+
+def batches(members: int, device, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.rand(members, BATCH, 2, generator=g).to(device), torch.rand(members, BATCH, generator=g).to(device))
+            for _ in range(n)]
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_steps(step, data, n: int, device) -> float:
+    """Seconds for n calls of step over the batches in `data`."""
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(n):
+        step(*data[i % len(data)])
+    sync(device)
+    return time.perf_counter() - t0
+
+
+class PlainLoraLinear(nn.Module):
+    """The textbook LoRA layer on nn.Linear (loralib style), for the plain-PyTorch anchor."""
+
+    def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16.0):
+        super().__init__()
+        self.base, self.scale = base, alpha / r
+        self.A = nn.Parameter(torch.empty(r, base.in_features).uniform_(-1, 1) / math.sqrt(base.in_features))
+        self.B = nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + self.scale * F.linear(F.linear(x, self.A), self.B)
+
+
+def plain_deep_narrow_lora() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """deep-narrow + LoRA written the usual way: nn.Sequential of nn.Linear, PyTorch's default AdamW."""
+    layers = [nn.Linear(2, 32), nn.GELU()]
+    for _ in range(32):
+        layers += [PlainLoraLinear(nn.Linear(32, 32)), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(32, 1))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith((".A", ".B")))
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-4)
+
+
+def plain_step(model, opt):
+    def step(xb, yb):  # xb (1, b, 2): one member
+        loss = (model(xb[0]).squeeze(-1) - yb[0]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def matmul_peak(device, n: int = 2048, reps: int = 10) -> float:
+    """GFLOP/s of a large float32 matmul (the dense peak the engine is compared with)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    for _ in range(2):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def step_flops(model, step, data) -> int:
+    """FLOPs (matmul-type ops, forward + backward) of one training step, counted on the real step."""
+    with FlopCounterMode(display=False) as counter:
+        step(*data[0])
+    return counter.get_total_flops()
+
+
+def forward_flops(model, x) -> int:
+    """FLOPs of one forward (counted with autograd on: the counter's module hooks need it, nothing is backpropagated)."""
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    return counter.get_total_flops()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Settings:
+    """How much to measure. `quick` (for CI) runs the same code paths with fewer steps and members."""
+
+    steps: dict[str, int]  # timed steps per round, per arch
+    rounds: int  # alternating rounds; medians are reported
+    members: tuple[int, ...]  # stacked sizes E
+    forward_reps: int
+    compile: bool  # also measure the torch.compile path (warm-up included)
+
+    @classmethod
+    def make(cls, quick: bool) -> Settings:
+        if quick:
+            return cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, False)
+        return cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, True)
+
+
+def alternate(fns: dict[str, tuple[callable, int]], rounds: int, device) -> dict[str, list[float]]:
+    """Rates (units/s) of each fn per round, the fns taking turns within every round; fn() runs one timed chunk
+    and the int is the units (model-steps, samples) it processes."""
+    rates = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, (fn, units) in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            rates[name].append(units / (time.perf_counter() - t0))
+    return rates
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def chunk(step, data, n):
+    return lambda: [step(*data[i % len(data)]) for i in range(n)]
+
+
+def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """The stacked engine at E members against the naive loop (the same step, one member at a time)."""
+    n = s.steps[arch]
+    model, opt = stacked_model(arch, method, E, device)
+    step, data = engine.make_step(model, opt), batches(E, device)
+    naive_model, naive_opt = stacked_model(arch, method, 1, device)
+    naive, naive_data = engine.make_step(naive_model, naive_opt), batches(1, device)
+    for fn, d in ((step, data), (naive, naive_data)):
+        chunk(fn, d, 2)()  # warm-up (SOAP's first step only builds its basis)
+    with threads(1):  # counting FLOPs is not timed
+        flops = step_flops(model, step, data)
+    r = alternate({"stacked": (chunk(step, data, n), E * n), "naive": (chunk(naive, naive_data, n), n)},
+                  s.rounds, device)
+    stacked = statistics.median(r["stacked"])
+    return dict(arch=arch, method=method, members=E, stacked=stacked, naive=statistics.median(r["naive"]),
+                speedup=median_ratio(r["stacked"], r["naive"]), step_gflop=flops / 1e9,
+                gflops=flops / 1e9 * stacked / E)
+
+
+def overhead(arch: str, E: int, s: Settings, device) -> dict:
+    """Queryable LoRA's training-step and forward cost against LoRA's, alternating the two."""
+    n = s.steps[arch]
+    out = dict(arch=arch, members=E)
+    steps, fwds = {}, {}
+    for m in ("lora", "queryable"):
+        model, opt = stacked_model(arch, m, E, device)
+        data = batches(E, device)
+        steps[m] = (chunk(engine.make_step(model, opt), data, n), E * n)
+        x = data[0][0]
+
+        def forward(model=model, x=x):
+            with torch.no_grad():
+                for _ in range(s.forward_reps):
+                    model(x)
+        fwds[m] = (forward, E * BATCH * s.forward_reps)
+        steps[m][0]()
+        forward()
+    r = alternate(steps, s.rounds, device)
+    out["train_step_overhead_pct"] = (median_ratio(r["lora"], r["queryable"]) - 1) * 100
+    r = alternate(fwds, s.rounds, device)
+    out["forward_overhead_pct"] = (median_ratio(r["lora"], r["queryable"]) - 1) * 100
+    return out
+
+
+def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """torch.compile against eager for one stack: the warm-up (compilation) and the steady rate, alternating."""
+    n = s.steps[arch]
+    eager_model, eager_opt = stacked_model(arch, method, E, device)
+    comp_model, comp_opt = stacked_model(arch, method, E, device)
+    data = batches(E, device)
+    eager = engine.make_step(eager_model, eager_opt)
+    comp = engine.make_step(comp_model, comp_opt, compile=True)
+    chunk(eager, data, 2)()
+    t0 = time.perf_counter()
+    chunk(comp, data, 2)()  # compiles (one batch shape)
+    warmup = time.perf_counter() - t0
+    r = alternate({"eager": (chunk(eager, data, n), E * n), "compiled": (chunk(comp, data, n), E * n)},
+                  s.rounds, device)
+    return dict(arch=arch, method=method, members=E, warmup_s=warmup, eager=statistics.median(r["eager"]),
+                compiled=statistics.median(r["compiled"]), speedup=median_ratio(r["compiled"], r["eager"]))
+
+
+def anchor(s: Settings, device) -> dict:
+    """qlbench's naive loop (E = 1) next to the plain-PyTorch deep-narrow LoRA loop a user would write."""
+    n = s.steps["deep-narrow"]
+    plain, opt = plain_deep_narrow_lora()
+    pstep = plain_step(plain.to(device), opt)
+    model, qopt = stacked_model("deep-narrow", "lora", 1, device)
+    qstep = engine.make_step(model, qopt)
+    data = batches(1, device)
+    for fn in (pstep, qstep):
+        chunk(fn, data, 2)()
+    r = alternate({"plain": (chunk(pstep, data, n), n), "qlbench": (chunk(qstep, data, n), n)}, s.rounds, device)
+    return dict(plain_pytorch=statistics.median(r["plain"]), qlbench_e1=statistics.median(r["qlbench"]),
+                ratio=median_ratio(r["qlbench"], r["plain"]))
+
+
+def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
+    """Forward latency of one model at batch 64 (no grad), every method taking turns in each round."""
+    x = batches(1, device, n=1)[0][0]
+    models = {m: stacked_model(arch, m, 1, device)[0].eval() for m in methods}
+
+    def forward(model):
+        def run():
+            with torch.no_grad():
+                for _ in range(s.forward_reps):
+                    model(x)
+        return run
+    fns = {m: (forward(model), s.forward_reps) for m, model in models.items()}
+    for fn, _ in fns.values():
+        fn()
+    r = alternate(fns, s.rounds, device)  # forwards per second
+    with threads(1):
+        flops = {m: forward_flops(model, x) for m, model in models.items()}
+    rows = []
+    for m in models:
+        row = dict(arch=arch, method=m, latency_ms=1e3 / statistics.median(r[m]),
+                   samples_per_s=BATCH * statistics.median(r[m]), gflop=flops[m] / 1e9)
+        if "lora" in models:
+            row["latency_overhead_pct"] = (median_ratio(r["lora"], r[m]) - 1) * 100
+            row["flop_overhead_pct"] = (flops[m] / flops["lora"] - 1) * 100
+        rows.append(row)
+    return rows
+
+
+def run(archs: list[str], methods: list[str], s: Settings, device, log=print) -> dict:
+    torch.set_flush_denormal(True)
+    report = dict(meta=results.meta_info(device), settings=vars(s) | {"batch": BATCH},
+                  peak_gflops=matmul_peak(device), throughput=[], overhead=[], compile=[], inference=[])
+    log(f"matmul peak: {report['peak_gflops']:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    if "deep-narrow" in archs:
+        report["anchor"] = anchor(s, device)
+        log(f"plain PyTorch LoRA loop {report['anchor']['plain_pytorch']:.0f} steps/s, qlbench E=1 "
+            f"{report['anchor']['qlbench_e1']:.0f}")
+    trained = [m for m in methods if adapters.get(m).trains]
+    for arch in archs:
+        for E in s.members:
+            for m in trained:
+                if arch == "transformer" and m == "full-soap" and E > 5:
+                    log(f"  {arch} {m} E={E}: skipped (45 per-member SOAP states of a 6.3M-parameter model)")
+                    continue
+                row = throughput(arch, m, E, s, device)
+                row["peak_share"] = row["gflops"] / report["peak_gflops"]
+                report["throughput"].append(row)
+                log(f"  {arch} {m} E={E}: stacked {row['stacked']:.0f}, naive {row['naive']:.1f} model-steps/s "
+                    f"(x{row['speedup']:.1f}), {row['peak_share']:.1%} of peak")
+            if {"lora", "queryable"} <= set(methods):
+                report["overhead"].append(overhead(arch, E, s, device))
+        if s.compile and "deep-narrow" == arch:
+            for m in [m for m in ("lora", "queryable") if m in methods]:
+                report["compile"].append(compile_row(arch, m, 5, s, device))
+                log(f"  compile {arch} {m}: {report['compile'][-1]}")
+        report["inference"] += inference(arch, [m for m in methods if m != "mean"], s, device)
+    return report
+
+
+def _f(v, digits=1) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    from qlbench.report import markdown as table
+    import pandas as pd
+
+    out = [f"Matmul peak (float32 2048^3 sgemm): {report['peak_gflops']:.1f} GFLOP/s; threads "
+           f"{report['meta']['threads']}; batch {BATCH}; medians of {report['settings']['rounds']} alternating rounds."]
+    if "anchor" in report:
+        a = report["anchor"]
+        out.append(f"\nNaive-loop anchor (deep-narrow LoRA, one seed): plain PyTorch nn.Linear loop "
+                   f"{a['plain_pytorch']:.0f} steps/s, qlbench E = 1 loop {a['qlbench_e1']:.0f} steps/s "
+                   f"(ratio {a['ratio']:.2f}).")
+    rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], **{
+        "stacked model-steps/s": _f(r["stacked"], 0), "naive model-steps/s": _f(r["naive"], 1),
+        "speed-up": f"x{r['speedup']:.1f}", "GFLOP/s": _f(r["gflops"], 2), "% of peak": f"{100 * r['peak_share']:.1f}"})
+        for r in report["throughput"]]
+    out += ["\n### Adaptation throughput: stacked engine vs naive per-seed loop\n", table(pd.DataFrame(rows))]
+    if report["overhead"]:
+        rows = [dict(arch=r["arch"], E=r["members"], **{"training step vs LoRA": f"+{r['train_step_overhead_pct']:.0f}%",
+                "forward vs LoRA": f"+{r['forward_overhead_pct']:.0f}%"}) for r in report["overhead"]]
+        out += ["\n### Queryable LoRA against LoRA (paired, same E)\n", table(pd.DataFrame(rows))]
+    if report["compile"]:
+        rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], **{"warm-up s": _f(r["warmup_s"]),
+                "eager": _f(r["eager"], 0), "compiled": _f(r["compiled"], 0), "speed-up": f"x{r['speedup']:.2f}"})
+                for r in report["compile"]]
+        out += ["\n### torch.compile (model-steps/s after warm-up)\n", table(pd.DataFrame(rows))]
+    rows = [dict(arch=r["arch"], method=r["method"], **{"latency ms": _f(r["latency_ms"], 2),
+            "vs LoRA": "-" if r.get("latency_overhead_pct") is None else f"{r['latency_overhead_pct']:+.0f}%",
+            "samples/s": _f(r["samples_per_s"], 0), "GFLOP": _f(r["gflop"], 4),
+            "FLOPs vs LoRA": "-" if r.get("flop_overhead_pct") is None else f"{r['flop_overhead_pct']:+.1f}%"})
+            for r in report["inference"]]
+    out += ["\n### Inference: forward at batch 64, one model\n", table(pd.DataFrame(rows))]
+    return "\n".join(out) + "\n"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="speed benchmarks: stacked vs naive, matmul-peak share, inference",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few steps, E = 5 only, no compile (for CI)")
+    p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
+    p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--out", default=Path("results/bench"), type=Path, help="folder for bench.json and bench.md (default results/bench)")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from qlbench.cli import UsageError
+
+    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
+    if bad := [a for a in archs if a not in ARCHS] or not archs:
+        raise UsageError(f"unknown arch {bad or args.archs!r}; valid: {', '.join(ARCHS)}")
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else adapters.names()
+    try:
+        for m in methods:
+            adapters.get(m)
+        device = engine.resolve_device(args.device)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    report = run(archs, methods, Settings.make(args.quick), device)
+    text = markdown(report)
+    results.write_json_atomic(report, args.out / "bench.json")
+    (args.out / "bench.md").parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / ".bench.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(args.out / "bench.md")
+    print(text)
+    return 0
