@@ -186,10 +186,12 @@ def lora_count(s):
 
 
 def replora_count(s):
+    # every layer's latents A~, B~ (r (d_in + d_out), stacked per key in the shared module) + a G_A, G_B pair per key
     return lora_count(s) + sum(2 * H_REPLORA * (d_in + d_out) for _, d_in, d_out in keys(s))
 
 
 def hyra_count(s):
+    # per key: layer and head embeddings, W_in, W_out_A, W_out_B (all in the shared module)
     return sum(L * D_E + H * D_E + H_HYRA * 2 * D_E + H_HYRA * R * d_in + H_HYRA * (d_out // H) * R
                for (_, d_in, d_out), (L, H) in keys(s).items())
 
@@ -268,6 +270,23 @@ def test_materialised_factors_are_a_plain_lora(name, arch):
                 target.lora_A.copy_(A)
                 target.lora_B.copy_(B)
     torch.testing.assert_close(lora(d.x_test), model(d.x_test), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", SMALL)
+@pytest.mark.parametrize("name", ["replora", "hyra", "doran"])
+def test_each_key_generates_its_layers_factors_in_one_call_per_forward(name, arch):
+    """The shared network of a (role, shape) key runs once per forward for all its layers (they slice its output,
+    cached in ctx.scratch), not once per layer."""
+    model, method, config = build(name, backbone(arch, (0, 1)), (0, 1), FFN if arch == "transformer" else None)
+    nets = model.shared[method.prefix]
+    calls = {key: 0 for key in nets}
+    for key, net in nets.items():
+        net.register_forward_hook(lambda module, args, out, key=key: calls.__setitem__(key, calls[key] + 1))
+    d = data((0, 1))
+    model(d.x_test)
+    assert len(calls) == (1 if arch == "deep-narrow" else 6) and set(calls.values()) == {1}
+    steps(model, method, config, d, n=2)  # one forward per step
+    assert set(calls.values()) == {3}
 
 
 def test_doran_stabiliser_starts_at_tau_init_and_learns():

@@ -7,7 +7,10 @@ qlbench interpretation (methods.md): DoRA (dora.py) with the two stabilisers the
 - tau_l is one learnable positive scalar per layer; rho_l starts at softplus^-1(tau_init), tau_init = 1e-3;
 - m (d_out) starts at ||W0||_row + tau_l, so g = 1 (exactly) at step 0;
 - (A, B) come from RepLoRA's shared generators (the "auxiliary networks", replora.py), registered under this
-  method's own prefix: A = G_A(A~), B = G_B(B~), latents initialised as LoRA's factors, so B = 0 at step 0.
+  method's own prefix: A = G_A(A~), B = G_B(B~), latents initialised as LoRA's factors, so B = 0 at step 0. As
+  there, the latents of a key's layers are stacked in the shared module (`shared.doran.<key>.latent_A` /
+  `latent_B`) and every layer's factors of a key are generated in one batched call per forward (cached in
+  ctx.scratch["doran"]); the layers keep tau_l and m.
 The row norm is DoRA's (detached, clamped at dora.NORM_EPS).
 
 Trainable: L (r (d_in + d_out) + d_out + 1) + sum over (role, shape) keys of 2 h (d_in + d_out).
@@ -24,7 +27,6 @@ import torch.nn.functional as F
 
 from qlbench.adapters.base import AdapterMethod, Site
 from qlbench.adapters.dora import rescaled_linear, weight_norm
-from qlbench.adapters.lora import lora_factors
 from qlbench.adapters.replora import RepLoraConfig, RepLoraGenerators, role_shape_key
 from qlbench.stacked import ForwardContext, StackedLinear
 
@@ -45,8 +47,7 @@ class DoranLinear(nn.Module):
     def __init__(self, base: StackedLinear, site: Site, config: DoranConfig, generators: list[torch.Generator]):
         super().__init__()
         self.base, self.scale = base, config.scale
-        self.key = role_shape_key(site, base)
-        self.doran_latent_A, self.doran_latent_B = lora_factors(base, config.r, generators)  # A~, B~
+        self.key, self.layer = role_shape_key(site, base), site.target.layer  # slot `layer` of the key's latents
         rho = math.log(math.expm1(config.tau_init))  # softplus^-1
         w = base.weight
         self.doran_rho = nn.Parameter(torch.full((base.members,), rho, device=w.device, dtype=w.dtype))  # (E,)
@@ -57,13 +58,15 @@ class DoranLinear(nn.Module):
         """tau_l = softplus(rho_l), (E, 1) to broadcast over the output units."""
         return F.softplus(self.doran_rho).unsqueeze(-1)
 
-    def factors(self, shared: nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The generated factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`."""
-        return shared["doran"].factors(self.key, self.doran_latent_A, self.doran_latent_B)
+    def factors(self, shared: nn.ModuleDict, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The generated factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`, `scratch` the
+        forward's ctx.scratch (None: generate afresh)."""
+        cache = None if scratch is None else scratch.setdefault("doran", {})
+        return shared["doran"].factors(self.key, self.layer, cache)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        A, B = self.factors(ctx.shared)
-        V = self.base.weight + self.scale * (B @ A)  # (E, d_out, d_in)
+        A, B = self.factors(ctx.shared, ctx.scratch)
+        V = torch.baddbmm(self.base.weight, B, A, alpha=self.scale)  # W0 + s B A (E, d_out, d_in)
         g = self.doran_m / (weight_norm(V) + self.tau())  # (E, d_out)
         return rescaled_linear(x, V, g, self.base.bias)  # (E, ..., d_out)
 

@@ -16,6 +16,10 @@ qlbench interpretation (methods.md; the public record is thin):
   the frozen one at step 0; W_out_A ~ U(+-1/sqrt(d_in)) divided by the RMS over layers of ||gelu(W_in [e_l; 0])||,
   so the generated A's entries have LoRA's variance 1 / (3 d_in) (averaged over the key's layers, per member).
 
+Every layer's factors of a key come from one evaluation of H over the key's L (1 + H) inputs per forward, on the
+first layer's request, kept in ctx.scratch["hyra"] for the key's other layers, which only take their slice
+(per-layer evaluations were 2-5x LoRA's step time).
+
 Trainable, per (role, shape) key with L layers and H heads:
     L d_e + H d_e + hidden 2 d_e + hidden r d_in + hidden (d_out / H) r.
 """
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 
 from qlbench.adapters.base import AdapterMethod, Site
 from qlbench.adapters.lora import LoraConfig, lora_linear
-from qlbench.adapters.replora import role_shape_key
+from qlbench.adapters.replora import cached, role_shape_key
 from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, uniform_members
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
@@ -70,15 +74,24 @@ class HyperNetwork(nn.Module):
         self.W_in, self.W_out_A = param(W_in, like=like), param(W_out_A, like=like)
         self.W_out_B = param(torch.zeros(E, d_out // heads * c.r, c.hyper_hidden, dtype=torch.float64), like=like)
 
-    def factors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s A (E, r, d_in) from H([e_l; 0]) and B (E, d_out, r), block j from H([e_l; h_j])."""
-        E, H = self.head_emb.shape[:2]
-        e = self.layer_emb[:, layer:layer + 1].expand(E, H + 1, -1)  # (E, 1 + H, d_e)
-        h = torch.cat([torch.zeros_like(self.head_emb[:, :1]), self.head_emb], dim=1)  # (E, 1 + H, d_e), row 0 = 0
-        z = F.gelu(torch.cat([e, h], dim=-1) @ self.W_in.transpose(1, 2))  # H's hidden layer (E, 1 + H, hidden)
-        A = (z[:, :1] @ self.W_out_A.transpose(1, 2)).view(E, self.r, self.d_in)
-        B = (z[:, 1:] @ self.W_out_B.transpose(1, 2)).view(E, self.d_out, self.r)  # head blocks stacked row-wise
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's A (E, L, r, d_in) from H([e_l; 0]) and B (E, L, d_out, r), block j from H([e_l; h_j]):
+        H over the key's L (1 + H) inputs, the L [e_l; 0] then the L H [e_l; h_j], in one matmul per weight."""
+        E, L, d_e = self.layer_emb.shape
+        H = self.heads
+        e = self.layer_emb.unsqueeze(2).expand(E, L, H, d_e)
+        h = self.head_emb.unsqueeze(1).expand(E, L, H, d_e)
+        x = torch.cat([F.pad(self.layer_emb, (0, d_e)),  # [e_l; 0] (E, L, 2 d_e)
+                       torch.cat([e, h], dim=-1).view(E, L * H, 2 * d_e)], dim=1)  # then [e_l; h_j], layer-major
+        z = F.gelu(x @ self.W_in.transpose(1, 2))  # H's hidden layer (E, L + L H, hidden)
+        A = (z[:, :L] @ self.W_out_A.transpose(1, 2)).view(E, L, self.r, self.d_in)
+        B = (z[:, L:] @ self.W_out_B.transpose(1, 2)).view(E, L, self.d_out, self.r)  # head blocks stacked row-wise
         return A, B
+
+    def factors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s A (E, r, d_in) and B (E, d_out, r) (generated with all the key's layers)."""
+        A, B = self()
+        return A[:, layer], B[:, layer]
 
 
 class HyraHyperNetworks(nn.ModuleDict):
@@ -107,12 +120,15 @@ class HyraLinear(nn.Module):
         self.base, self.scale = base, config.scale
         self.key, self.layer = role_shape_key(site, base), site.target.layer
 
-    def factors(self, shared: nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The materialised LoRA factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`."""
-        return shared["hyra"][self.key].factors(self.layer)
+    def factors(self, shared: nn.ModuleDict, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The materialised LoRA factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`,
+        `scratch` the forward's ctx.scratch (None: generate afresh)."""
+        cache = None if scratch is None else scratch.setdefault("hyra", {})
+        A, B = cached(cache, self.key, shared["hyra"][self.key])
+        return A[self.layer], B[self.layer]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        A, B = self.factors(ctx.shared)
+        A, B = self.factors(ctx.shared, ctx.scratch)
         return lora_linear(x, self.base, A, B, self.scale)  # (E, ..., d_out)
 
 

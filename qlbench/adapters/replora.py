@@ -5,12 +5,20 @@ qlbench interpretation (methods.md; the public record is thin):
     A = G_A(A~) row-wise,  B = G_B(B~) column-wise,  G(u) = u + W2 gelu(W1 u)  (no biases, hidden h = 64)
     y = W0 x + b0 + s B (A x)
 
-- every adapted layer keeps latent factors A~ (r, d_in) and B~ (d_out, r), initialised as LoRA's A and B (so B~ = 0);
+- every adapted layer has latent factors A~ (r, d_in) and B~ (d_out, r), initialised as LoRA's A and B (so B~ = 0);
 - one generator pair (G_A over d_in, G_B over d_out) per (role, shape) is shared by all layers of that key (the
   deep-narrow MLP has one pair; the Transformer one per projection q, k, v, o (fc1, fc2)), which couples the layers;
 - W1 is Kaiming-uniform as PyTorch's default (a = sqrt(5): U(+-1/sqrt(d))), W2 ~ N(0, 0.02^2). G(0) = 0, so B = 0
   and the model equals the frozen one at step 0;
 - `RepLoraLinear.factors` materialises (A, B), after which inference is plain LoRA.
+
+Layout: the latents of all L layers of a key live next to the key's generator pair, stacked as A~ (E, L, r, d_in)
+and B~ (E, L, d_out, r) (`shared.replora.<key>.latent_A` / `latent_B`; layer l of the key is slot l). A forward
+generates every layer's factors of a key in one batched call of each generator, on the first layer's request, and
+keeps them in ctx.scratch[<prefix>] for the key's other layers, which only take their slice (per-layer calls were
+2-5x LoRA's step time). Random draws, member by member from generators[e]: every key's G_A W1, G_A W2, G_B W1,
+G_B W2 in forward order of the keys, then every layer's A~ in forward order (the draws, and order, of when each
+layer held its own latents: the initial values did not change).
 
 Trainable: L r (d_in + d_out) + sum over (role, shape) keys of 2 h (d_in + d_out).
 DoRAN (doran.py) reuses `RepLoraGenerators` as its auxiliary networks.
@@ -26,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qlbench.adapters.base import AdapterMethod, Site
-from qlbench.adapters.lora import LoraConfig, lora_factors, lora_linear
+from qlbench.adapters.lora import LoraConfig, lora_linear
 from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, uniform_members
 
 W2_STD = 0.02  # small, so the generators start close to the identity
@@ -47,6 +55,33 @@ def role_shape_key(site: Site, base: StackedLinear) -> str:
     return f"{site.target.role}_{base.d_out}x{base.d_in}"
 
 
+def key_slots(model: nn.Module, sites: list[Site]) -> dict[str, list[Site]]:
+    """The sites of every (role, shape) key, in forward order. Layer `site.target.layer` is its key's slot, so the
+    key's sites must be backbone layers 0, 1, .. in order (true of both backbones: one linear per role and layer)."""
+    out: dict[str, list[Site]] = {}
+    for site in sites:
+        out.setdefault(role_shape_key(site, model.get_submodule(site.target.path)), []).append(site)
+    for key, group in out.items():
+        if [s.target.layer for s in group] != list(range(len(group))):
+            raise ValueError(f"the {key} sites must be backbone layers 0 .. L-1 in order, got "
+                             f"{[s.target.layer for s in group]}")
+    return out
+
+
+def cached(scratch: dict | None, key: str, compute) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """`compute()`'s stacked (E, L, ...) tensors unbound into per-layer views, once per forward per key.
+
+    `scratch` is the method's dict in ctx.scratch (fresh every forward), or None to compute afresh (materialising
+    factors outside a forward). unbind, not indexing: its backward is one stack over the layers' gradients, where
+    L separate slices would each scatter into a zero tensor of the full size.
+    """
+    if scratch is None:
+        return tuple(t.unbind(1) for t in compute())
+    if key not in scratch:
+        scratch[key] = tuple(t.unbind(1) for t in compute())
+    return scratch[key]
+
+
 class FactorGenerator(nn.Module):
     """G(u) = u + W2 gelu(W1 u) on the last dimension: u (E, n, d) -> (E, n, d); W1 (E, h, d), W2 (E, d, h)."""
 
@@ -59,42 +94,69 @@ class FactorGenerator(nn.Module):
         return u + F.gelu(u @ self.W1.transpose(1, 2)) @ self.W2.transpose(1, 2)  # (E, n, d)
 
 
+class GeneratorPair(nn.Module):
+    """One (role, shape) key: the generators A (G_A over d_in) and B (G_B over d_out), and the latents of the
+    key's L layers, latent_A = A~ (E, L, r, d_in) and latent_B = B~ (E, L, d_out, r)."""
+
+    def __init__(self, A: FactorGenerator, B: FactorGenerator, latent_A: nn.Parameter, latent_B: nn.Parameter):
+        super().__init__()
+        self.A, self.B = A, B
+        self.latent_A, self.latent_B = latent_A, latent_B
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's A = G_A(A~) (E, L, r, d_in) and B = G_B(B~) (E, L, d_out, r), one call per generator."""
+        E, L, r, d_in = self.latent_A.shape
+        d_out = self.latent_B.shape[2]
+        A = self.A(self.latent_A.reshape(E, L * r, d_in)).view(E, L, r, d_in)  # rows of every A~
+        Bt = self.B(self.latent_B.transpose(2, 3).reshape(E, L * r, d_out))  # columns of every B~, (E, L r, d_out)
+        return A, Bt.view(E, L, r, d_out).transpose(2, 3)
+
+
 class RepLoraGenerators(nn.ModuleDict):
-    """The shared module: one {"A": G_A, "B": G_B} pair per (role, shape) key, built in forward order."""
+    """The shared module: one GeneratorPair (generators and the key's latents) per (role, shape) key, built in
+    forward order; draws as the module docstring lists."""
 
     def __init__(self, model: nn.Module, sites: list[Site], config: RepLoraConfig,
                  generators: list[torch.Generator], like: torch.Tensor):
         super().__init__()
-        for site in sites:
-            base = model.get_submodule(site.target.path)
-            key = role_shape_key(site, base)
-            if key not in self:
-                self[key] = nn.ModuleDict({"A": FactorGenerator(base.d_in, config.gen_hidden, generators, like),
-                                           "B": FactorGenerator(base.d_out, config.gen_hidden, generators, like)})
+        E, r, h = len(generators), config.r, config.gen_hidden
+        groups = key_slots(model, sites)
+        shapes = {key: model.get_submodule(group[0].target.path) for key, group in groups.items()}
+        nets = {key: (FactorGenerator(b.d_in, h, generators, like), FactorGenerator(b.d_out, h, generators, like))
+                for key, b in shapes.items()}
+        latents = {key: [] for key in groups}
+        for site in sites:  # LoRA's A init per layer (U(+-1/sqrt(d_in))), in forward order
+            b = model.get_submodule(site.target.path)
+            latents[role_shape_key(site, b)].append(uniform_members((r, b.d_in), 1.0 / math.sqrt(b.d_in), generators))
+        for key, b in shapes.items():
+            latent_A = param(torch.stack(latents[key], dim=1), like=like)  # A~ (E, L, r, d_in)
+            latent_B = param(torch.zeros(E, len(groups[key]), b.d_out, r, dtype=torch.float64), like=like)  # B~ = 0
+            self[key] = GeneratorPair(*nets[key], latent_A, latent_B)
 
-    def factors(self, key: str, A_latent: torch.Tensor, B_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A = G_A(A~) over the rows of A~ (E, r, d_in); B = G_B(B~) over the columns of B~ (E, d_out, r)."""
-        pair = self[key]
-        A = pair["A"](A_latent)  # (E, r, d_in)
-        B = pair["B"](B_latent.transpose(1, 2)).transpose(1, 2)  # (E, d_out, r)
-        return A, B
+    def factors(self, key: str, layer: int, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s A (E, r, d_in) and B (E, d_out, r) of `key`, generated with all the key's layers (once
+        per forward when `scratch`, the method's ctx.scratch dict, is given)."""
+        A, B = cached(scratch, key, self[key])
+        return A[layer], B[layer]
 
 
 class RepLoraLinear(nn.Module):
-    """A frozen StackedLinear plus s B A, with (A, B) generated from this layer's latents by the shared pair."""
+    """A frozen StackedLinear plus s B A, with (A, B) generated from this layer's latents (slot `layer` of its key's
+    stacked latents) by the shared pair."""
 
     def __init__(self, base: StackedLinear, site: Site, config: RepLoraConfig, generators: list[torch.Generator]):
         super().__init__()
         self.base, self.scale = base, config.scale
-        self.key = role_shape_key(site, base)
-        self.replora_latent_A, self.replora_latent_B = lora_factors(base, config.r, generators)  # A~, B~
+        self.key, self.layer = role_shape_key(site, base), site.target.layer
 
-    def factors(self, shared: nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The materialised LoRA factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`."""
-        return shared["replora"].factors(self.key, self.replora_latent_A, self.replora_latent_B)
+    def factors(self, shared: nn.ModuleDict, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The materialised LoRA factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`,
+        `scratch` the forward's ctx.scratch (None: generate afresh)."""
+        cache = None if scratch is None else scratch.setdefault("replora", {})
+        return shared["replora"].factors(self.key, self.layer, cache)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        A, B = self.factors(ctx.shared)
+        A, B = self.factors(ctx.shared, ctx.scratch)
         return lora_linear(x, self.base, A, B, self.scale)  # (E, ..., d_out)
 
 
