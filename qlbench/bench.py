@@ -16,7 +16,6 @@ a shared machine hits both sides alike. Nothing here asserts a speed: the number
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
@@ -34,18 +33,6 @@ from qlbench.backbones import ARCHS, build_backbone
 from qlbench.seeding import generator
 
 BATCH = 64
-
-
-@contextlib.contextmanager
-def threads(n: int | None):
-    """Run a block with n intra-op threads (None: leave as is)."""
-    old = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def stacked_model(arch: str, method: str, members: int, device) -> tuple[nn.Module, object]:
@@ -192,7 +179,7 @@ def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
     naive, naive_data = engine.make_step(naive_model, naive_opt), batches(1, device)
     for fn, d in ((step, data), (naive, naive_data)):
         chunk(fn, d, 2)()  # warm-up (SOAP's first step only builds its basis)
-    with threads(1):  # counting FLOPs is not timed
+    with engine.num_threads(1):  # counting FLOPs is not timed
         flops = step_flops(model, step, data)
     r = alternate({"stacked": (chunk(step, data, n), E * n), "naive": (chunk(naive, naive_data, n), n)},
                   s.rounds, device)
@@ -275,7 +262,7 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
     for fn, _ in fns.values():
         fn()
     r = alternate(fns, s.rounds, device)  # forwards per second
-    with threads(1):
+    with engine.num_threads(1):
         flops = {m: forward_flops(model, x) for m, model in models.items()}
     rows = []
     for m in models:

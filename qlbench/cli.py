@@ -68,7 +68,8 @@ def cmd_sweep(args) -> int:
     try:
         plan = experiment.plan(functions=functions, arch=args.arch, methods=methods, seeds=args.seeds,
                                budget=args.budget, device=args.device, dtype=args.dtype, out_dir=args.out,
-                               overrides=parse_overrides(args.hp), compile=args.compile)
+                               overrides=parse_overrides(args.hp), compile=args.compile,
+                               threads=args.threads)
     except ValueError as err:
         raise UsageError(str(err)) from None
     b = plan.budget
@@ -96,6 +97,8 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default="quick", help=f"one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default quick)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda (default auto)")
     p.add_argument("--compile", default="auto", help="torch.compile the training step: auto (on CUDA only), on, off")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: 1 for a deep-narrow stack below 16 "
+                                               "members, else PyTorch's default)")
     p.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
     p.add_argument("--out", default="results", type=Path, help="results folder (default ./results)")
     p.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE",

@@ -8,6 +8,7 @@ exactly the gradient it would get alone (a stacked run equals E separate runs; t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -78,6 +79,28 @@ def resolve_device(device: str) -> torch.device:
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda")
     return torch.device(device)
+
+
+def auto_threads(arch: str, members: int) -> int | None:
+    """Intra-op threads for a stack: one for the deep-narrow MLP below 16 members, else PyTorch's default (None).
+
+    Its 32-wide layers at batch 64 are too small to split across cores: on the 2-core CPU one thread ran the
+    quick budget's queryable adaptation (3 members) in 57 s against 83 s with two, and two threads slowed it 5x
+    whenever another process held a core. From about 16 members, and for the Transformer (1.35-1.7x), two help.
+    """
+    return 1 if arch == "deep-narrow" and members < 16 else None
+
+
+@contextlib.contextmanager
+def num_threads(n: int | None):
+    """Run a block with n intra-op threads (None: leave the setting as it is)."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 Member = tuple[str, int]  # (function name, seed)

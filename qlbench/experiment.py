@@ -35,6 +35,7 @@ class Plan:
     dtype: str
     out_dir: Path
     compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
+    threads: int | None = None  # intra-op threads; None: engine.auto_threads
 
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused."""
@@ -48,7 +49,7 @@ class Plan:
 
 def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, seeds: int | None = None,
          budget: str = "quick", device: str = "auto", dtype: str = "float32", out_dir: str | Path = "results",
-         overrides: dict | None = None, compile: str = "auto") -> Plan:
+         overrides: dict | None = None, compile: str = "auto", threads: int | None = None) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
@@ -80,10 +81,12 @@ def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, s
             raise ValueError(f"{m}: {err}") from None
     if compile not in ("auto", "on", "off"):
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
+    if threads is not None and not (isinstance(threads, int) and threads >= 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
     dev = engine.resolve_device(device)
     use_compile = compile == "on" or (compile == "auto" and dev.type == "cuda")
     return Plan(list(dict.fromkeys(functions)), arch, methods, list(range(n_seeds)), b, configs, dev, dtype,
-                Path(out_dir), use_compile)
+                Path(out_dir), use_compile, threads)
 
 
 def model_path(out_dir: Path, arch: str, function: str, method: str) -> Path:
@@ -134,7 +137,6 @@ def _finished(path: Path, config: dict) -> bool:
 def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
     """Run every unfinished cell of the plan; returns the record paths of all cells (finished before or now)."""
     dtype = DTYPES[p.dtype]
-    n_train = zoo.TARGET_TRAIN
     todo = {m: [f for f in p.functions
                 if not _finished(results.record_path(p.out_dir, p.arch, f, m), p.cell_config(f, m))]
             for m in p.methods}
@@ -142,6 +144,14 @@ def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
     if skipped:
         log(f"{skipped} cell(s) already have a record with the same config: skipped")
     functions = [f for f in p.functions if any(f in fs for fs in todo.values())]
+    threads = p.threads or engine.auto_threads(p.arch, len(functions) * len(p.seeds))
+    with engine.num_threads(threads):
+        _run(p, todo, functions, dtype, progress, log)
+    return [results.record_path(p.out_dir, p.arch, f, m) for m in p.methods for f in p.functions]
+
+
+def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
+    """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells."""
     if functions:
         members = [(f, s) for f in functions for s in p.seeds]
         cache = p.out_dir / "backbones"
@@ -151,7 +161,7 @@ def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
             pre = engine.pretrain(p.arch, members, p.budget.pretrain, device=p.device, dtype=dtype,
                                   cache_dir=cache, progress=bar.update, compile=p.compile)
         trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
-        total = engine.steps(p.budget.adapt, n_train) * len(trained)
+        total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
         with tqdm(total=total, desc="adapt", unit="step", disable=not progress) as bar:
             for m in p.methods:
                 if not todo[m]:
@@ -159,7 +169,6 @@ def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
                 bar.set_description(f"adapt {m} x{len(todo[m]) * len(p.seeds)}")
                 sub = pre.select([(f, s) for f in todo[m] for s in p.seeds])
                 _run_method(p, m, sub, dtype, bar.update if adapters.get(m).trains else None, log)
-    return [results.record_path(p.out_dir, p.arch, f, m) for m in p.methods for f in p.functions]
 
 
 def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:

@@ -34,6 +34,7 @@ def one_line_error(capsys, argv) -> str:
     (["run", "--function", "dropwave", "--dtype", "half"], ["'half'", "float32", "float64"]),
     (["run"], ["--function"]),
     (["sweep", "--functions", "dropwave,nope"], ["'nope'", "levy"]),
+    (["run", "--function", "dropwave", "--threads", "0"], ["threads", ">= 1"]),
     (["run", "--function", "dropwave", "--compile", "maybe"], ["'maybe'", "auto", "on", "off"]),
     (["frobnicate"], ["frobnicate", "run"]),
 ])
