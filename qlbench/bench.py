@@ -166,25 +166,33 @@ def median_ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def chunk(step, data, n):
-    return lambda: [step(*data[i % len(data)]) for i in range(n)]
+def chunk(step, data, n, threads: int | None = None):
+    """n steps over `data` with `threads` intra-op threads (None: PyTorch's default)."""
+    def run():
+        with engine.num_threads(threads):
+            for i in range(n):
+                step(*data[i % len(data)])
+    return run
 
 
 def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
-    """The stacked engine at E members against the naive loop (the same step, one member at a time)."""
+    """The stacked engine at E members (with the engine's thread setting) against the naive per-seed loop: the
+    same modules and step, one member at a time, with PyTorch's default threads."""
     n = s.steps[arch]
     model, opt = stacked_model(arch, method, E, device)
     step, data = engine.make_step(model, opt), batches(E, device)
     naive_model, naive_opt = stacked_model(arch, method, 1, device)
     naive, naive_data = engine.make_step(naive_model, naive_opt), batches(1, device)
+    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
     for fn, d in ((step, data), (naive, naive_data)):
         chunk(fn, d, 2)()  # warm-up (SOAP's first step only builds its basis)
     with engine.num_threads(1):  # counting FLOPs is not timed
         flops = step_flops(model, step, data)
-    r = alternate({"stacked": (chunk(step, data, n), E * n), "naive": (chunk(naive, naive_data, n), n)},
+    r = alternate({"stacked": (chunk(step, data, n, threads), E * n), "naive": (chunk(naive, naive_data, n), n)},
                   s.rounds, device)
     stacked = statistics.median(r["stacked"])
-    return dict(arch=arch, method=method, members=E, stacked=stacked, naive=statistics.median(r["naive"]),
+    return dict(arch=arch, method=method, members=E, threads=threads or torch.get_num_threads(), stacked=stacked,
+                naive=statistics.median(r["naive"]),
                 speedup=median_ratio(r["stacked"], r["naive"]), step_gflop=flops / 1e9,
                 gflops=flops / 1e9 * stacked / E)
 
@@ -193,15 +201,16 @@ def overhead(arch: str, E: int, s: Settings, device) -> dict:
     """Queryable LoRA's training-step and forward cost against LoRA's, alternating the two."""
     n = s.steps[arch]
     out = dict(arch=arch, members=E)
+    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
     steps, fwds = {}, {}
     for m in ("lora", "queryable"):
         model, opt = stacked_model(arch, m, E, device)
         data = batches(E, device)
-        steps[m] = (chunk(engine.make_step(model, opt), data, n), E * n)
+        steps[m] = (chunk(engine.make_step(model, opt), data, n, threads), E * n)
         x = data[0][0]
 
         def forward(model=model, x=x):
-            with torch.no_grad():
+            with torch.no_grad(), engine.num_threads(threads):
                 for _ in range(s.forward_reps):
                     model(x)
         fwds[m] = (forward, E * BATCH * s.forward_reps)
@@ -222,39 +231,48 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     data = batches(E, device)
     eager = engine.make_step(eager_model, eager_opt)
     comp = engine.make_step(comp_model, comp_opt, compile=True)
-    chunk(eager, data, 2)()
+    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    chunk(eager, data, 2, threads)()
     t0 = time.perf_counter()
-    chunk(comp, data, 2)()  # compiles (one batch shape)
+    chunk(comp, data, 2, threads)()  # compiles (one batch shape)
     warmup = time.perf_counter() - t0
-    r = alternate({"eager": (chunk(eager, data, n), E * n), "compiled": (chunk(comp, data, n), E * n)},
-                  s.rounds, device)
-    return dict(arch=arch, method=method, members=E, warmup_s=warmup, eager=statistics.median(r["eager"]),
+    r = alternate({"eager": (chunk(eager, data, n, threads), E * n),
+                   "compiled": (chunk(comp, data, n, threads), E * n)}, s.rounds, device)
+    return dict(arch=arch, method=method, members=E, threads=threads or torch.get_num_threads(), warmup_s=warmup, eager=statistics.median(r["eager"]),
                 compiled=statistics.median(r["compiled"]), speedup=median_ratio(r["compiled"], r["eager"]))
 
 
 def anchor(s: Settings, device) -> dict:
-    """qlbench's naive loop (E = 1) next to the plain-PyTorch deep-narrow LoRA loop a user would write."""
+    """The plain-PyTorch deep-narrow LoRA loop a user would write (PyTorch's default threads, and one thread), next
+    to qlbench's naive loop (E = 1, default threads) and the stacked engine at E = 5 (its own setting)."""
     n = s.steps["deep-narrow"]
     plain, opt = plain_deep_narrow_lora()
     pstep = plain_step(plain.to(device), opt)
     model, qopt = stacked_model("deep-narrow", "lora", 1, device)
     qstep = engine.make_step(model, qopt)
-    data = batches(1, device)
-    for fn in (pstep, qstep):
-        chunk(fn, data, 2)()
-    r = alternate({"plain": (chunk(pstep, data, n), n), "qlbench": (chunk(qstep, data, n), n)}, s.rounds, device)
-    return dict(plain_pytorch=statistics.median(r["plain"]), qlbench_e1=statistics.median(r["qlbench"]),
-                ratio=median_ratio(r["qlbench"], r["plain"]))
+    stack, sopt = stacked_model("deep-narrow", "lora", 5, device)
+    sstep = engine.make_step(stack, sopt)
+    data, data5 = batches(1, device), batches(5, device)
+    fns = {"plain": (chunk(pstep, data, n), n), "plain_1_thread": (chunk(pstep, data, n, 1), n),
+           "qlbench_e1": (chunk(qstep, data, n), n),
+           "stacked_e5": (chunk(sstep, data5, n, engine.auto_threads("deep-narrow", 5)), 5 * n)}
+    for fn, _ in fns.values():
+        fn()
+    r = alternate(fns, s.rounds, device)
+    out = {k: statistics.median(v) for k, v in r.items()}
+    out["stacked_e5_vs_plain"] = median_ratio(r["stacked_e5"], r["plain"])
+    return out
 
 
 def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
     """Forward latency of one model at batch 64 (no grad), every method taking turns in each round."""
     x = batches(1, device, n=1)[0][0]
     models = {m: stacked_model(arch, m, 1, device)[0].eval() for m in methods}
+    threads = engine.auto_threads(arch, 1) if device.type == "cpu" else None
 
     def forward(model):
         def run():
-            with torch.no_grad():
+            with torch.no_grad(), engine.num_threads(threads):
                 for _ in range(s.forward_reps):
                     model(x)
         return run
@@ -282,8 +300,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, log=print) ->
     log(f"matmul peak: {report['peak_gflops']:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     if "deep-narrow" in archs:
         report["anchor"] = anchor(s, device)
-        log(f"plain PyTorch LoRA loop {report['anchor']['plain_pytorch']:.0f} steps/s, qlbench E=1 "
-            f"{report['anchor']['qlbench_e1']:.0f}")
+        log(f"anchor: {report['anchor']}")
     trained = [m for m in methods if adapters.get(m).trains]
     for arch in archs:
         for E in s.members:
@@ -318,10 +335,11 @@ def markdown(report: dict) -> str:
            f"{report['meta']['threads']}; batch {BATCH}; medians of {report['settings']['rounds']} alternating rounds."]
     if "anchor" in report:
         a = report["anchor"]
-        out.append(f"\nNaive-loop anchor (deep-narrow LoRA, one seed): plain PyTorch nn.Linear loop "
-                   f"{a['plain_pytorch']:.0f} steps/s, qlbench E = 1 loop {a['qlbench_e1']:.0f} steps/s "
-                   f"(ratio {a['ratio']:.2f}).")
-    rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], **{
+        out.append(f"\nNaive-loop anchor (deep-narrow LoRA, steps/s of one seed): plain PyTorch nn.Linear loop "
+                   f"{a['plain']:.0f} (default threads), {a['plain_1_thread']:.0f} (one thread); qlbench per-seed "
+                   f"loop {a['qlbench_e1']:.0f}; stacked engine at E = 5 {a['stacked_e5']:.0f} model-steps/s = "
+                   f"x{a['stacked_e5_vs_plain']:.1f} the plain loop.")
+    rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], threads=r["threads"], **{
         "stacked model-steps/s": _f(r["stacked"], 0), "naive model-steps/s": _f(r["naive"], 1),
         "speed-up": f"x{r['speedup']:.1f}", "GFLOP/s": _f(r["gflops"], 2), "% of peak": f"{100 * r['peak_share']:.1f}"})
         for r in report["throughput"]]
@@ -331,7 +349,7 @@ def markdown(report: dict) -> str:
                 "forward vs LoRA": f"+{r['forward_overhead_pct']:.0f}%"}) for r in report["overhead"]]
         out += ["\n### Queryable LoRA against LoRA (paired, same E)\n", table(pd.DataFrame(rows))]
     if report["compile"]:
-        rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], **{"warm-up s": _f(r["warmup_s"]),
+        rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], threads=r["threads"], **{"warm-up s": _f(r["warmup_s"]),
                 "eager": _f(r["eager"], 0), "compiled": _f(r["compiled"], 0), "speed-up": f"x{r['speedup']:.2f}"})
                 for r in report["compile"]]
         out += ["\n### torch.compile (model-steps/s after warm-up)\n", table(pd.DataFrame(rows))]
@@ -369,8 +387,8 @@ def cmd_bench(args) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     report = run(archs, methods, Settings.make(args.quick), device)
-    text = markdown(report)
     results.write_json_atomic(report, args.out / "bench.json")
+    text = markdown(report)
     (args.out / "bench.md").parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out / ".bench.md.tmp"
     tmp.write_text(text)

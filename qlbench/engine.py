@@ -56,7 +56,7 @@ BUDGETS: dict[str, dict[str, Budget]] = {
     },
     "transformer": {
         "paper": _PAPER,
-        "quick": Budget("quick", 2, Phase(20, 3e-3), Phase(40, 5e-4), eval_every=5),
+        "quick": Budget("quick", 2, Phase(10, 3e-3), Phase(20, 5e-4), eval_every=5),
         "smoke": Budget("smoke", 2, Phase(1, 3e-3), Phase(2, 5e-4), eval_every=1),
     },
 }

@@ -33,3 +33,22 @@ def test_bench_bad_input(argv, word, capsys):
     assert cli.main(["bench", "--quick", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and word in err[0]
+
+
+def test_markdown_renders_every_section(tmp_path):
+    """The full report's sections (compile rows only appear outside --quick) render from a report's fields."""
+    from qlbench import bench
+
+    row = dict(arch="deep-narrow", method="lora", members=5, threads=1)
+    report = dict(peak_gflops=100.0, meta={"threads": 2}, settings={"rounds": 3},
+                  anchor=dict(plain=70.0, plain_1_thread=90.0, qlbench_e1=100.0, stacked_e5=500.0,
+                              stacked_e5_vs_plain=7.1),
+                  throughput=[row | dict(stacked=500.0, naive=100.0, speedup=5.0, step_gflop=0.1, gflops=10.0,
+                                         peak_share=0.1)],
+                  overhead=[dict(arch="deep-narrow", members=5, train_step_overhead_pct=50.0, forward_overhead_pct=40.0)],
+                  compile=[row | dict(warmup_s=7.5, eager=600.0, compiled=800.0, speedup=1.33)],
+                  inference=[dict(arch="deep-narrow", method="lora", latency_ms=1.0, samples_per_s=64000.0, gflop=0.005,
+                                  latency_overhead_pct=0.0, flop_overhead_pct=0.0)])
+    text = bench.markdown(report)
+    for needle in ("x7.1 the plain loop", "| x5.0", "+50%", "x1.33", "64,000"):
+        assert needle in text, needle

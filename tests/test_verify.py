@@ -11,14 +11,6 @@ import torch
 from qlbench import cli, theory, verify
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation on busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def one_line_error(capsys, argv) -> str:
     code = cli.main(argv)

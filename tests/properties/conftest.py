@@ -10,7 +10,6 @@ statement of the paper on qlbench's own router and adapter code; tolerances are 
 import os
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 
 _common = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -26,11 +25,3 @@ def pytest_report_header(config):
     return [f"qlbench under test: {os.path.dirname(qlbench.__file__)}",
             f"hypothesis profile: {PROFILE}"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tensors here are tiny: intra-op threads only add synchronisation (many times slower on busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
