@@ -345,8 +345,8 @@ def markdown(report: dict) -> str:
         for r in report["throughput"]]
     out += ["\n### Adaptation throughput: stacked engine vs naive per-seed loop\n", table(pd.DataFrame(rows))]
     if report["overhead"]:
-        rows = [dict(arch=r["arch"], E=r["members"], **{"training step vs LoRA": f"+{r['train_step_overhead_pct']:.0f}%",
-                "forward vs LoRA": f"+{r['forward_overhead_pct']:.0f}%"}) for r in report["overhead"]]
+        rows = [dict(arch=r["arch"], E=r["members"], **{"training step vs LoRA": f"{r['train_step_overhead_pct']:+.0f}%",
+                "forward vs LoRA": f"{r['forward_overhead_pct']:+.0f}%"}) for r in report["overhead"]]
         out += ["\n### Queryable LoRA against LoRA (paired, same E)\n", table(pd.DataFrame(rows))]
     if report["compile"]:
         rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], threads=r["threads"], **{"warm-up s": _f(r["warmup_s"]),
