@@ -264,6 +264,38 @@ def anchor(s: Settings, device) -> dict:
     return out
 
 
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm")
+
+
+def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """Where a training step's time goes (torch.profiler over a few steps): the number of ATen ops dispatched per
+    step, the step's wall time (timed without the profiler), and the shares of it spent inside matmul kernels and
+    in GELU forward/backward. Many tiny ops and a small matmul share mean the step is bound by per-op dispatch
+    and element-wise work, not by arithmetic the matmul peak measures."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = max(2, s.steps[arch] // 4)
+    model, opt = stacked_model(arch, method, E, device)
+    step, data = engine.make_step(model, opt), batches(E, device)
+    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    chunk(step, data, 2, threads)()
+    sync(device)
+    t0 = time.perf_counter()
+    chunk(step, data, n, threads)()  # wall time without the profiler's own overhead
+    sync(device)
+    wall = (time.perf_counter() - t0) / n
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        chunk(step, data, n, threads)()
+    events = prof.key_averages()
+    # top-level ATen calls only would need the call tree; count every ATen op (nested ones included) and the
+    # self time of the matmul kernels, which is where the arithmetic happens
+    ops = sum(e.count for e in events if e.key.startswith("aten::")) / n
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6 / n
+    gelu = sum(e.self_cpu_time_total for e in events if e.key in ("aten::gelu", "aten::gelu_backward")) / 1e6 / n
+    return dict(arch=arch, method=method, members=E, threads=threads or torch.get_num_threads(), step_ms=1e3 * wall,
+                aten_ops=ops, matmul_share=matmul / wall, gelu_share=gelu / wall, us_per_op=1e6 * wall / ops)
+
+
 def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
     """Forward latency of one model at batch 64 (no grad), every method taking turns in each round."""
     x = batches(1, device, n=1)[0][0]
@@ -296,7 +328,7 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
 def run(archs: list[str], methods: list[str], s: Settings, device, log=print) -> dict:
     torch.set_flush_denormal(True)
     report = dict(meta=results.meta_info(device), settings=vars(s) | {"batch": BATCH},
-                  peak_gflops=matmul_peak(device), throughput=[], overhead=[], compile=[], inference=[])
+                  peak_gflops=matmul_peak(device), throughput=[], overhead=[], compile=[], inference=[], profile=[])
     log(f"matmul peak: {report['peak_gflops']:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     if "deep-narrow" in archs:
         report["anchor"] = anchor(s, device)
@@ -315,6 +347,8 @@ def run(archs: list[str], methods: list[str], s: Settings, device, log=print) ->
                     f"(x{row['speedup']:.1f}), {row['peak_share']:.1%} of peak")
             if {"lora", "queryable"} <= set(methods):
                 report["overhead"].append(overhead(arch, E, s, device))
+            for m in [m for m in ("lora", "queryable") if m in methods]:
+                report["profile"].append(profile_row(arch, m, E, s, device))
         if s.compile and "deep-narrow" == arch:
             for m in [m for m in ("lora", "queryable") if m in methods]:
                 report["compile"].append(compile_row(arch, m, 5, s, device))
@@ -348,6 +382,13 @@ def markdown(report: dict) -> str:
         rows = [dict(arch=r["arch"], E=r["members"], **{"training step vs LoRA": f"{r['train_step_overhead_pct']:+.0f}%",
                 "forward vs LoRA": f"{r['forward_overhead_pct']:+.0f}%"}) for r in report["overhead"]]
         out += ["\n### Queryable LoRA against LoRA (paired, same E)\n", table(pd.DataFrame(rows))]
+    if report.get("profile"):
+        rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], threads=r["threads"], **{
+                "step ms": _f(r["step_ms"], 2), "ATen ops / step": _f(r["aten_ops"], 0),
+                "µs per op": _f(r["us_per_op"], 1), "matmul share of step": f"{100 * r['matmul_share']:.0f}%",
+                "GELU fwd+bwd share": f"{100 * r['gelu_share']:.0f}%"})
+                for r in report["profile"]]
+        out += ["\n### Profile of one training step (torch.profiler; ops include nested calls)\n", table(pd.DataFrame(rows))]
     if report["compile"]:
         rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], threads=r["threads"], **{"warm-up s": _f(r["warmup_s"]),
                 "eager": _f(r["eager"], 0), "compiled": _f(r["compiled"], 0), "speed-up": f"x{r['speedup']:.2f}"})

@@ -26,6 +26,11 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert inference["lora"]["flop_overhead_pct"] == 0
     assert inference["queryable"]["flop_overhead_pct"] > 0  # routing costs FLOPs
     assert {"train_step_overhead_pct", "forward_overhead_pct"} <= set(report["overhead"][0])
+    profile = {r["method"]: r for r in report["profile"]}
+    assert set(profile) == {"lora", "queryable"}
+    assert profile["queryable"]["aten_ops"] > profile["lora"]["aten_ops"] > 32  # at least one op per hidden layer
+    for r in profile.values():
+        assert 0 < r["matmul_share"] < 1 and 0 < r["gelu_share"] < 1
 
 
 @pytest.mark.parametrize("argv, word", [(["--archs", "cnn"], "cnn"), (["--methods", "lora,bogus"], "bogus")])
@@ -47,8 +52,9 @@ def test_markdown_renders_every_section(tmp_path):
                                          peak_share=0.1)],
                   overhead=[dict(arch="deep-narrow", members=5, train_step_overhead_pct=50.0, forward_overhead_pct=40.0)],
                   compile=[row | dict(warmup_s=7.5, eager=600.0, compiled=800.0, speedup=1.33)],
+                  profile=[row | dict(step_ms=12.5, aten_ops=2100.0, us_per_op=6.0, matmul_share=0.28, gelu_share=0.27)],
                   inference=[dict(arch="deep-narrow", method="lora", latency_ms=1.0, samples_per_s=64000.0, gflop=0.005,
                                   latency_overhead_pct=0.0, flop_overhead_pct=0.0)])
     text = bench.markdown(report)
-    for needle in ("x7.1 the plain loop", "| x5.0", "+50%", "x1.33", "64,000"):
+    for needle in ("x7.1 the plain loop", "| x5.0", "+50%", "x1.33", "64,000", "2,100", "28%"):
         assert needle in text, needle
