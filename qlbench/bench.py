@@ -144,13 +144,14 @@ class Settings:
     rounds: int  # alternating rounds; medians are reported
     members: tuple[int, ...]  # stacked sizes E
     forward_reps: int
+    inference_rounds: int  # more rounds than training: a round of nine models' forwards is short
     compile: bool  # also measure the torch.compile path (warm-up included)
 
     @classmethod
     def make(cls, quick: bool) -> Settings:
         if quick:
-            return cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, False)
-        return cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, True)
+            return cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, 2, False)
+        return cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, 9, True)
 
 
 def alternate(fns: dict[str, tuple[callable, int]], rounds: int, device) -> dict[str, list[float]]:
@@ -316,7 +317,7 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
     fns = {m: (forward(model), s.forward_reps) for m, model in models.items()}
     for fn, _ in fns.values():
         fn()
-    r = alternate(fns, s.rounds, device)  # forwards per second
+    r = alternate(fns, s.inference_rounds, device)  # forwards per second
     with engine.num_threads(1):
         flops = {m: forward_flops(model, x) for m, model in models.items()}
     rows = []
@@ -377,7 +378,8 @@ def markdown(report: dict) -> str:
 
     out = [f"Matmul peak (float32 2048^3 sgemm, best at the start and end of the run): "
            f"{report['peak_gflops']:.1f} GFLOP/s; threads "
-           f"{report['meta']['threads']}; batch {BATCH}; medians of {report['settings']['rounds']} alternating rounds."]
+           f"{report['meta']['threads']}; batch {BATCH}; medians of {report['settings']['rounds']} alternating rounds "
+           f"({report['settings']['inference_rounds']} for inference)."]
     if "anchor" in report:
         a = report["anchor"]
         out.append(f"\nNaive-loop anchor (deep-narrow LoRA, steps/s of one seed): plain PyTorch nn.Linear loop "

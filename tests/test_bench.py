@@ -45,7 +45,7 @@ def test_markdown_renders_every_section(tmp_path):
     from qlbench import bench
 
     row = dict(arch="deep-narrow", method="lora", members=5, threads=1)
-    report = dict(peak_gflops=100.0, meta={"threads": 2}, settings={"rounds": 3},
+    report = dict(peak_gflops=100.0, meta={"threads": 2}, settings={"rounds": 3, "inference_rounds": 9},
                   anchor=dict(plain=70.0, plain_1_thread=90.0, qlbench_e1=100.0, stacked_e5=500.0,
                               stacked_e5_vs_plain=7.1),
                   throughput=[row | dict(stacked=500.0, naive=100.0, speedup=5.0, step_gflop=0.1, gflops=10.0,
@@ -56,5 +56,5 @@ def test_markdown_renders_every_section(tmp_path):
                   inference=[dict(arch="deep-narrow", method="lora", latency_ms=1.0, samples_per_s=64000.0, gflop=0.005,
                                   latency_overhead_pct=0.0, flop_overhead_pct=0.0)])
     text = bench.markdown(report)
-    for needle in ("x7.1 the plain loop", "| x5.0", "+50%", "x1.33", "64,000", "2,100", "28%"):
+    for needle in ("(9 for inference)", "x7.1 the plain loop", "| x5.0", "+50%", "x1.33", "64,000", "2,100", "28%"):
         assert needle in text, needle
