@@ -73,3 +73,20 @@ def test_console_script_error_has_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.startswith("qlbench run: error: unknown function 'nope'")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_smoke_sweep_stacks_functions_times_seeds(capsys, tmp_path):
+    """`sweep` trains one stack per method over every (function, seed) and writes a record per function."""
+    import json
+
+    code = cli.main(["sweep", "--functions", "matyas,levy", "--arch", "deep-narrow", "--budget", "smoke",
+                     "--methods", "lora,mean", "--seeds", "2", "--out", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and "matyas, levy on deep-narrow" in out
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in out.splitlines() if line.startswith("| ")}
+    assert {(f, m) for f in ("matyas", "levy") for m in ("lora", "mean")} <= rows, out
+    for function in ("matyas", "levy"):
+        folder = tmp_path / "records" / "deep-narrow" / function
+        assert sorted(p.name for p in folder.iterdir()) == ["lora.json", "mean.json"]
+        info = json.loads((folder / "lora.json").read_text())["train_info"]
+        assert info["status"] == "ok" and info["stacked_members"] == 4  # 2 functions x 2 seeds in one stack
