@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -77,8 +78,6 @@ def test_console_script_error_has_no_traceback():
 
 def test_smoke_sweep_stacks_functions_times_seeds(capsys, tmp_path):
     """`sweep` trains one stack per method over every (function, seed) and writes a record per function."""
-    import json
-
     code = cli.main(["sweep", "--functions", "matyas,levy", "--arch", "deep-narrow", "--budget", "smoke",
                      "--methods", "lora,mean", "--seeds", "2", "--out", str(tmp_path), "--no-progress"])
     out = capsys.readouterr().out
