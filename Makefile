@@ -1,6 +1,7 @@
 # qlbench: every target sets up what it needs in ./.venv first (CPU build of torch 2.13.0, then the package).
 #   make run      the main job: dropwave on the deep-narrow backbone, every method, `quick` budget
-#   make test     the default test suite (what CI runs)
+#   make test     the default test suite (what CI runs, after make lint)
+#   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run)
 PYTHON ?= python3
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow figures bench clean
+.PHONY: setup setup-dev run test test-slow lint format figures bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,14 @@ run: setup
 
 test: setup-dev
 	$(BIN)/python -m pytest -q
+
+lint: setup-dev
+	$(BIN)/ruff check qlbench tests
+	$(BIN)/ruff format --check qlbench tests
+
+format: setup-dev
+	$(BIN)/ruff check --fix qlbench tests
+	$(BIN)/ruff format qlbench tests
 
 test-slow: setup-dev
 	$(BIN)/python -m pytest -q -m slow

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param
 
+
 @dataclass(frozen=True)
 class Target:
     """A linear layer an adapter may wrap.
@@ -48,8 +49,14 @@ class DeepNarrowMLP(nn.Module):
 
     n_layers: int
 
-    def __init__(self, generators: list[torch.Generator], config: DeepNarrowConfig = DeepNarrowConfig(),
-                 *, device=None, dtype=None):
+    def __init__(
+        self,
+        generators: list[torch.Generator],
+        config: DeepNarrowConfig = DeepNarrowConfig(),
+        *,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         c, kw = config, dict(device=device, dtype=dtype)
         self.config = c
@@ -65,8 +72,9 @@ class DeepNarrowMLP(nn.Module):
             raise ValueError(f"deep-narrow has only 'hidden' adapter targets, got {roles}")
         return [Target(f"hidden.{i}", "hidden", i) for i in range(self.n_layers)]
 
-    def forward(self, x: torch.Tensor, instruction: torch.Tensor | None = None,
-                ctx: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, instruction: torch.Tensor | None = None, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
         ctx = ctx or ForwardContext(self.shared, instruction)
         h = F.gelu(self.inp(x))  # (E, N, 32)
         for layer in self.hidden:
@@ -128,8 +136,14 @@ class RegressionTransformer(nn.Module):
     Token vectors v_j and positions p_j are drawn N(0, 1) (as nn.Embedding); linears use PyTorch's default init.
     """
 
-    def __init__(self, generators: list[torch.Generator], config: TransformerConfig = TransformerConfig(),
-                 *, device=None, dtype=None):
+    def __init__(
+        self,
+        generators: list[torch.Generator],
+        config: TransformerConfig = TransformerConfig(),
+        *,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         c, kw = config, dict(device=device, dtype=dtype)
         self.config = c
@@ -148,8 +162,9 @@ class RegressionTransformer(nn.Module):
             raise ValueError(f"unknown transformer adapter target(s) {bad}; valid: {', '.join(valid)}")
         return [Target(f"layers.{i}.{r}", r, i) for i in range(self.n_layers) for r in valid if r in roles]
 
-    def forward(self, x: torch.Tensor, instruction: torch.Tensor | None = None,
-                ctx: ForwardContext | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, instruction: torch.Tensor | None = None, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
         ctx = ctx or ForwardContext(self.shared, instruction)
         h = x.unsqueeze(-1) * self.token.unsqueeze(1) + self.position.unsqueeze(1)  # (E, N, 2, d)
         for layer in self.layers:
@@ -161,9 +176,10 @@ def project_group(layers, x: torch.Tensor, ctx: ForwardContext) -> list[torch.Te
     """Apply linears that read the same input (attention q, k, v).
 
     An adapter whose routing needs the group's joint rank state (queryable: the token-averaged Q/K/V states)
-    provides a `group_forward(layers, x, ctx)`; all other layers are applied one by one.
+    provides a `group_forward(layers, x, ctx)`, called with the whole group (adapted or not) when any of its
+    layers has one; otherwise the layers are applied one by one.
     """
-    group_forward = getattr(layers[0], "group_forward", None)
+    group_forward = next((layer.group_forward for layer in layers if hasattr(layer, "group_forward")), None)
     if group_forward is not None:
         return group_forward(layers, x, ctx)
     return [layer(x, ctx) for layer in layers]

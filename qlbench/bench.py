@@ -16,58 +16,50 @@ a shared machine hits both sides alike. Nothing here asserts a speed: the number
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
 
 from qlbench import adapters, engine, results
-from qlbench.backbones import ARCHS, build_backbone
+from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
 
 BATCH = 64
 
 
-def stacked_model(arch: str, method: str, members: int, device) -> tuple[nn.Module, object]:
-    """A randomly initialised stack with `method` built on it, and its optimizer (throughput does not depend on
-    the values; flush-denormal keeps tiny values from slowing the CPU)."""
+def stacked_model(arch: str, method_name: str, members: int, device) -> tuple[nn.Module, object]:
+    """A randomly initialised stack with the method `method_name` built on it, and its optimizer (throughput does
+    not depend on the values; `run` flushes denormals so tiny values do not slow the CPU)."""
     keys = [("bench", e) for e in range(members)]
-    spec = adapters.get(method)
-    config = spec.make_config()
+    method = adapters.get(method_name)
+    config = method.make_config()
     y = torch.zeros(members, BATCH, device=device)
-    model = spec.build(build_backbone(arch, keys, device=device), config,
-                       [generator("init", "bench", method, k) for k in keys], y)
-    opt = spec.optimizer(model, config, 5e-4, 0.01) if spec.trains else None
+    model = method.build(
+        build_backbone(arch, keys, device=device), config, [generator("init", "bench", method_name, k) for k in keys], y
+    )
+    opt = method.optimizer(model, config, 5e-4, 0.01) if method.trains else None
     return model, opt
 
 
 def batches(members: int, device, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.rand(members, BATCH, 2, generator=g).to(device), torch.rand(members, BATCH, generator=g).to(device))
-            for _ in range(n)]
+    return [
+        (torch.rand(members, BATCH, 2, generator=g).to(device), torch.rand(members, BATCH, generator=g).to(device))
+        for _ in range(n)
+    ]
 
 
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def timed_steps(step, data, n: int, device) -> float:
-    """Seconds for n calls of step over the batches in `data`."""
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(n):
-        step(*data[i % len(data)])
-    sync(device)
-    return time.perf_counter() - t0
 
 
 class PlainLoraLinear(nn.Module):
@@ -100,6 +92,7 @@ def plain_step(model, opt):
         loss.backward()
         opt.step()
         opt.zero_grad()
+
     return step
 
 
@@ -128,13 +121,15 @@ def step_flops(model, step, data) -> int:
 
 
 def forward_flops(model, x) -> int:
-    """FLOPs of one forward (counted with autograd on: the counter's module hooks need it, nothing is backpropagated)."""
+    """FLOPs of one forward (counted with autograd on: the counter's module hooks need it; nothing is
+    backpropagated)."""
     with FlopCounterMode(display=False) as counter:
         model(x)
     return counter.get_total_flops()
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Settings:
@@ -174,10 +169,12 @@ def median_ratio(a: list[float], b: list[float]) -> float:
 
 def chunk(step, data, n, threads: int | None = None):
     """n steps over `data` with `threads` intra-op threads (None: PyTorch's default)."""
+
     def run():
         with engine.num_threads(threads):
             for i in range(n):
                 step(*data[i % len(data)])
+
     return run
 
 
@@ -194,13 +191,21 @@ def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
         chunk(fn, d, 2)()  # warm-up (SOAP's first step only builds its basis)
     with engine.num_threads(1):  # counting FLOPs is not timed
         flops = step_flops(model, step, data)
-    r = alternate({"stacked": (chunk(step, data, n, threads), E * n), "naive": (chunk(naive, naive_data, n), n)},
-                  s.rounds, device)
+    r = alternate(
+        {"stacked": (chunk(step, data, n, threads), E * n), "naive": (chunk(naive, naive_data, n), n)}, s.rounds, device
+    )
     stacked = statistics.median(r["stacked"])
-    return dict(arch=arch, method=method, members=E, threads=threads or torch.get_num_threads(), stacked=stacked,
-                naive=statistics.median(r["naive"]),
-                speedup=median_ratio(r["stacked"], r["naive"]), step_gflop=flops / 1e9,
-                gflops=flops / 1e9 * stacked / E)
+    return dict(
+        arch=arch,
+        method=method,
+        members=E,
+        threads=threads or torch.get_num_threads(),
+        stacked=stacked,
+        naive=statistics.median(r["naive"]),
+        speedup=median_ratio(r["stacked"], r["naive"]),
+        step_gflop=flops / 1e9,
+        gflops=flops / 1e9 * stacked / E,
+    )
 
 
 def overhead(arch: str, E: int, s: Settings, device) -> dict:
@@ -219,6 +224,7 @@ def overhead(arch: str, E: int, s: Settings, device) -> dict:
             with torch.no_grad(), engine.num_threads(threads):
                 for _ in range(s.forward_reps):
                     model(x)
+
         fwds[m] = (forward, E * BATCH * s.forward_reps)
         steps[m][0]()
         forward()
@@ -242,10 +248,21 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     t0 = time.perf_counter()
     chunk(comp, data, 2, threads)()  # compiles (one batch shape)
     warmup = time.perf_counter() - t0
-    r = alternate({"eager": (chunk(eager, data, n, threads), E * n),
-                   "compiled": (chunk(comp, data, n, threads), E * n)}, s.rounds, device)
-    return dict(arch=arch, method=method, members=E, threads=threads or torch.get_num_threads(), warmup_s=warmup, eager=statistics.median(r["eager"]),
-                compiled=statistics.median(r["compiled"]), speedup=median_ratio(r["compiled"], r["eager"]))
+    r = alternate(
+        {"eager": (chunk(eager, data, n, threads), E * n), "compiled": (chunk(comp, data, n, threads), E * n)},
+        s.rounds,
+        device,
+    )
+    return dict(
+        arch=arch,
+        method=method,
+        members=E,
+        threads=threads or torch.get_num_threads(),
+        warmup_s=warmup,
+        eager=statistics.median(r["eager"]),
+        compiled=statistics.median(r["compiled"]),
+        speedup=median_ratio(r["compiled"], r["eager"]),
+    )
 
 
 def anchor(s: Settings, device) -> dict:
@@ -259,9 +276,12 @@ def anchor(s: Settings, device) -> dict:
     stack, sopt = stacked_model("deep-narrow", "lora", 5, device)
     sstep = engine.make_step(stack, sopt)
     data, data5 = batches(1, device), batches(5, device)
-    fns = {"plain": (chunk(pstep, data, n), n), "plain_1_thread": (chunk(pstep, data, n, 1), n),
-           "qlbench_e1": (chunk(qstep, data, n), n),
-           "stacked_e5": (chunk(sstep, data5, n, engine.auto_threads("deep-narrow", 5)), 5 * n)}
+    fns = {
+        "plain": (chunk(pstep, data, n), n),
+        "plain_1_thread": (chunk(pstep, data, n, 1), n),
+        "qlbench_e1": (chunk(qstep, data, n), n),
+        "stacked_e5": (chunk(sstep, data5, n, engine.auto_threads("deep-narrow", 5)), 5 * n),
+    }
     for fn, _ in fns.values():
         fn()
     r = alternate(fns, s.rounds, device)
@@ -298,8 +318,17 @@ def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     ops = sum(e.count for e in events if e.key.startswith("aten::")) / n
     matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6 / n
     gelu = sum(e.self_cpu_time_total for e in events if e.key in ("aten::gelu", "aten::gelu_backward")) / 1e6 / n
-    return dict(arch=arch, method=method, members=E, threads=threads or torch.get_num_threads(), step_ms=1e3 * wall,
-                aten_ops=ops, matmul_share=matmul / wall, gelu_share=gelu / wall, us_per_op=1e6 * wall / ops)
+    return dict(
+        arch=arch,
+        method=method,
+        members=E,
+        threads=threads or torch.get_num_threads(),
+        step_ms=1e3 * wall,
+        aten_ops=ops,
+        matmul_share=matmul / wall,
+        gelu_share=gelu / wall,
+        us_per_op=1e6 * wall / ops,
+    )
 
 
 def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
@@ -313,7 +342,9 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
             with torch.no_grad(), engine.num_threads(threads):
                 for _ in range(s.forward_reps):
                     model(x)
+
         return run
+
     fns = {m: (forward(model), s.forward_reps) for m, model in models.items()}
     for fn, _ in fns.values():
         fn()
@@ -322,8 +353,13 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
         flops = {m: forward_flops(model, x) for m, model in models.items()}
     rows = []
     for m in models:
-        row = dict(arch=arch, method=m, latency_ms=1e3 / statistics.median(r[m]),
-                   samples_per_s=BATCH * statistics.median(r[m]), gflop=flops[m] / 1e9)
+        row = dict(
+            arch=arch,
+            method=m,
+            latency_ms=1e3 / statistics.median(r[m]),
+            samples_per_s=BATCH * statistics.median(r[m]),
+            gflop=flops[m] / 1e9,
+        )
         if "lora" in models:
             row["latency_overhead_pct"] = (median_ratio(r["lora"], r[m]) - 1) * 100
             row["flop_overhead_pct"] = (flops[m] / flops["lora"] - 1) * 100
@@ -331,40 +367,61 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
     return rows
 
 
-def run(archs: list[str], methods: list[str], s: Settings, device, log=print) -> dict:
-    torch.set_flush_denormal(True)
-    report = dict(meta=results.meta_info(device), settings=vars(s) | {"batch": BATCH},
-                  peak_gflops=matmul_peak(device), throughput=[], overhead=[], compile=[], inference=[], profile=[])
-    log(f"matmul peak (start): {report['peak_gflops']:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dict) -> list[tuple[str, Callable]]:
+    """The measurements of a run, in order, as (label, fn) pairs; each fn adds its rows to `report`."""
+    out = []
+    add = lambda key, fn: lambda: report[key].append(fn())
     if "deep-narrow" in archs:
-        report["anchor"] = anchor(s, device)
-        log(f"anchor: {report['anchor']}")
+        out.append(("anchor", lambda: report.update(anchor=anchor(s, device))))
     trained = [m for m in methods if adapters.get(m).trains]
+    pair = [m for m in ("lora", "queryable") if m in methods]
+    forwarded = [m for m in methods if m != "mean"]
     for arch in archs:
         for E in s.members:
             for m in trained:
                 if arch == "transformer" and m == "full-soap" and E > 5:
-                    log(f"  {arch} {m} E={E}: skipped (45 per-member SOAP states of a 6.3M-parameter model)")
-                    continue
-                row = throughput(arch, m, E, s, device)
-                report["throughput"].append(row)
-                log(f"  {arch} {m} E={E}: stacked {row['stacked']:.0f}, naive {row['naive']:.1f} model-steps/s "
-                    f"(x{row['speedup']:.1f}), {row['gflops']:.1f} GFLOP/s")
-            if {"lora", "queryable"} <= set(methods):
-                report["overhead"].append(overhead(arch, E, s, device))
-            for m in [m for m in ("lora", "queryable") if m in methods]:
-                report["profile"].append(profile_row(arch, m, E, s, device))
-        if s.compile and "deep-narrow" == arch:
-            for m in [m for m in ("lora", "queryable") if m in methods]:
-                report["compile"].append(compile_row(arch, m, 5, s, device))
-                log(f"  compile {arch} {m}: {report['compile'][-1]}")
-        report["inference"] += inference(arch, [m for m in methods if m != "mean"], s, device)
-    report["peak_gflops_start"] = report["peak_gflops"]
+                    continue  # 45 per-member SOAP states of a 6.3M-parameter model
+                out.append(
+                    (f"{arch} {m} E={E}", add("throughput", lambda a=arch, m=m, E=E: throughput(a, m, E, s, device)))
+                )
+            if len(pair) == 2:
+                out.append((f"{arch} overhead E={E}", add("overhead", lambda a=arch, E=E: overhead(a, E, s, device))))
+            for m in pair:
+                out.append(
+                    (
+                        f"{arch} profile {m} E={E}",
+                        add("profile", lambda a=arch, m=m, E=E: profile_row(a, m, E, s, device)),
+                    )
+                )
+        if s.compile and arch == "deep-narrow":
+            for m in pair:
+                out.append((f"{arch} compile {m}", add("compile", lambda a=arch, m=m: compile_row(a, m, 5, s, device))))
+        out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
+    return out
+
+
+@engine.flush_denormals()
+def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: bool = True) -> dict:
+    """Every measurement of `tasks`, with a progress bar; returns the report (JSON-ready)."""
+    report = dict(
+        meta=results.meta_info(device),
+        settings=vars(s) | {"batch": BATCH},
+        throughput=[],
+        overhead=[],
+        compile=[],
+        inference=[],
+        profile=[],
+    )
+    report["peak_gflops_start"] = matmul_peak(device)
+    todo = tasks(archs, methods, s, device, report)
+    with tqdm(todo, desc="bench", unit="measurement", disable=not progress) as bar:
+        for label, fn in bar:
+            bar.set_description(f"bench: {label}")
+            fn()
     report["peak_gflops_end"] = matmul_peak(device)
     report["peak_gflops"] = max(report["peak_gflops_start"], report["peak_gflops_end"])
     for row in report["throughput"]:
         row["peak_share"] = row["gflops"] / report["peak_gflops"]
-    log(f"matmul peak (end): {report['peak_gflops_end']:.1f} GFLOP/s")
     return report
 
 
@@ -373,79 +430,106 @@ def _f(v, digits=1) -> str:
 
 
 def markdown(report: dict) -> str:
-    from qlbench.report import markdown as table
+    """The report as Markdown tables (what `qlbench bench` prints and writes to bench.md)."""
     import pandas as pd
 
-    out = [f"Matmul peak (float32 2048^3 sgemm, best at the start and end of the run): "
-           f"{report['peak_gflops']:.1f} GFLOP/s; threads "
-           f"{report['meta']['threads']}; batch {BATCH}; medians of {report['settings']['rounds']} alternating rounds "
-           f"({report['settings']['inference_rounds']} for inference)."]
+    from qlbench.report import markdown as table
+
+    out = [
+        f"Matmul peak (float32 2048^3 sgemm, best at the start and end of the run): "
+        f"{report['peak_gflops']:.1f} GFLOP/s; threads "
+        f"{report['meta']['threads']}; batch {BATCH}; medians of {report['settings']['rounds']} alternating rounds "
+        f"({report['settings']['inference_rounds']} for inference)."
+    ]
     if "anchor" in report:
         a = report["anchor"]
-        out.append(f"\nNaive-loop anchor (deep-narrow LoRA, steps/s of one seed): plain PyTorch nn.Linear loop "
-                   f"{a['plain']:.0f} (default threads), {a['plain_1_thread']:.0f} (one thread); qlbench per-seed "
-                   f"loop {a['qlbench_e1']:.0f}; stacked engine at E = 5 {a['stacked_e5']:.0f} model-steps/s = "
-                   f"x{a['stacked_e5_vs_plain']:.1f} the plain loop.")
-    rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], threads=r["threads"], **{
-        "stacked model-steps/s": _f(r["stacked"], 0), "naive model-steps/s": _f(r["naive"], 1),
-        "speed-up": f"x{r['speedup']:.1f}", "GFLOP/s": _f(r["gflops"], 2), "% of peak": f"{100 * r['peak_share']:.1f}"})
-        for r in report["throughput"]]
+        out.append(
+            f"\nNaive-loop anchor (deep-narrow LoRA, steps/s of one seed): plain PyTorch nn.Linear loop "
+            f"{a['plain']:.0f} (default threads), {a['plain_1_thread']:.0f} (one thread); qlbench per-seed "
+            f"loop {a['qlbench_e1']:.0f}; stacked engine at E = 5 {a['stacked_e5']:.0f} model-steps/s = "
+            f"x{a['stacked_e5_vs_plain']:.1f} the plain loop."
+        )
+    rows = [
+        dict(
+            arch=r["arch"],
+            method=r["method"],
+            E=r["members"],
+            threads=r["threads"],
+            **{
+                "stacked model-steps/s": _f(r["stacked"], 0),
+                "naive model-steps/s": _f(r["naive"], 1),
+                "speed-up": f"x{r['speedup']:.1f}",
+                "GFLOP/s": _f(r["gflops"], 2),
+                "% of peak": f"{100 * r['peak_share']:.1f}",
+            },
+        )
+        for r in report["throughput"]
+    ]
     out += ["\n### Adaptation throughput: stacked engine vs naive per-seed loop\n", table(pd.DataFrame(rows))]
     if report["overhead"]:
-        rows = [dict(arch=r["arch"], E=r["members"], **{"training step vs LoRA": f"{r['train_step_overhead_pct']:+.0f}%",
-                "forward vs LoRA": f"{r['forward_overhead_pct']:+.0f}%"}) for r in report["overhead"]]
+        rows = [
+            dict(
+                arch=r["arch"],
+                E=r["members"],
+                **{
+                    "training step vs LoRA": f"{r['train_step_overhead_pct']:+.0f}%",
+                    "forward vs LoRA": f"{r['forward_overhead_pct']:+.0f}%",
+                },
+            )
+            for r in report["overhead"]
+        ]
         out += ["\n### Queryable LoRA against LoRA (paired, same E)\n", table(pd.DataFrame(rows))]
     if report.get("profile"):
-        rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], threads=r["threads"], **{
-                "step ms": _f(r["step_ms"], 2), "ATen ops / step": _f(r["aten_ops"], 0),
-                "µs per op": _f(r["us_per_op"], 1), "matmul share of step": f"{100 * r['matmul_share']:.0f}%",
-                "GELU fwd+bwd share": f"{100 * r['gelu_share']:.0f}%"})
-                for r in report["profile"]]
-        out += ["\n### Profile of one training step (torch.profiler; ops include nested calls)\n", table(pd.DataFrame(rows))]
+        rows = [
+            dict(
+                arch=r["arch"],
+                method=r["method"],
+                E=r["members"],
+                threads=r["threads"],
+                **{
+                    "step ms": _f(r["step_ms"], 2),
+                    "ATen ops / step": _f(r["aten_ops"], 0),
+                    "µs per op": _f(r["us_per_op"], 1),
+                    "matmul share of step": f"{100 * r['matmul_share']:.0f}%",
+                    "GELU fwd+bwd share": f"{100 * r['gelu_share']:.0f}%",
+                },
+            )
+            for r in report["profile"]
+        ]
+        out += [
+            "\n### Profile of one training step (torch.profiler; ops include nested calls)\n",
+            table(pd.DataFrame(rows)),
+        ]
     if report["compile"]:
-        rows = [dict(arch=r["arch"], method=r["method"], E=r["members"], threads=r["threads"], **{"warm-up s": _f(r["warmup_s"]),
-                "eager": _f(r["eager"], 0), "compiled": _f(r["compiled"], 0), "speed-up": f"x{r['speedup']:.2f}"})
-                for r in report["compile"]]
+        rows = [
+            dict(
+                arch=r["arch"],
+                method=r["method"],
+                E=r["members"],
+                threads=r["threads"],
+                **{
+                    "warm-up s": _f(r["warmup_s"]),
+                    "eager": _f(r["eager"], 0),
+                    "compiled": _f(r["compiled"], 0),
+                    "speed-up": f"x{r['speedup']:.2f}",
+                },
+            )
+            for r in report["compile"]
+        ]
         out += ["\n### torch.compile (model-steps/s after warm-up)\n", table(pd.DataFrame(rows))]
-    rows = [dict(arch=r["arch"], method=r["method"], **{"latency ms": _f(r["latency_ms"], 2),
-            "vs LoRA": "-" if r.get("latency_overhead_pct") is None else f"{r['latency_overhead_pct']:+.0f}%",
-            "samples/s": _f(r["samples_per_s"], 0), "GFLOP": _f(r["gflop"], 4),
-            "FLOPs vs LoRA": "-" if r.get("flop_overhead_pct") is None else f"{r['flop_overhead_pct']:+.1f}%"})
-            for r in report["inference"]]
+    rows = [
+        dict(
+            arch=r["arch"],
+            method=r["method"],
+            **{
+                "latency ms": _f(r["latency_ms"], 2),
+                "vs LoRA": "-" if r.get("latency_overhead_pct") is None else f"{r['latency_overhead_pct']:+.0f}%",
+                "samples/s": _f(r["samples_per_s"], 0),
+                "GFLOP": _f(r["gflop"], 4),
+                "FLOPs vs LoRA": "-" if r.get("flop_overhead_pct") is None else f"{r['flop_overhead_pct']:+.1f}%",
+            },
+        )
+        for r in report["inference"]
+    ]
     out += ["\n### Inference: forward at batch 64, one model\n", table(pd.DataFrame(rows))]
     return "\n".join(out) + "\n"
-
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="speed benchmarks: stacked vs naive, matmul-peak share, inference",
-                              description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="few steps, E = 5 only, no compile (for CI)")
-    p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
-    p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--out", default=Path("results/bench"), type=Path, help="folder for bench.json and bench.md (default results/bench)")
-    p.set_defaults(func=cmd_bench)
-
-
-def cmd_bench(args) -> int:
-    from qlbench.cli import UsageError
-
-    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
-    if bad := [a for a in archs if a not in ARCHS] or not archs:
-        raise UsageError(f"unknown arch {bad or args.archs!r}; valid: {', '.join(ARCHS)}")
-    methods = [m.strip() for m in args.methods.split(",")] if args.methods else adapters.names()
-    try:
-        for m in methods:
-            adapters.get(m)
-        device = engine.resolve_device(args.device)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    report = run(archs, methods, Settings.make(args.quick), device)
-    results.write_json_atomic(report, args.out / "bench.json")
-    text = markdown(report)
-    (args.out / "bench.md").parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / ".bench.md.tmp"
-    tmp.write_text(text)
-    tmp.replace(args.out / "bench.md")
-    print(text)
-    return 0

@@ -9,10 +9,6 @@ exactly the gradient it would get alone (a stacked run equals E separate runs; t
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,6 +21,7 @@ from qlbench import adapters, zoo
 from qlbench.adapters.base import adamw
 from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
+from qlbench.store import Store, save_torch, stable_hash
 
 
 @dataclass(frozen=True)
@@ -84,11 +81,31 @@ def resolve_device(device: str) -> torch.device:
 def auto_threads(arch: str, members: int) -> int | None:
     """Intra-op threads for a stack: one for the deep-narrow MLP below 16 members, else PyTorch's default (None).
 
-    Its 32-wide layers at batch 64 are too small to split across cores: on the 2-core CPU one thread ran the
-    quick budget's queryable adaptation (3 members) in 57 s against 83 s with two, and two threads slowed it 5x
-    whenever another process held a core. From about 16 members, and for the Transformer (1.35-1.7x), two help.
+    Its 32-wide layers at batch 64 are too small to split across cores, and a second thread stalls whenever another
+    process holds a core; from about 16 members, and for the Transformer, more threads help (README, Speed).
     """
     return 1 if arch == "deep-narrow" and members < 16 else None
+
+
+def _denormals_flushed() -> bool:
+    """Whether this thread flushes denormals (PyTorch has no getter: a denormal times one reads back as 0)."""
+    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+
+
+@contextlib.contextmanager
+def flush_denormals():
+    """Flush denormal floats to zero on the CPU inside the block, then restore the previous setting.
+
+    float32 training that drifts into denormals (tiny gradients of a deep MLP) runs several times slower
+    otherwise. The engine's entry points (`pretrain`, `adapt`) and the benchmarks run inside it. PyTorch's switch
+    is per thread, one more reason small stacks run on one thread."""
+    before = _denormals_flushed()
+    torch.set_flush_denormal(True)  # a no-op (returning False) on CPUs without the feature
+    try:
+        yield
+    finally:
+        if not before:
+            torch.set_flush_denormal(False)
 
 
 @contextlib.contextmanager
@@ -136,37 +153,48 @@ class Curves:
         tr, te = self.train_mse[e], self.test_mse[e]
         ok = torch.isfinite(tr) & torch.isfinite(te)
         if not ok.any():
-            return dict(best_train_mse=None, best_train_epoch=None, best_test_mse=None, best_test_epoch=None,
-                        test_at_best_train=None)
+            return dict(
+                best_train_mse=None,
+                best_train_epoch=None,
+                best_test_mse=None,
+                best_test_epoch=None,
+                test_at_best_train=None,
+            )
         idx = torch.nonzero(ok).squeeze(1)
         i_tr = idx[tr[idx].argmin()].item()
         i_te = idx[te[idx].argmin()].item()
-        return dict(best_train_mse=tr[i_tr].item(), best_train_epoch=self.epochs[i_tr],
-                    best_test_mse=te[i_te].item(), best_test_epoch=self.epochs[i_te],
-                    test_at_best_train=te[i_tr].item())
+        return dict(
+            best_train_mse=tr[i_tr].item(),
+            best_train_epoch=self.epochs[i_tr],
+            best_test_mse=te[i_te].item(),
+            best_test_epoch=self.epochs[i_te],
+            test_at_best_train=te[i_tr].item(),
+        )
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=None, chunk: int = 1024) -> torch.Tensor:
     """Per-member MSE (E,) of model on x (E, N, 2), y (E, N), in chunks of samples to bound memory."""
-    sq = torch.cat([(model(x[:, i:i + chunk], instruction) - y[:, i:i + chunk]).pow(2)
-                    for i in range(0, x.shape[1], chunk)], dim=1)
+    sq = torch.cat(
+        [(model(x[:, i : i + chunk], instruction) - y[:, i : i + chunk]).pow(2) for i in range(0, x.shape[1], chunk)],
+        dim=1,
+    )
     return sq.mean(dim=1)
 
 
 def compiled(model: nn.Module) -> nn.Module:
     """torch.compile for the training forward: CUDA graphs ("reduce-overhead") on a GPU, Inductor's default on CPU.
 
-    It shares the model's parameters; evaluation keeps calling the eager model (its batch shapes vary). On this
-    2-core CPU it roughly halves Queryable LoRA's step time after a warm-up of tens of seconds per shape and does
-    not speed up LoRA (`qlbench bench` measures both), so it is opt-in there.
+    It shares the model's parameters; evaluation keeps calling the eager model (its batch shapes vary). On a CPU
+    it is opt-in (`qlbench bench` measures its warm-up and speed-up; README, Speed).
     """
     on_cuda = next(model.parameters()).device.type == "cuda"
     return torch.compile(model, mode="reduce-overhead" if on_cuda else None, dynamic=False)
 
 
-def make_step(model: nn.Module, optimizer, instruction: torch.Tensor | None = None, *,
-              compile: bool = False) -> Callable:
+def make_step(
+    model: nn.Module, optimizer, instruction: torch.Tensor | None = None, *, compile: bool = False
+) -> Callable:
     """The training step every method and the benchmarks run: step(xb (E, b, 2), yb (E, b)) -> loss (E,).
 
     Each member's loss is its own batch mean and the stack minimises their sum, so member e's gradient is the one
@@ -184,9 +212,18 @@ def make_step(model: nn.Module, optimizer, instruction: torch.Tensor | None = No
     return step
 
 
-def fit(model: nn.Module, optimizer, data: StackedData, phase: Phase, eval_every: int,
-        order: list[torch.Generator], *, instruction: torch.Tensor | None = None,
-        progress: Callable[[int], None] | None = None, compile: bool = False) -> Curves:
+def fit(
+    model: nn.Module,
+    optimizer,
+    data: StackedData,
+    phase: Phase,
+    eval_every: int,
+    order: list[torch.Generator],
+    *,
+    instruction: torch.Tensor | None = None,
+    progress: Callable[[int], None] | None = None,
+    compile: bool = False,
+) -> Curves:
     """Minibatch training of a stack: member e shuffles its own data with order[e] every epoch.
 
     Evaluates train and test MSE before training and every `eval_every` epochs (and after the last). A member
@@ -221,7 +258,7 @@ def fit(model: nn.Module, optimizer, data: StackedData, phase: Phase, eval_every
         perm = torch.stack([torch.randperm(N, generator=g) for g in order]).to(device)  # (E, N)
         xs, ys = data.x_train[rows, perm], data.y_train[rows, perm]  # this epoch's order, (E, N, 2), (E, N)
         for i in range(0, N, phase.batch_size):
-            running += step(xs[:, i:i + phase.batch_size], ys[:, i:i + phase.batch_size])  # (E, b, 2), (E, b)
+            running += step(xs[:, i : i + phase.batch_size], ys[:, i : i + phase.batch_size])  # (E, b, 2), (E, b)
         if progress is not None:
             progress(n_batches)
         if epoch % eval_every == 0 or epoch == phase.epochs:
@@ -238,22 +275,6 @@ def steps(phase: Phase, n_train: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # Pretraining, with an on-disk cache shared by every method (and every stacking) of the same members.
 
-def _key(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temp file in the same folder, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 @dataclass
 class Pretrained:
@@ -268,8 +289,13 @@ class Pretrained:
     def select(self, members: list[Member]) -> Pretrained:
         """The sub-stack of the given members."""
         idx = [self.members.index(m) for m in members]
-        return Pretrained(self.arch, list(members), {k: v[idx] for k, v in self.state.items()},
-                          [self.source_train_mse[i] for i in idx], [self.source_test_mse[i] for i in idx])
+        return Pretrained(
+            self.arch,
+            list(members),
+            {k: v[idx] for k, v in self.state.items()},
+            [self.source_train_mse[i] for i in idx],
+            [self.source_test_mse[i] for i in idx],
+        )
 
     def model(self, *, device, dtype) -> nn.Module:
         """A fresh copy of the pretrained stack (methods modify their backbone in place)."""
@@ -278,23 +304,38 @@ class Pretrained:
         return model
 
 
-def _cache_paths(arch: str, members: list[Member], phase: Phase, dtype, cache_dir: Path | None) -> list[Path | None]:
-    keys = [_key(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype))) for f, s in members]
-    return [cache_dir / f"{arch}-{f}-seed{s}-{k}.pt" if cache_dir else None for (f, s), k in zip(members, keys)]
+def _cache_paths(arch: str, members: list[Member], phase: Phase, dtype, store: Store | None) -> list[Path | None]:
+    if store is None:
+        return [None] * len(members)
+    return [
+        store.backbone_path(
+            arch, f, s, stable_hash(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype)))
+        )
+        for f, s in members
+    ]
 
 
-def pretrain_needed(arch: str, members: list[Member], phase: Phase, dtype, cache_dir: Path | None) -> bool:
+def pretrain_needed(arch: str, members: list[Member], phase: Phase, dtype, store: Store | None) -> bool:
     """Whether `pretrain` will train anything (some member is not in the cache)."""
-    return any(p is None or not p.exists() for p in _cache_paths(arch, members, phase, dtype, cache_dir))
+    return any(p is None or not p.exists() for p in _cache_paths(arch, members, phase, dtype, store))
 
 
-def pretrain(arch: str, members: list[Member], phase: Phase, *, device, dtype=torch.float32,
-             cache_dir: Path | None = None, progress: Callable[[int], None] | None = None,
-             compile: bool = False) -> Pretrained:
-    """Source-pretrained backbones for `members`. Members found in `cache_dir` are loaded; the rest are trained
-    together and cached one file per member, so any later stacking of the same members reuses them."""
-    torch.set_flush_denormal(True)  # denormals made CPU training several times slower
-    paths = _cache_paths(arch, members, phase, dtype, cache_dir)
+@flush_denormals()
+def pretrain(
+    arch: str,
+    members: list[Member],
+    phase: Phase,
+    *,
+    device,
+    dtype=torch.float32,
+    store: Store | None = None,
+    progress: Callable[[int], None] | None = None,
+    compile: bool = False,
+) -> Pretrained:
+    """Source-pretrained backbones for `members`. Members found in the store's backbone cache are loaded; the
+    rest are trained together and cached one file per member, so any later stacking of the same members reuses
+    them."""
+    paths = _cache_paths(arch, members, phase, dtype, store)
     cached = {i: torch.load(p, map_location="cpu") for i, p in enumerate(paths) if p is not None and p.exists()}
     todo = [i for i in range(len(members)) if i not in cached]
     if todo:
@@ -303,21 +344,30 @@ def pretrain(arch: str, members: list[Member], phase: Phase, *, device, dtype=to
         data = StackedData.build(sub, "source", device=device, dtype=dtype)
         optimizer = adamw(model.parameters(), phase.lr, phase.weight_decay)
         order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
-        curves = fit(model, optimizer, data, phase, eval_every=phase.epochs, order=order, progress=progress,
-                     compile=compile)
+        curves = fit(
+            model, optimizer, data, phase, eval_every=phase.epochs, order=order, progress=progress, compile=compile
+        )
         state = model.state_dict()
         for j, i in enumerate(todo):
-            cached[i] = dict(state={k: v[j].detach().cpu().clone() for k, v in state.items()},
-                             source_train_mse=curves.train_mse[j, -1].item(),
-                             source_test_mse=curves.test_mse[j, -1].item())
+            cached[i] = dict(
+                state={k: v[j].detach().cpu().clone() for k, v in state.items()},
+                source_train_mse=curves.train_mse[j, -1].item(),
+                source_test_mse=curves.test_mse[j, -1].item(),
+            )
             if paths[i] is not None:
-                atomic_save(cached[i], paths[i])
+                save_torch(cached[i], paths[i])
     state = {k: torch.stack([cached[i]["state"][k] for i in range(len(members))]) for k in cached[0]["state"]}
-    return Pretrained(arch, list(members), state, [cached[i]["source_train_mse"] for i in range(len(members))],
-                      [cached[i]["source_test_mse"] for i in range(len(members))])
+    return Pretrained(
+        arch,
+        list(members),
+        state,
+        [cached[i]["source_train_mse"] for i in range(len(members))],
+        [cached[i]["source_test_mse"] for i in range(len(members))],
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class AdaptResult:
@@ -341,10 +391,19 @@ def build_model(pretrained: Pretrained, method_name: str, config, *, device, dty
     return model, data
 
 
-def adapt(pretrained: Pretrained, method_name: str, config, budget: Budget, *, device, dtype=torch.float32,
-          progress: Callable[[int], None] | None = None, compile: bool = False) -> AdaptResult:
+@flush_denormals()
+def adapt(
+    pretrained: Pretrained,
+    method_name: str,
+    config,
+    budget: Budget,
+    *,
+    device,
+    dtype=torch.float32,
+    progress: Callable[[int], None] | None = None,
+    compile: bool = False,
+) -> AdaptResult:
     """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target."""
-    torch.set_flush_denormal(True)
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
@@ -352,11 +411,16 @@ def adapt(pretrained: Pretrained, method_name: str, config, budget: Budget, *, d
     if method.trains:
         optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay)
         order = [generator("order", "adapt", arch, f, s) for f, s in members]
-        curves = fit(model, optimizer, data, budget.adapt, budget.eval_every, order, progress=progress,
-                     compile=compile)
+        curves = fit(model, optimizer, data, budget.adapt, budget.eval_every, order, progress=progress, compile=compile)
     else:
         tr = evaluate(model, data.x_train, data.y_train).cpu()
         te = evaluate(model, data.x_test, data.y_test).cpu()
         curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None] * len(members))
-    return AdaptResult(members, curves, adapters.trainable_parameter_count(model),
-                       adapters.total_parameter_count(model), time.perf_counter() - t0, model)
+    return AdaptResult(
+        members,
+        curves,
+        adapters.trainable_parameter_count(model),
+        adapters.total_parameter_count(model),
+        time.perf_counter() - t0,
+        model,
+    )

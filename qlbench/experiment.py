@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from qlbench import adapters, engine, results, zoo
 from qlbench.backbones import ARCHS
+from qlbench.store import Store, save_torch, stable_hash, write_json
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -37,19 +38,38 @@ class Plan:
     compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
     threads: int | None = None  # intra-op threads; None: engine.auto_threads
 
+    @property
+    def store(self) -> Store:
+        return Store(self.out_dir)
+
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused."""
         return {
-            "function": function, "arch": self.arch, "method": method,
+            "function": function,
+            "arch": self.arch,
+            "method": method,
             "method_config": dataclasses.asdict(self.configs[method]),
             "budget": dataclasses.asdict(self.budget) | {"seeds": len(self.seeds)},
-            "seeds": self.seeds, "dtype": self.dtype, "schema": results.SCHEMA,
+            "seeds": self.seeds,
+            "dtype": self.dtype,
+            "schema": results.SCHEMA,
         }
 
 
-def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, seeds: int | None = None,
-         budget: str = "quick", device: str = "auto", dtype: str = "float32", out_dir: str | Path = "results",
-         overrides: dict | None = None, compile: str = "auto", threads: int | None = None) -> Plan:
+def plan(
+    *,
+    functions: list[str],
+    arch: str,
+    methods: list[str] | None = None,
+    seeds: int | None = None,
+    budget: str = "quick",
+    device: str = "auto",
+    dtype: str = "float32",
+    out_dir: str | Path = "results",
+    overrides: dict | None = None,
+    compile: str = "auto",
+    threads: int | None = None,
+) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
@@ -71,8 +91,10 @@ def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, s
     overrides = dict(overrides or {})
     known = {f.name for m in methods for f in dataclasses.fields(adapters.get(m).config_cls)}
     if unknown := sorted(set(overrides) - known):
-        raise ValueError(f"unknown hyper-parameter(s) {', '.join(unknown)} for methods {','.join(methods)}; "
-                         f"valid: {', '.join(sorted(known)) or 'none'}")
+        raise ValueError(
+            f"unknown hyper-parameter(s) {', '.join(unknown)} for methods {','.join(methods)}; "
+            f"valid: {', '.join(sorted(known)) or 'none'}"
+        )
     configs = {}
     for m in methods:
         try:
@@ -85,12 +107,19 @@ def plan(*, functions: list[str], arch: str, methods: list[str] | None = None, s
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
     dev = engine.resolve_device(device)
     use_compile = compile == "on" or (compile == "auto" and dev.type == "cuda")
-    return Plan(list(dict.fromkeys(functions)), arch, methods, list(range(n_seeds)), b, configs, dev, dtype,
-                Path(out_dir), use_compile, threads)
-
-
-def model_path(out_dir: Path, arch: str, function: str, method: str) -> Path:
-    return Path(out_dir) / "models" / arch / function / f"{method}.pt"
+    return Plan(
+        list(dict.fromkeys(functions)),
+        arch,
+        methods,
+        list(range(n_seeds)),
+        b,
+        configs,
+        dev,
+        dtype,
+        Path(out_dir),
+        use_compile,
+        threads,
+    )
 
 
 def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -104,19 +133,19 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     the method built on it, and the saved final adapter weights. Returns (model, target data, record)."""
     rec = results.read_record(record)
     cfg = rec["run_info"]["config"]
-    out_dir = Path(record).parents[3]  # <out>/records/<arch>/<function>/<method>.json
-    arch, function, method = cfg["arch"], cfg["function"], cfg["method"]
-    spec = adapters.get(method)
-    config = spec.config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg["method_config"].items()})
+    store = Store.of_record(record)
+    arch, function, method_name = cfg["arch"], cfg["function"], cfg["method"]
+    method = adapters.get(method_name)
+    config = method.config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg["method_config"].items()})
     b = cfg["budget"]
     pretrain_phase = engine.Phase(**b["pretrain"])
     members = [(function, s) for s in cfg["seeds"]]
     dtype, dev = DTYPES[cfg["dtype"]], engine.resolve_device(device)
-    pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, cache_dir=out_dir / "backbones")
-    model, data = engine.build_model(pre, method, config, device=dev, dtype=dtype)
-    path = model_path(out_dir, arch, function, method)
+    pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, store=store)
+    model, data = engine.build_model(pre, method_name, config, device=dev, dtype=dtype)
+    path = store.model_path(arch, function, method_name)
     if not path.exists():
-        raise FileNotFoundError(f"no saved weights for {method} at {path}")
+        raise FileNotFoundError(f"no saved weights for {method_name} at {path}")
     saved = torch.load(path, map_location=dev)
     if saved["config_hash"] != rec["run_info"]["config_hash"]:
         raise ValueError(f"{path} belongs to another run than {record}")
@@ -131,15 +160,16 @@ def _finished(path: Path, config: dict) -> bool:
     if not path.exists():
         return False
     rec = results.read_record(path)
-    return rec["run_info"]["config_hash"] == results.config_hash(config) and rec["train_info"]["status"] != "failed"
+    return rec["run_info"]["config_hash"] == stable_hash(config) and rec["train_info"]["status"] != "failed"
 
 
 def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
     """Run every unfinished cell of the plan; returns the record paths of all cells (finished before or now)."""
     dtype = DTYPES[p.dtype]
-    todo = {m: [f for f in p.functions
-                if not _finished(results.record_path(p.out_dir, p.arch, f, m), p.cell_config(f, m))]
-            for m in p.methods}
+    todo = {
+        m: [f for f in p.functions if not _finished(p.store.record_path(p.arch, f, m), p.cell_config(f, m))]
+        for m in p.methods
+    }
     skipped = sum(len(p.functions) - len(fs) for fs in todo.values())
     if skipped:
         log(f"{skipped} cell(s) already have a record with the same config: skipped")
@@ -147,19 +177,32 @@ def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
     threads = p.threads or engine.auto_threads(p.arch, len(functions) * len(p.seeds))
     with engine.num_threads(threads):
         _run(p, todo, functions, dtype, progress, log)
-    return [results.record_path(p.out_dir, p.arch, f, m) for m in p.methods for f in p.functions]
+    return [p.store.record_path(p.arch, f, m) for m in p.methods for f in p.functions]
 
 
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
     """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells."""
     if functions:
         members = [(f, s) for f in functions for s in p.seeds]
-        cache = p.out_dir / "backbones"
-        with tqdm(total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if engine.pretrain_needed(
-                p.arch, members, p.budget.pretrain, dtype, cache) else 0), desc=f"pretrain {p.arch} x{len(members)}",
-                  unit="step", disable=not progress, leave=False) as bar:
-            pre = engine.pretrain(p.arch, members, p.budget.pretrain, device=p.device, dtype=dtype,
-                                  cache_dir=cache, progress=bar.update, compile=p.compile)
+        store = p.store
+        with tqdm(
+            total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN)
+            * (1 if engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, store) else 0),
+            desc=f"pretrain {p.arch} x{len(members)}",
+            unit="step",
+            disable=not progress,
+            leave=False,
+        ) as bar:
+            pre = engine.pretrain(
+                p.arch,
+                members,
+                p.budget.pretrain,
+                device=p.device,
+                dtype=dtype,
+                store=store,
+                progress=bar.update,
+                compile=p.compile,
+            )
         trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
         total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
         with tqdm(total=total, desc="adapt", unit="step", disable=not progress) as bar:
@@ -175,15 +218,22 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
     functions = list(dict.fromkeys(f for f, _ in pre.members))
     t0 = time.perf_counter()
     try:
-        res = engine.adapt(pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype,
-                           progress=progress, compile=p.compile)
+        res = engine.adapt(
+            pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype, progress=progress, compile=p.compile
+        )
     except Exception as err:  # record the failure and go on with the other methods
         log(f"{method}: failed: {type(err).__name__}: {err}")
         for f in functions:
-            rec = results.make_record(config=p.cell_config(f, method), seeds=p.seeds, device=p.device, compile=p.compile,
-                                      status="failed", message=f"{type(err).__name__}: {err}",
-                                      wall_time_s=time.perf_counter() - t0)
-            results.write_json_atomic(rec, results.record_path(p.out_dir, p.arch, f, method))
+            rec = results.make_record(
+                config=p.cell_config(f, method),
+                seeds=p.seeds,
+                device=p.device,
+                compile=p.compile,
+                status="failed",
+                message=f"{type(err).__name__}: {err}",
+                wall_time_s=time.perf_counter() - t0,
+            )
+            write_json(rec, p.store.record_path(p.arch, f, method))
         return
     c = res.curves
     for f in functions:
@@ -191,24 +241,43 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
         per_seed = []
         for i in idx:
             seed = res.members[i][1]
-            per_seed.append({
-                "seed": seed,
-                "status": "ok" if c.diverged_epoch[i] is None else "diverged",
-                "diverged_epoch": c.diverged_epoch[i],
-                **c.member_summary(i),
-                "source_train_mse": pre.source_train_mse[i], "source_test_mse": pre.source_test_mse[i],
-                "train_curve": c.train_mse[i].tolist(), "test_curve": c.test_mse[i].tolist(),
-            })
+            per_seed.append(
+                {
+                    "seed": seed,
+                    "status": "ok" if c.diverged_epoch[i] is None else "diverged",
+                    "diverged_epoch": c.diverged_epoch[i],
+                    **c.member_summary(i),
+                    "source_train_mse": pre.source_train_mse[i],
+                    "source_test_mse": pre.source_test_mse[i],
+                    "train_curve": c.train_mse[i].tolist(),
+                    "test_curve": c.test_mse[i].tolist(),
+                }
+            )
         bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
         message = f"diverged seeds: {bad}" if bad else ""
         if bad:
             log(f"{method} on {f}: seed(s) {bad} diverged (non-finite loss); the other seeds completed")
-        rec = results.make_record(config=p.cell_config(f, method), seeds=p.seeds, device=p.device, compile=p.compile,
-                                  status="diverged" if bad else "ok", message=message,
-                                  wall_time_s=res.wall_time_s, stacked_members=len(res.members),
-                                  trainable_params=res.trainable_params, total_params=res.total_params,
-                                  eval_epochs=c.epochs, per_seed=per_seed)
+        rec = results.make_record(
+            config=p.cell_config(f, method),
+            seeds=p.seeds,
+            device=p.device,
+            compile=p.compile,
+            status="diverged" if bad else "ok",
+            message=message,
+            wall_time_s=res.wall_time_s,
+            stacked_members=len(res.members),
+            trainable_params=res.trainable_params,
+            total_params=res.total_params,
+            eval_epochs=c.epochs,
+            per_seed=per_seed,
+        )
         if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
-            engine.atomic_save({"config_hash": rec["run_info"]["config_hash"], "members": [res.members[i] for i in idx],
-                                "state": trainable_state(res.model, idx)}, model_path(p.out_dir, p.arch, f, method))
-        results.write_json_atomic(rec, results.record_path(p.out_dir, p.arch, f, method))  # the record commits
+            save_torch(
+                {
+                    "config_hash": rec["run_info"]["config_hash"],
+                    "members": [res.members[i] for i in idx],
+                    "state": trainable_state(res.model, idx),
+                },
+                p.store.model_path(p.arch, f, method),
+            )
+        write_json(rec, p.store.record_path(p.arch, f, method))  # the record commits

@@ -14,13 +14,10 @@ Record layout (schema 1), in the spirit of huggingface peft's method_comparison:
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,17 +25,9 @@ import pandas as pd
 import torch
 
 import qlbench
+from qlbench.store import Store, finite, stable_hash
 
 SCHEMA = 1
-
-
-def config_hash(config: dict) -> str:
-    """Stable hash of a resolved config (what makes a result reproducible), used to skip finished cells."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def record_path(out_dir: Path, arch: str, function: str, method: str) -> Path:
-    return Path(out_dir) / "records" / arch / function / f"{method}.json"
 
 
 def git_info() -> dict:
@@ -66,36 +55,26 @@ def meta_info(device: torch.device) -> dict:
     }
 
 
-def _finite(x: float | None) -> float | None:
-    """JSON has no NaN: non-finite values are written as null."""
-    return None if x is None or not math.isfinite(x) else x
-
-
-def write_json_atomic(obj: dict, path: Path) -> None:
-    """Write JSON to a temp file in the target folder, then rename: readers never see half a record."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def make_record(*, config: dict, seeds: list[int], device: torch.device, compile: bool = False, status: str,
-                message: str = "",
-                wall_time_s: float = 0.0, stacked_members: int = 0, trainable_params: int | None = None,
-                total_params: int | None = None, eval_epochs: list[int] | None = None,
-                per_seed: list[dict] | None = None) -> dict:
-    per_seed = [{k: (_finite(v) if isinstance(v, float) else v) for k, v in s.items()} for s in per_seed or []]
+def make_record(
+    *,
+    config: dict,
+    seeds: list[int],
+    device: torch.device,
+    compile: bool = False,
+    status: str,
+    message: str = "",
+    wall_time_s: float = 0.0,
+    stacked_members: int = 0,
+    trainable_params: int | None = None,
+    total_params: int | None = None,
+    eval_epochs: list[int] | None = None,
+    per_seed: list[dict] | None = None,
+) -> dict:
+    per_seed = [{k: (finite(v) if isinstance(v, float) else v) for k, v in s.items()} for s in per_seed or []]
     for s in per_seed:
         for k in ("train_curve", "test_curve"):
             if k in s:
-                s[k] = [_finite(float(v)) for v in s[k]]
+                s[k] = [finite(float(v)) for v in s[k]]
     return {
         "schema": SCHEMA,
         "run_info": {
@@ -103,7 +82,7 @@ def make_record(*, config: dict, seeds: list[int], device: torch.device, compile
             "qlbench_version": qlbench.__version__,
             "git": git_info(),
             "config": config,
-            "config_hash": config_hash(config),
+            "config_hash": stable_hash(config),
             "budget": config["budget"]["name"],
             "device": str(device),
             "compile": compile,
@@ -130,16 +109,70 @@ def read_record(path: Path) -> dict:
 
 
 def find_records(root: Path) -> list[Path]:
-    return sorted(Path(root).rglob("records/**/*.json")) or sorted(Path(root).rglob("*.json"))
+    """The records of a results folder (or, for a folder of loose records, every JSON file below it)."""
+    return Store(root).records() or sorted(Path(root).rglob("*.json"))
 
 
-PER_SEED_COLUMNS = ("status", "diverged_epoch", "best_train_mse", "best_train_epoch", "best_test_mse",
-                    "best_test_epoch", "test_at_best_train", "source_train_mse", "source_test_mse")
+PER_SEED_COLUMNS = (
+    "status",
+    "diverged_epoch",
+    "best_train_mse",
+    "best_train_epoch",
+    "best_test_mse",
+    "best_test_epoch",
+    "test_at_best_train",
+    "source_train_mse",
+    "source_test_mse",
+)
+
+
+def _paths(paths_or_root) -> list[Path]:
+    if isinstance(paths_or_root, (str, Path)):
+        p = Path(paths_or_root)
+        return [p] if p.is_file() else find_records(p)
+    return [Path(p) for p in paths_or_root]
 
 
 def load(paths_or_root) -> pd.DataFrame:
-    """Tidy DataFrame, one row per (cell, seed): function, arch, method, budget, seed, trainable_params, and the
-    per-seed metrics. Accepts a results folder, one record path, or a list of record paths."""
+    """Tidy DataFrame, one row per (cell, seed): function, arch, method, budget, seed, cell_status, message,
+    trainable_params, and the per-seed metrics. A failed cell (no per-seed results) gives one row per seed with
+    status "failed" and no metrics, so it shows in every table. Accepts a results folder, one record path, or a
+    list of record paths."""
+    rows = []
+    for path in _paths(paths_or_root):
+        rec = read_record(path)
+        if rec.get("schema") != SCHEMA:
+            continue
+        run, train = rec["run_info"], rec["train_info"]
+        cfg = run["config"]
+        per_seed = train["per_seed"] or [{"seed": s, "status": "failed"} for s in run["seeds"]]
+        for s in per_seed:
+            rows.append(
+                {
+                    "function": cfg["function"],
+                    "arch": cfg["arch"],
+                    "method": cfg["method"],
+                    "budget": run["budget"],
+                    "seed": s["seed"],
+                    "cell_status": train["status"],
+                    "message": train["message"],
+                    "trainable_params": train["trainable_params"],
+                    "total_params": train["total_params"],
+                    "wall_time_s": train["wall_time_s"],
+                    "record": str(path),
+                    **{k: s.get(k) for k in PER_SEED_COLUMNS},
+                }
+            )
+    frame = pd.DataFrame(rows)
+    for col in ("best_train_mse", "best_test_mse", "test_at_best_train", "source_train_mse", "source_test_mse"):
+        if col in frame:
+            frame[col] = frame[col].astype(float)
+    return frame
+
+
+def load_curves(paths_or_root) -> pd.DataFrame:
+    """Tidy learning curves, one row per (cell, seed, evaluated epoch): function, arch, method, budget, seed, status,
+    epoch, train_mse, test_mse (NaN after a divergence). Accepts what `load` accepts."""
     if isinstance(paths_or_root, (str, Path)):
         p = Path(paths_or_root)
         paths = [p] if p.is_file() else find_records(p)
@@ -153,15 +186,21 @@ def load(paths_or_root) -> pd.DataFrame:
         run, train = rec["run_info"], rec["train_info"]
         cfg = run["config"]
         for s in train["per_seed"]:
-            rows.append({
-                "function": cfg["function"], "arch": cfg["arch"], "method": cfg["method"],
-                "budget": run["budget"], "seed": s["seed"], "cell_status": train["status"],
-                "trainable_params": train["trainable_params"], "total_params": train["total_params"],
-                "wall_time_s": train["wall_time_s"], "record": str(path),
-                **{k: s.get(k) for k in PER_SEED_COLUMNS},
-            })
-    frame = pd.DataFrame(rows)
-    for col in ("best_train_mse", "best_test_mse", "test_at_best_train", "source_train_mse", "source_test_mse"):
-        if col in frame:
-            frame[col] = frame[col].astype(float)
-    return frame
+            for epoch, tr, te in zip(train["eval_epochs"], s.get("train_curve", []), s.get("test_curve", [])):
+                rows.append(
+                    {
+                        "function": cfg["function"],
+                        "arch": cfg["arch"],
+                        "method": cfg["method"],
+                        "budget": run["budget"],
+                        "seed": s["seed"],
+                        "status": s["status"],
+                        "epoch": epoch,
+                        "train_mse": tr,
+                        "test_mse": te,
+                    }
+                )
+    frame = pd.DataFrame(
+        rows, columns=["function", "arch", "method", "budget", "seed", "status", "epoch", "train_mse", "test_mse"]
+    )
+    return frame.astype({"train_mse": float, "test_mse": float})

@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import functools
 import math
-import tomllib
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from qlbench.seeding import generator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser from PyPI
+    import tomli as tomllib
 
 # Sampling protocol (paper, appendix "deep-narrow stress test"): sizes and label noise.
 SOURCE_SIZE = 3000
@@ -243,8 +248,9 @@ def rotation(phi_deg: float) -> Tensor:
 
 
 @dataclass(frozen=True)
-class Target:
-    """out_scale * f(R(phi) (x - centre) + centre) + out_shift, centre = box centre; x (..., 2) -> (...)."""
+class ShiftedFunction:
+    """The target of a task: out_scale * f(R(phi) (x - centre) + centre) + out_shift, centre = box centre;
+    x (..., 2) -> (...)."""
 
     function: TestFunction  # with the target coefficients
     rotation_deg: float
@@ -276,7 +282,7 @@ class Task:
     name: str
     card: Card
     source: TestFunction
-    target: Target
+    target: ShiftedFunction
     instruction: str
 
     @property
@@ -315,5 +321,5 @@ class Task:
 def task(name: str) -> Task:
     """The source -> target task of the card `name` (target coefficients, rotation and output map from the card)."""
     c = card(name)
-    target = Target(function(name, **c.target_coefficients), c.rotation_deg, c.out_scale, c.out_shift)
+    target = ShiftedFunction(function(name, **c.target_coefficients), c.rotation_deg, c.out_scale, c.out_shift)
     return Task(name, c, function(name), target, c.instruction)

@@ -11,8 +11,12 @@ from qlbench import cli
 
 
 def test_quick_bench_writes_consistent_report(tmp_path, capsys):
-    assert cli.main(["bench", "--quick", "--archs", "deep-narrow", "--methods", "lora,queryable,mean",
-                     "--out", str(tmp_path)]) == 0
+    assert (
+        cli.main(
+            ["bench", "--quick", "--archs", "deep-narrow", "--methods", "lora,queryable,mean", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.md").read_text() in capsys.readouterr().out
     assert report["peak_gflops"] > 0
@@ -45,16 +49,27 @@ def test_markdown_renders_every_section(tmp_path):
     from qlbench import bench
 
     row = dict(arch="deep-narrow", method="lora", members=5, threads=1)
-    report = dict(peak_gflops=100.0, meta={"threads": 2}, settings={"rounds": 3, "inference_rounds": 9},
-                  anchor=dict(plain=70.0, plain_1_thread=90.0, qlbench_e1=100.0, stacked_e5=500.0,
-                              stacked_e5_vs_plain=7.1),
-                  throughput=[row | dict(stacked=500.0, naive=100.0, speedup=5.0, step_gflop=0.1, gflops=10.0,
-                                         peak_share=0.1)],
-                  overhead=[dict(arch="deep-narrow", members=5, train_step_overhead_pct=50.0, forward_overhead_pct=40.0)],
-                  compile=[row | dict(warmup_s=7.5, eager=600.0, compiled=800.0, speedup=1.33)],
-                  profile=[row | dict(step_ms=12.5, aten_ops=2100.0, us_per_op=6.0, matmul_share=0.28, gelu_share=0.27)],
-                  inference=[dict(arch="deep-narrow", method="lora", latency_ms=1.0, samples_per_s=64000.0, gflop=0.005,
-                                  latency_overhead_pct=0.0, flop_overhead_pct=0.0)])
+    report = dict(
+        peak_gflops=100.0,
+        meta={"threads": 2},
+        settings={"rounds": 3, "inference_rounds": 9},
+        anchor=dict(plain=70.0, plain_1_thread=90.0, qlbench_e1=100.0, stacked_e5=500.0, stacked_e5_vs_plain=7.1),
+        throughput=[row | dict(stacked=500.0, naive=100.0, speedup=5.0, step_gflop=0.1, gflops=10.0, peak_share=0.1)],
+        overhead=[dict(arch="deep-narrow", members=5, train_step_overhead_pct=50.0, forward_overhead_pct=40.0)],
+        compile=[row | dict(warmup_s=7.5, eager=600.0, compiled=800.0, speedup=1.33)],
+        profile=[row | dict(step_ms=12.5, aten_ops=2100.0, us_per_op=6.0, matmul_share=0.28, gelu_share=0.27)],
+        inference=[
+            dict(
+                arch="deep-narrow",
+                method="lora",
+                latency_ms=1.0,
+                samples_per_s=64000.0,
+                gflop=0.005,
+                latency_overhead_pct=0.0,
+                flop_overhead_pct=0.0,
+            )
+        ],
+    )
     text = bench.markdown(report)
     for needle in ("(9 for inference)", "x7.1 the plain loop", "| x5.0", "+50%", "x1.33", "64,000", "2,100", "28%"):
         assert needle in text, needle

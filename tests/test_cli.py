@@ -10,35 +10,30 @@ import pytest
 
 from qlbench import cli
 
-
-def one_line_error(capsys, argv) -> str:
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    return lines[0]
+from helpers import one_line_error
 
 
-@pytest.mark.parametrize("argv, expect", [
-    (["run", "--function", "nope"], ["'nope'", "dropwave", "styblinski-tang"]),
-    (["run", "--function", "dropwave", "--arch", "cnn"], ["'cnn'", "deep-narrow", "transformer"]),
-    (["run", "--function", "dropwave", "--methods", "lora,bogus"], ["'bogus'", "queryable", "mean"]),
-    (["run", "--function", "dropwave", "--budget", "huge"], ["'huge'", "paper", "quick", "smoke"]),
-    (["run", "--function", "dropwave", "--seeds", "0"], ["seeds", ">= 1"]),
-    (["run", "--function", "dropwave", "--seeds", "two"], ["--seeds", "'two'"]),
-    (["run", "--function", "dropwave", "--hp", "top_k=9"], ["top_k", "n_atoms=8"]),
-    (["run", "--function", "dropwave", "--hp", "rank=4"], ["rank", "valid:", "top_k"]),
-    (["run", "--function", "dropwave", "--hp", "r"], ["key=value"]),
-    (["run", "--function", "dropwave", "--device", "tpu"], ["'tpu'", "auto", "cpu"]),
-    (["run", "--function", "dropwave", "--dtype", "half"], ["'half'", "float32", "float64"]),
-    (["run"], ["--function"]),
-    (["sweep", "--functions", "dropwave,nope"], ["'nope'", "levy"]),
-    (["run", "--function", "dropwave", "--threads", "0"], ["threads", ">= 1"]),
-    (["run", "--function", "dropwave", "--compile", "maybe"], ["'maybe'", "auto", "on", "off"]),
-    (["frobnicate"], ["frobnicate", "run"]),
-])
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["run", "--function", "nope"], ["'nope'", "dropwave", "styblinski-tang"]),
+        (["run", "--function", "dropwave", "--arch", "cnn"], ["'cnn'", "deep-narrow", "transformer"]),
+        (["run", "--function", "dropwave", "--methods", "lora,bogus"], ["'bogus'", "queryable", "mean"]),
+        (["run", "--function", "dropwave", "--budget", "huge"], ["'huge'", "paper", "quick", "smoke"]),
+        (["run", "--function", "dropwave", "--seeds", "0"], ["seeds", ">= 1"]),
+        (["run", "--function", "dropwave", "--seeds", "two"], ["--seeds", "'two'"]),
+        (["run", "--function", "dropwave", "--hp", "top_k=9"], ["top_k", "n_atoms=8"]),
+        (["run", "--function", "dropwave", "--hp", "rank=4"], ["rank", "valid:", "top_k"]),
+        (["run", "--function", "dropwave", "--hp", "r"], ["key=value"]),
+        (["run", "--function", "dropwave", "--device", "tpu"], ["'tpu'", "auto", "cpu"]),
+        (["run", "--function", "dropwave", "--dtype", "half"], ["'half'", "float32", "float64"]),
+        (["run"], ["--function"]),
+        (["sweep", "--functions", "dropwave,nope"], ["'nope'", "levy"]),
+        (["run", "--function", "dropwave", "--threads", "0"], ["threads", ">= 1"]),
+        (["run", "--function", "dropwave", "--compile", "maybe"], ["'maybe'", "auto", "on", "off"]),
+        (["frobnicate"], ["frobnicate", "run"]),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(capsys, argv, expect):
     line = one_line_error(capsys, argv)
     for word in expect:
@@ -53,24 +48,49 @@ def test_functions_lists_the_zoo(capsys):
 
 
 def test_smoke_run_prints_the_table_and_writes_records(capsys, tmp_path):
-    code = cli.main(["run", "--function", "matyas", "--arch", "deep-narrow", "--budget", "smoke", "--methods",
-                     "lora,queryable,frozen,mean", "--out", str(tmp_path), "--no-progress"])
+    code = cli.main(
+        [
+            "run",
+            "--function",
+            "matyas",
+            "--arch",
+            "deep-narrow",
+            "--budget",
+            "smoke",
+            "--methods",
+            "lora,queryable,frozen,mean",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
-    for header in ("trainable", "× LoRA", "best train MSE", "best test MSE (test-selected)",
-                   "test MSE @ best-train epoch", "diverged"):
+    for header in (
+        "trainable",
+        "× LoRA",
+        "best train MSE",
+        "best test MSE (test-selected)",
+        "test MSE @ best-train epoch",
+        "diverged",
+    ):
         assert header in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"lora", "queryable", "frozen", "mean"}
     assert "16,384" in rows["lora"] and "17,760" in rows["queryable"] and "1.084" in rows["queryable"]
     assert " ± " in rows["lora"]
     assert sorted(p.name for p in (tmp_path / "records" / "deep-narrow" / "matyas").iterdir()) == [
-        "frozen.json", "lora.json", "mean.json", "queryable.json"]
+        "frozen.json",
+        "lora.json",
+        "mean.json",
+        "queryable.json",
+    ]
 
 
 def test_console_script_error_has_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "qlbench.cli", "run", "--function", "nope"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "qlbench.cli", "run", "--function", "nope"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("qlbench run: error: unknown function 'nope'")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
@@ -78,8 +98,24 @@ def test_console_script_error_has_no_traceback():
 
 def test_smoke_sweep_stacks_functions_times_seeds(capsys, tmp_path):
     """`sweep` trains one stack per method over every (function, seed) and writes a record per function."""
-    code = cli.main(["sweep", "--functions", "matyas,levy", "--arch", "deep-narrow", "--budget", "smoke",
-                     "--methods", "lora,mean", "--seeds", "2", "--out", str(tmp_path), "--no-progress"])
+    code = cli.main(
+        [
+            "sweep",
+            "--functions",
+            "matyas,levy",
+            "--arch",
+            "deep-narrow",
+            "--budget",
+            "smoke",
+            "--methods",
+            "lora,mean",
+            "--seeds",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "matyas, levy on deep-narrow" in out
     rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in out.splitlines() if line.startswith("| ")}

@@ -9,21 +9,22 @@ import pytest
 import torch
 
 from qlbench import adapters, engine, experiment, results
+from qlbench.store import Store
 
 F64 = torch.float64
 PRE = engine.Phase(epochs=2, lr=3e-3)
 BUDGET = engine.Budget("test", 3, PRE, engine.Phase(epochs=3, lr=5e-4), eval_every=1)
 
 
-def run(members, method, *, dtype=F64, cache_dir=None, break_member=None):
-    pre = engine.pretrain("deep-narrow", members, PRE, device="cpu", dtype=dtype, cache_dir=cache_dir)
-    spec = adapters.get(method)
+def run(members, method_name, *, dtype=F64, break_member=None):
+    pre = engine.pretrain("deep-narrow", members, PRE, device="cpu", dtype=dtype)
+    method = adapters.get(method_name)
     if break_member is None:
-        return engine.adapt(pre, method, spec.make_config(), BUDGET, device="cpu", dtype=dtype)
-    model, data = engine.build_model(pre, method, spec.make_config(), device="cpu", dtype=dtype)
+        return engine.adapt(pre, method_name, method.make_config(), BUDGET, device="cpu", dtype=dtype)
+    model, data = engine.build_model(pre, method_name, method.make_config(), device="cpu", dtype=dtype)
     with torch.no_grad():
         next(p for p in model.parameters() if p.requires_grad)[break_member].fill_(torch.nan)
-    opt = spec.optimizer(model, spec.make_config(), BUDGET.adapt.lr, BUDGET.adapt.weight_decay)
+    opt = method.optimizer(model, method.make_config(), BUDGET.adapt.lr, BUDGET.adapt.weight_decay)
     order = [engine.generator("order", "adapt", "deep-narrow", f, s) for f, s in members]
     return engine.fit(model, opt, data, BUDGET.adapt, BUDGET.eval_every, order)
 
@@ -37,8 +38,9 @@ def test_stacked_run_equals_separate_runs(method):
     for e, m in enumerate(MEMBERS):
         alone = run([m], method)
         for key in ("train_mse", "test_mse"):
-            torch.testing.assert_close(getattr(stacked.curves, key)[e], getattr(alone.curves, key)[0],
-                                       rtol=1e-10, atol=0)
+            torch.testing.assert_close(
+                getattr(stacked.curves, key)[e], getattr(alone.curves, key)[0], rtol=1e-10, atol=0
+            )
     assert stacked.curves.train_mse.shape == (3, BUDGET.adapt.epochs + 1)
 
 
@@ -86,16 +88,18 @@ def test_member_summary_selects_without_peeking():
 
 
 def test_pretraining_cache_is_reused_across_stackings(tmp_path):
-    first = engine.pretrain("deep-narrow", MEMBERS[:2], PRE, device="cpu", dtype=F64, cache_dir=tmp_path)
-    assert len(list(tmp_path.glob("*.pt"))) == 2
-    assert not engine.pretrain_needed("deep-narrow", MEMBERS[1:2], PRE, F64, tmp_path)
+    store = Store(tmp_path)
+    first = engine.pretrain("deep-narrow", MEMBERS[:2], PRE, device="cpu", dtype=F64, store=store)
+    assert len(list(store.backbone_dir.glob("*.pt"))) == 2
+    assert not engine.pretrain_needed("deep-narrow", MEMBERS[1:2], PRE, F64, store)
     calls = []
-    again = engine.pretrain("deep-narrow", MEMBERS[1:2], PRE, device="cpu", dtype=F64, cache_dir=tmp_path,
-                            progress=calls.append)
+    again = engine.pretrain(
+        "deep-narrow", MEMBERS[1:2], PRE, device="cpu", dtype=F64, store=store, progress=calls.append
+    )
     assert calls == []  # nothing trained
     for k, v in again.state.items():
         assert torch.equal(v[0], first.state[k][1])
-    assert engine.pretrain_needed("deep-narrow", MEMBERS, PRE, F64, tmp_path)  # levy is not cached yet
+    assert engine.pretrain_needed("deep-narrow", MEMBERS, PRE, F64, store)  # levy is not cached yet
 
 
 def test_paper_budget_is_the_papers_protocol():
@@ -108,8 +112,16 @@ def test_paper_budget_is_the_papers_protocol():
 
 
 def test_experiment_writes_records_resumes_and_reloads(tmp_path):
-    plan = experiment.plan(functions=["matyas"], arch="deep-narrow", methods=["queryable", "mean"], seeds=2,
-                           budget="smoke", device="cpu", dtype="float64", out_dir=tmp_path)
+    plan = experiment.plan(
+        functions=["matyas"],
+        arch="deep-narrow",
+        methods=["queryable", "mean"],
+        seeds=2,
+        budget="smoke",
+        device="cpu",
+        dtype="float64",
+        out_dir=tmp_path,
+    )
     paths = experiment.run(plan, progress=False, log=lambda m: None)
     rec = results.read_record(paths[0])
     assert rec["train_info"]["status"] == "ok" and rec["run_info"]["seeds"] == [0, 1]
@@ -126,9 +138,12 @@ def test_experiment_writes_records_resumes_and_reloads(tmp_path):
     frame = results.load(tmp_path)
     assert sorted(frame["method"].unique()) == ["mean", "queryable"] and len(frame) == 4
     model, data, _ = experiment.load_adapted(paths[0])  # the saved adapter reproduces the recorded test MSE
-    torch.testing.assert_close(engine.evaluate(model, data.x_test, data.y_test),
-                               torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]], dtype=F64),
-                               rtol=1e-9, atol=0)
+    torch.testing.assert_close(
+        engine.evaluate(model, data.x_test, data.y_test),
+        torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]], dtype=F64),
+        rtol=1e-9,
+        atol=0,
+    )
 
 
 def test_compiled_training_step_matches_eager():
@@ -140,11 +155,11 @@ def test_compiled_training_step_matches_eager():
     for compile in (False, True):
         gens = [engine.generator("test-compile", *m) for m in members]
         backbone = DeepNarrowMLP(gens, DeepNarrowConfig(depth=4))
-        spec = adapters.get("queryable")
-        config = spec.make_config(n_blocks=2)
-        model = spec.build(backbone, config, gens, None)
+        method = adapters.get("queryable")
+        config = method.make_config(n_blocks=2)
+        model = method.build(backbone, config, gens, None)
         data = engine.StackedData.build(members, "target", device="cpu", dtype=torch.float32)
-        opt = spec.optimizer(model, config, 1e-3, 0.01)
+        opt = method.optimizer(model, config, 1e-3, 0.01)
         order = [engine.generator("order", *m) for m in members]
         curves.append(engine.fit(model, opt, data, engine.Phase(2, 1e-3), 1, order, compile=compile))
     torch.testing.assert_close(curves[1].train_mse, curves[0].train_mse, rtol=1e-4, atol=1e-6)

@@ -24,25 +24,23 @@ import torch
 from qlbench import adapters, engine
 from qlbench.adapters import AdapterMethod
 from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP, RegressionTransformer, TransformerConfig
-from qlbench.seeding import generator
 
-F64 = torch.float64
+from helpers import F64, TINY_DEEP_NARROW, gens
+
 TRAINED = [name for name, method in adapters.REGISTRY.items() if method.trains]
 FFN = ("q", "k", "v", "o", "fc1", "fc2")
 
-SMALL = {"deep-narrow": (DeepNarrowMLP, DeepNarrowConfig(depth=4)),
-         "transformer": (RegressionTransformer, TransformerConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64))}
+SMALL = {
+    "deep-narrow": (DeepNarrowMLP, TINY_DEEP_NARROW),
+    "transformer": (RegressionTransformer, TransformerConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64)),
+}
 FULL = {"deep-narrow": (DeepNarrowMLP, DeepNarrowConfig()), "transformer": (RegressionTransformer, TransformerConfig())}
 STEPS = engine.Phase(epochs=2, lr=1e-2, batch_size=8)  # 16 training samples: 2 steps per epoch
 
 
-def gens(tag: str, members) -> list[torch.Generator]:
-    return [generator("test-methods", tag, e) for e in members]
-
-
 def backbone(arch: str, members, size=SMALL, dtype=F64) -> torch.nn.Module:
     cls, config = size[arch]
-    return cls(gens("backbone", members), config, dtype=dtype)
+    return cls(gens("backbone", members=members), config, dtype=dtype)
 
 
 def build(name: str, bb: torch.nn.Module, members, targets=None, tag: str = "init"):
@@ -52,12 +50,12 @@ def build(name: str, bb: torch.nn.Module, members, targets=None, tag: str = "ini
     if targets:
         overrides["targets"] = targets
     config = method.make_config(**overrides)
-    return method.build(bb, config, gens(tag, members), torch.zeros(len(members), 1, dtype=F64)), method, config
+    return method.build(bb, config, gens(tag, members=members), torch.zeros(len(members), 1, dtype=F64)), method, config
 
 
 def data(members, n_train: int = 16, n_test: int = 16) -> engine.StackedData:
     """Member e: its own inputs in [-1, 1]^2 and a smooth target that differs per member."""
-    xs = [torch.rand(n_train + n_test, 2, generator=g, dtype=F64) * 2 - 1 for g in gens("data", members)]
+    xs = [torch.rand(n_train + n_test, 2, generator=g, dtype=F64) * 2 - 1 for g in gens("data", members=members)]
     x = torch.stack(xs)  # (E, N, 2)
     y = torch.sin(3 * x[..., 0]) * torch.cos(2 * x[..., 1]) + 0.1 * torch.tensor(members, dtype=F64).unsqueeze(1)
     return engine.StackedData(x[:, :n_train], y[:, :n_train], x[:, n_train:], y[:, n_train:])
@@ -75,9 +73,12 @@ def steps(model, method, config, d: engine.StackedData, n: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The matrix
 
-@pytest.mark.parametrize("arch, size, targets", [("deep-narrow", FULL, None), ("transformer", SMALL, None),
-                                                 ("transformer", SMALL, FFN)],
-                         ids=["deep-narrow-full", "transformer-qkvo", "transformer-ffn"])
+
+@pytest.mark.parametrize(
+    "arch, size, targets",
+    [("deep-narrow", FULL, None), ("transformer", SMALL, None), ("transformer", SMALL, FFN)],
+    ids=["deep-narrow-full", "transformer-qkvo", "transformer-ffn"],
+)
 @pytest.mark.parametrize("name", TRAINED)
 def test_equals_the_frozen_backbone_at_step_0(name, arch, size, targets):
     bb = backbone(arch, (0, 1), size)
@@ -98,7 +99,7 @@ def test_steps_change_only_the_methods_trainable_parameters(name, arch):
     for n in before.keys() - trainable:
         assert torch.equal(after[n], before[n]), f"frozen parameter {n} changed"
     if isinstance(method, AdapterMethod):
-        p = method.prefix
+        p = method.name
         wrong = [n for n in trainable if not (n.rsplit(".", 1)[-1].startswith(f"{p}_") or n.startswith(f"shared.{p}."))]
         assert trainable and not wrong, f"trainable parameters without the {p!r} prefix: {wrong}"
     else:  # full fine-tuning: exactly the backbone's parameters
@@ -109,7 +110,7 @@ def test_steps_change_only_the_methods_trainable_parameters(name, arch):
 def train(name: str, arch: str, members):
     model, method, config = build(name, backbone(arch, members), members)
     optimizer = method.optimizer(model, config, STEPS.lr, STEPS.weight_decay)
-    curves = engine.fit(model, optimizer, data(members), STEPS, eval_every=1, order=gens("order", members))
+    curves = engine.fit(model, optimizer, data(members), STEPS, eval_every=1, order=gens("order", members=members))
     return model, curves
 
 
@@ -125,7 +126,7 @@ def test_a_stack_equals_separate_runs(name, arch):
         # batched and single matmuls may round differently (1e-16); a member mix-up is visible at 1e-3
         for n, p in alone.named_parameters():
             torch.testing.assert_close(stacked[n][e], p[0], rtol=1e-10, atol=1e-12, msg=n)
-        torch.testing.assert_close(y_stack[e], alone(x[e:e + 1])[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(y_stack[e], alone(x[e : e + 1])[0], rtol=1e-10, atol=1e-12)
         for key in ("train_mse", "test_mse"):
             torch.testing.assert_close(getattr(stack_curves, key)[e], getattr(curves, key)[0], rtol=1e-10, atol=0)
     assert not torch.equal(stack_curves.train_mse[:, 0], stack_curves.train_mse[:, -1])  # it trained
@@ -156,17 +157,17 @@ def sites(arch: str, targets) -> list[tuple[str, int, int, int, int]]:
     """(role, layer, d_in, d_out, heads) of every adapted linear at full size."""
     if arch == "deep-narrow":
         c = DeepNarrowConfig()
-        return [("hidden", l, c.width, c.width, MLP_HEADS) for l in range(c.depth)]
+        return [("hidden", i, c.width, c.width, MLP_HEADS) for i in range(c.depth)]
     c = TransformerConfig()
     shapes = {r: (c.d_model, c.d_model, c.n_heads) for r in "qkvo"}
     shapes.update(fc1=(c.d_model, c.d_ff, MLP_HEADS), fc2=(c.d_ff, c.d_model, MLP_HEADS))
-    return [(r, l, *shapes[r]) for l in range(c.n_layers) for r in (targets or "qkvo")]
+    return [(r, i, *shapes[r]) for i in range(c.n_layers) for r in (targets or "qkvo")]
 
 
 def backbone_count(arch: str) -> int:
     if arch == "deep-narrow":
         c = DeepNarrowConfig()
-        return (c.d_in * c.width + c.width) + c.depth * (c.width ** 2 + c.width) + (c.width + 1)
+        return (c.d_in * c.width + c.width) + c.depth * (c.width**2 + c.width) + (c.width + 1)
     c = TransformerConfig()
     d, f = c.d_model, c.d_ff
     layer = 2 * 2 * d + 4 * (d * d + d) + (d * f + f) + (f * d + d)  # two LayerNorms, q k v o, fc1, fc2
@@ -192,8 +193,10 @@ def replora_count(s):
 
 def hyra_count(s):
     # per key: layer and head embeddings, W_in, W_out_A, W_out_B (all in the shared module)
-    return sum(L * D_E + H * D_E + H_HYRA * 2 * D_E + H_HYRA * R * d_in + H_HYRA * (d_out // H) * R
-               for (_, d_in, d_out), (L, H) in keys(s).items())
+    return sum(
+        L * D_E + H * D_E + H_HYRA * 2 * D_E + H_HYRA * R * d_in + H_HYRA * (d_out // H) * R
+        for (_, d_in, d_out), (L, H) in keys(s).items()
+    )
 
 
 def queryable_count(s):
@@ -218,8 +221,11 @@ def full_backbone(arch: str) -> torch.nn.Module:
     return backbone(arch, (0,), FULL, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("arch, targets", [("deep-narrow", None), ("transformer", None), ("transformer", FFN)],
-                         ids=["deep-narrow", "transformer-qkvo", "transformer-ffn"])
+@pytest.mark.parametrize(
+    "arch, targets",
+    [("deep-narrow", None), ("transformer", None), ("transformer", FFN)],
+    ids=["deep-narrow", "transformer-qkvo", "transformer-ffn"],
+)
 @pytest.mark.parametrize("name", TRAINED)
 def test_trainable_parameter_count_matches_the_formula(name, arch, targets):
     model, _, _ = build(name, copy.deepcopy(full_backbone(arch)), (0,), targets)
@@ -229,12 +235,22 @@ def test_trainable_parameter_count_matches_the_formula(name, arch, targets):
 def test_every_trained_method_has_a_formula_and_the_registry_is_complete():
     assert set(FORMULAS) == set(TRAINED)
     assert set(adapters.REGISTRY) == set(TRAINED) | {"frozen", "mean"}
-    assert adapters.DEFAULT_METHODS == ("full-soap", "lora", "dora", "hyra", "replora", "doran", "queryable",
-                                        "frozen", "mean")
+    assert adapters.DEFAULT_METHODS == (
+        "full-soap",
+        "lora",
+        "dora",
+        "hyra",
+        "replora",
+        "doran",
+        "queryable",
+        "frozen",
+        "mean",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Method-specific checks
+
 
 @pytest.mark.parametrize("name", ["dora", "doran"])
 def test_zero_weight_row_gives_no_nan(name):
@@ -278,7 +294,7 @@ def test_each_key_generates_its_layers_factors_in_one_call_per_forward(name, arc
     """The shared network of a (role, shape) key runs once per forward for all its layers (they slice its output,
     cached in ctx.scratch), not once per layer."""
     model, method, config = build(name, backbone(arch, (0, 1)), (0, 1), FFN if arch == "transformer" else None)
-    nets = model.shared[method.prefix]
+    nets = model.shared[method.name]
     calls = {key: 0 for key in nets}
     for key, net in nets.items():
         net.register_forward_hook(lambda module, args, out, key=key: calls.__setitem__(key, calls[key] + 1))
@@ -293,8 +309,9 @@ def test_doran_stabiliser_starts_at_tau_init_and_learns():
     model, method, config = build("doran", backbone("deep-narrow", (0, 1)), (0, 1))
     layer = model.hidden[0]
     torch.testing.assert_close(layer.tau(), torch.full((2, 1), config.tau_init, dtype=F64), rtol=1e-12, atol=0)
-    torch.testing.assert_close(layer.doran_m, torch.linalg.vector_norm(layer.base.weight, dim=-1) + layer.tau(),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        layer.doran_m, torch.linalg.vector_norm(layer.base.weight, dim=-1) + layer.tau(), rtol=0, atol=0
+    )
     d = data((0, 1))
     (model(d.x_train) - d.y_train).pow(2).mean(1).sum().backward()
     assert (layer.doran_rho.grad != 0).all()
@@ -306,7 +323,7 @@ def test_hyra_heads_own_their_block_of_b_rows():
     net = model.shared["hyra"]["q_32x32"]
     assert net.heads == 4
     with torch.no_grad():
-        net.W_out_B.normal_(std=0.1, generator=gens("W_out_B", (0,))[0])  # leave the zero init: B is live
+        net.W_out_B.normal_(std=0.1, generator=gens("W_out_B", members=(0,))[0])  # leave the zero init: B is live
         A0, B0 = net.factors(layer=1)
         net.head_emb[:, 2] += 1.0  # move head 2's embedding
         A1, B1 = net.factors(layer=1)
@@ -318,30 +335,32 @@ def test_hyra_heads_own_their_block_of_b_rows():
 def test_hyra_generates_a_with_loras_scale():
     model, _, config = build("hyra", backbone("deep-narrow", (0, 1), FULL), (0, 1))
     net = model.shared["hyra"]["hidden_32x32"]
-    A = torch.stack([net.factors(l)[0] for l in range(model.n_layers)])  # (L, E, r, d_in)
+    A = torch.stack([net.factors(i)[0] for i in range(model.n_layers)])  # (L, E, r, d_in)
     lora_std = 1 / math.sqrt(3 * net.d_in)  # std of U(+-1/sqrt(d_in))
     rms = A.pow(2).mean(dim=(0, 2, 3)).sqrt()  # per member
     torch.testing.assert_close(rms, torch.full_like(rms, lora_std), rtol=0.1, atol=0)
 
 
 def test_hyra_rejects_a_width_the_heads_do_not_divide():
-    bb = DeepNarrowMLP(gens("backbone", (0,)), DeepNarrowConfig(width=30, depth=2), dtype=F64)
+    bb = DeepNarrowMLP(gens("backbone", members=(0,)), DeepNarrowConfig(width=30, depth=2), dtype=F64)
     with pytest.raises(ValueError, match="d_out=30 .* divisible by 4"):
         build("hyra", bb, (0,))
 
 
-@pytest.mark.parametrize("name, field, value, match", [
-    ("replora", "gen_hidden", 0, "gen_hidden must be an integer >= 1, got 0"),
-    ("doran", "gen_hidden", 2.5, "gen_hidden must be an integer >= 1, got 2.5"),
-    ("doran", "tau_init", 0.0, "tau_init must be > 0, got 0.0"),
-    ("hyra", "d_e", 0, "d_e must be an integer >= 1, got 0"),
-    ("hyra", "hyper_hidden", -1, "hyper_hidden must be an integer >= 1, got -1"),
-    ("dora", "r", 0, "r must be an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "name, field, value, match",
+    [
+        ("replora", "gen_hidden", 0, "gen_hidden must be an integer >= 1, got 0"),
+        ("doran", "gen_hidden", 2.5, "gen_hidden must be an integer >= 1, got 2.5"),
+        ("doran", "tau_init", 0.0, "tau_init must be > 0, got 0.0"),
+        ("hyra", "d_e", 0, "d_e must be an integer >= 1, got 0"),
+        ("hyra", "hyper_hidden", -1, "hyper_hidden must be an integer >= 1, got -1"),
+        ("dora", "r", 0, "r must be an integer >= 1, got 0"),
+    ],
+)
 def test_configs_reject_bad_values(name, field, value, match):
     with pytest.raises(ValueError, match=match):
         adapters.get(name).make_config(**{field: value})
-
 
 
 @pytest.mark.parametrize("d_in, d_out", [(32, 32), (256, 256)])  # a merged and an unmerged shape
@@ -351,7 +370,7 @@ def test_lora_merged_and_unmerged_forms_agree(d_in, d_out):
     from qlbench.adapters.lora import lora_linear, low_rank_update, merges
     from qlbench.stacked import StackedLinear, stacked_linear
 
-    base = StackedLinear(d_in, d_out, gens("merge", range(2)), dtype=torch.float64)
+    base = StackedLinear(d_in, d_out, gens("merge", members=2), dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     A = torch.randn(2, 8, d_in, generator=g, dtype=torch.float64, requires_grad=True)
     B = torch.randn(2, d_out, 8, generator=g, dtype=torch.float64, requires_grad=True)

@@ -69,19 +69,23 @@ def peft_layer(linear: nn.Linear, A, B, m, use_dora: bool):
 
 def qlbench_layer(method: str, linear: nn.Linear) -> nn.Module:
     """The registered method's layer, as inject builds it, around an E = 1 StackedLinear holding `linear`."""
-    spec = adapters.get(method)
+    registered = adapters.get(method)
     base = StackedLinear(D_IN, D_OUT, [torch.Generator().manual_seed(1)], dtype=F64)
     base.requires_grad_(False)
     with torch.no_grad():
         base.weight.copy_(linear.weight.unsqueeze(0))
         base.bias.copy_(linear.bias.unsqueeze(0))
-    return spec.layer_cls(base, Site(Target("lin", "hidden", 0), 0, 1), spec.make_config(r=R, alpha=ALPHA),
-                          [torch.Generator().manual_seed(2)])
+    return registered.layer_cls(
+        base,
+        Site(Target("lin", "hidden", 0), 0, 1),
+        registered.make_config(r=R, alpha=ALPHA),
+        [torch.Generator().manual_seed(2)],
+    )
 
 
 def qlbench_forward(method: str, linear: nn.Linear, A, B, m):
     """x (N, d_in) -> (N, d_out) through qlbench's layer with the given A, B (and m), and its trainable params."""
-    layer, p = qlbench_layer(method, linear), adapters.get(method).prefix
+    layer, p = qlbench_layer(method, linear), adapters.get(method).name
     with torch.no_grad():
         getattr(layer, f"{p}_A").copy_(A.unsqueeze(0))
         getattr(layer, f"{p}_B").copy_(B.unsqueeze(0))
@@ -98,8 +102,9 @@ def outputs_and_gradients(forward, params, x, upstream):
     return y.detach(), x.grad, {n: p.grad for n, p in params.items()}
 
 
-@pytest.mark.parametrize("method, use_dora", [("lora", False), ("dora", True)],
-                         ids=["lora-vs-peft-lora", "dora-vs-peft-use_dora"])
+@pytest.mark.parametrize(
+    "method, use_dora", [("lora", False), ("dora", True)], ids=["lora-vs-peft-lora", "dora-vs-peft-use_dora"]
+)
 def test_qlbench_layer_matches_peft_outputs_and_gradients(method, use_dora):
     linear, A, B, m, x, upstream = weights()
     ours, ours_params = qlbench_forward(method, linear, A, B, m)

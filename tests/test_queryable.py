@@ -7,29 +7,24 @@ import torch
 
 from qlbench import adapters
 from qlbench.adapters.queryable import QueryableConfig, RoutingState
-from qlbench.backbones import DeepNarrowMLP, RegressionTransformer, TransformerConfig, build_backbone
+from qlbench.backbones import DeepNarrowMLP, RegressionTransformer, build_backbone
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext
 
-F64 = torch.float64
-TINY_TF = TransformerConfig(d_model=32, n_layers=4, n_heads=4, d_ff=64)
-
-
-def gens(tag, n=2):
-    return [generator("test", tag, i) for i in range(n)]
+from helpers import F64, TINY_TRANSFORMER, gens
 
 
 def backbone(arch: str, members: int = 2) -> torch.nn.Module:
     if arch == "deep-narrow":
-        return DeepNarrowMLP(gens("bb", members), dtype=F64)
-    return RegressionTransformer(gens("bb", members), TINY_TF, dtype=F64)
+        return DeepNarrowMLP(gens("bb", members=members), dtype=F64)
+    return RegressionTransformer(gens("bb", members=members), TINY_TRANSFORMER, dtype=F64)
 
 
 def adapted(arch: str, method: str = "queryable", members: int = 2, **kw) -> torch.nn.Module:
-    spec = adapters.get(method)
+    registered = adapters.get(method)
     if method == "queryable" and arch == "transformer":
         kw.setdefault("n_blocks", 2)
-    return spec.build(backbone(arch, members), spec.make_config(**kw), gens(method, members), None)
+    return registered.build(backbone(arch, members), registered.make_config(**kw), gens(method, members=members), None)
 
 
 def randomize_B(model: torch.nn.Module, tag: str = "B") -> None:
@@ -125,8 +120,8 @@ def test_blocks_and_depth_summaries_follow_algorithm_2():
     and the first block has no depth summary."""
     m = adapted("deep-narrow")
     layers = [m.hidden[i] for i in range(32)]
-    assert [i for i, l in enumerate(layers) if l.entry] == [0, 8, 16, 24]
-    assert [l.block for l in layers] == [i // 8 for i in range(32)]
+    assert [i for i, layer in enumerate(layers) if layer.entry] == [0, 8, 16, 24]
+    assert [layer.block for layer in layers] == [i // 8 for i in range(32)]
     x = inputs()
     state = routes(m, x)
     assert [len(state.states[b]) for b in range(4)] == [8, 8, 8, 8]
@@ -159,15 +154,24 @@ def test_transformer_routes_once_per_block_per_sequence():
 @pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
 def test_trainable_parameters_within_ten_percent_of_lora(arch):
     q = adapters.get("queryable").build(build_backbone(arch, [0]), QueryableConfig(), [generator("q")], None)
-    lora = adapters.get("lora").build(build_backbone(arch, [0]), adapters.get("lora").make_config(), [generator("l")], None)
+    lora = adapters.get("lora").build(
+        build_backbone(arch, [0]), adapters.get("lora").make_config(), [generator("l")], None
+    )
     ratio = adapters.trainable_parameter_count(q) / adapters.trainable_parameter_count(lora)
     assert 1.0 < ratio <= 1.10
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(top_k=9), "top_k"), (dict(top_k=0), "top_k"), (dict(n_atoms=0), "n_atoms"), (dict(t_attn=0.0), "t_attn"),
-    (dict(tau_lang=-1.0, instruction_dim=4), "tau_lang"), (dict(r=0), "r must"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(top_k=9), "top_k"),
+        (dict(top_k=0), "top_k"),
+        (dict(n_atoms=0), "n_atoms"),
+        (dict(t_attn=0.0), "t_attn"),
+        (dict(tau_lang=-1.0, instruction_dim=4), "tau_lang"),
+        (dict(r=0), "r must"),
+    ],
+)
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
         QueryableConfig(**bad)

@@ -8,17 +8,10 @@ import json
 import pytest
 import torch
 
-from qlbench import cli, theory, verify
+from qlbench import cli, verify
+from qlbench.theory import checks
 
-
-
-def one_line_error(capsys, argv) -> str:
-    code = cli.main(argv)
-    _, err = capsys.readouterr()
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
+from helpers import one_line_error
 
 
 def fake_results(tmp_path, arch="deep-narrow", function="dropwave"):
@@ -28,11 +21,14 @@ def fake_results(tmp_path, arch="deep-narrow", function="dropwave"):
     return path
 
 
-@pytest.mark.parametrize("argv, expect", [
-    (["verify", "--arch", "cnn"], ["'cnn'", "deep-narrow", "transformer"]),
-    (["verify", "--function", "nope"], ["'nope'", "dropwave"]),
-    (["verify", "--results", "/nonexistent/qlbench"], ["does not exist"]),
-])
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["verify", "--arch", "cnn"], ["'cnn'", "deep-narrow", "transformer"]),
+        (["verify", "--function", "nope"], ["'nope'", "dropwave"]),
+        (["verify", "--results", "/nonexistent/qlbench"], ["does not exist"]),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(capsys, argv, expect):
     line = one_line_error(capsys, argv)
     for word in expect:
@@ -50,14 +46,26 @@ def test_no_queryable_record_is_exit_2(capsys, tmp_path):
 
 def test_violated_bound_is_loud_and_exit_1(capsys, tmp_path, monkeypatch):
     record = fake_results(tmp_path)
-    bad = theory.Bound("prop:app_convex_hull_bound", "||S_b|| <= max_m ||C_m|| = R_C", torch.tensor([1.0, 3.0]),
-                       torch.tensor([2.0, 2.0]))
+    bad = checks.Bound(
+        "prop:app_convex_hull_bound",
+        "||S_b|| <= max_m ||C_m|| = R_C",
+        torch.tensor([1.0, 3.0]),
+        torch.tensor([2.0, 2.0]),
+    )
     assert not bad.holds()
 
     def fake_verify(path, device):
         assert path == record
-        return {"method": "queryable", "function": "dropwave", "arch": "deep-narrow", "budget": "smoke",
-                "members": 1, "test_samples": 2, "statements": [verify._finite(bad.summary())], "violated": 1}
+        return {
+            "method": "queryable",
+            "function": "dropwave",
+            "arch": "deep-narrow",
+            "budget": "smoke",
+            "members": 1,
+            "test_samples": 2,
+            "statements": [verify.finite_row(bad.summary())],
+            "violated": 1,
+        }
 
     monkeypatch.setattr(verify, "verify_record", fake_verify)
     assert cli.main(["verify", "--results", str(tmp_path)]) == 1
@@ -76,9 +84,16 @@ def test_smoke_trained_model_satisfies_every_bound(capsys, tmp_path):
     report = json.loads(out_json.read_text())
     assert (tmp_path / "v" / "records" / "deep-narrow" / "matyas" / "queryable.json").exists()
     labels = {r["label"] for r in report["statements"]}
-    assert labels >= {"prop:app_convex_hull_bound", "cor:app_update_norm_bound", "prop:app_depth_summary_bounded",
-                      "cor:app_query_norm_bound", "lem:app_rmsnorm_jacobian", "lem:app_softmax_jacobian",
-                      "prop:app_summary_lipschitz", "prop:app_router_operator_lipschitz"}
+    assert labels >= {
+        "prop:app_convex_hull_bound",
+        "cor:app_update_norm_bound",
+        "prop:app_depth_summary_bounded",
+        "cor:app_query_norm_bound",
+        "lem:app_rmsnorm_jacobian",
+        "lem:app_softmax_jacobian",
+        "prop:app_summary_lipschitz",
+        "prop:app_router_operator_lipschitz",
+    }
     assert report["violated"] == 0 and all(r["status"] == "holds" for r in report["statements"])
     assert report["test_samples"] == 800 and report["members"] == 2
     for r in report["statements"]:

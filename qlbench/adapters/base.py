@@ -8,6 +8,8 @@ relatives) wrap target linears through `inject`; full fine-tuning unfreezes the 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +32,42 @@ class Site:
     n_layers: int  # number of backbone layers (the units routing blocks are made of)
 
 
+def check_positive_int(config, *names: str) -> None:
+    """Config fields that must be integers >= 1 (a bool is not accepted, though Python counts it as an int)."""
+    for name in names:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+def _number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_positive(config, *names: str) -> None:
+    """Config fields that must be finite numbers > 0."""
+    for name in names:
+        v = getattr(config, name)
+        if not (_number(v) and v > 0):
+            raise ValueError(
+                f"{name} must be > 0, got {v!r}" if _number(v) else f"{name} must be a finite number > 0, got {v!r}"
+            )
+
+
+def check_nonnegative(config, *names: str) -> None:
+    """Config fields that must be finite numbers >= 0."""
+    for name in names:
+        v = getattr(config, name)
+        if not (_number(v) and v >= 0):
+            raise ValueError(
+                f"{name} must be >= 0, got {v!r}" if _number(v) else f"{name} must be a finite number >= 0, got {v!r}"
+            )
+
+
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW as pretraining and every element-wise method use it: fused (one kernel over all tensors; about 4x
-    faster than foreach for the deep-narrow stack on a 2-core CPU) and exact on stacked leaves, since it acts
-    element by element."""
+    """AdamW as pretraining and every element-wise method use it: fused (one kernel over all tensors; faster than
+    foreach on the deep-narrow stack, README Speed) and exact on stacked leaves, since it acts element by
+    element."""
     return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, fused=True)
 
 
@@ -65,14 +99,13 @@ class Method:
 class AdapterMethod(Method):
     """A low-rank adapter: wraps the backbone's target linears with `layer_cls` (see `inject`).
 
-    `prefix` starts the names of every trainable parameter the method adds (layers and shared modules), so
-    freezing, counting and saving work by name.
+    The method's name starts the names of every trainable parameter it adds (`<name>_A` in a layer,
+    `shared.<name>.` for its shared module), so freezing, counting and saving work by name.
     """
 
-    def __init__(self, name: str, summary: str, config_cls: type, layer_cls: type, prefix: str,
-                 shared_cls: type | None = None):
+    def __init__(self, name: str, summary: str, config_cls: type, layer_cls: type, shared_cls: type | None = None):
         self.name, self.summary, self.config_cls = name, summary, config_cls
-        self.layer_cls, self.prefix, self.shared_cls = layer_cls, prefix, shared_cls
+        self.layer_cls, self.shared_cls = layer_cls, shared_cls
 
     def build(self, backbone, config, generators, y_train):
         return inject(backbone, self, config, generators)
@@ -82,7 +115,7 @@ def inject(model: nn.Module, method: AdapterMethod, config, generators: list[tor
     """Freeze `model`, then wrap each target linear with `method.layer_cls` (in place; returns `model`).
 
     Shared modules (routing memory, generator networks, hypernetworks) are built first and registered once under
-    `model.shared[method.prefix]`; layers reach them through the ForwardContext, never through hidden references.
+    `model.shared[method.name]`; layers reach them through the ForwardContext, never through hidden references.
     Randomness is drawn member by member from `generators`, shared module first, then layers in forward order.
     """
     for p in model.parameters():
@@ -91,7 +124,7 @@ def inject(model: nn.Module, method: AdapterMethod, config, generators: list[tor
     sites = [Site(t, i, model.n_layers) for i, t in enumerate(targets)]
     like = next(model.parameters())
     if method.shared_cls is not None:
-        model.shared[method.prefix] = method.shared_cls(model, sites, config, generators, like)
+        model.shared[method.name] = method.shared_cls(model, sites, config, generators, like)
     for site in sites:
         parent_path, _, child = site.target.path.rpartition(".")
         parent = model.get_submodule(parent_path)

@@ -54,5 +54,6 @@ class DoraLinear(nn.Module):
         return rescaled_linear(x, V, g, self.base.bias)  # (E, ..., d_out)
 
 
-METHOD = AdapterMethod("dora", "DoRA: magnitude m times the row-normalised direction of W0 + s B A",
-                       LoraConfig, DoraLinear, prefix="dora")
+METHOD = AdapterMethod(
+    "dora", "DoRA: magnitude m times the row-normalised direction of W0 + s B A", LoraConfig, DoraLinear
+)

@@ -9,8 +9,8 @@ qlbench interpretation (methods.md): DoRA (dora.py) with the two stabilisers the
 - (A, B) come from RepLoRA's shared generators (the "auxiliary networks", replora.py), registered under this
   method's own prefix: A = G_A(A~), B = G_B(B~), latents initialised as LoRA's factors, so B = 0 at step 0. As
   there, the latents of a key's layers are stacked in the shared module (`shared.doran.<key>.latent_A` /
-  `latent_B`) and every layer's factors of a key are generated in one batched call per forward (cached in
-  ctx.scratch["doran"]); the layers keep tau_l and m.
+  `latent_B`) and every layer's factors of a key are generated in one batched call per forward (generated.py);
+  the layers keep tau_l and m.
 The row norm is DoRA's (detached, clamped at dora.NORM_EPS).
 
 Trainable: L (r (d_in + d_out) + d_out + 1) + sum over (role, shape) keys of 2 h (d_in + d_out).
@@ -25,10 +25,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qlbench.adapters.base import AdapterMethod, Site
+from qlbench.adapters.base import AdapterMethod, Site, check_positive
 from qlbench.adapters.dora import rescaled_linear, weight_norm
-from qlbench.adapters.replora import RepLoraConfig, RepLoraGenerators, role_shape_key
+from qlbench.adapters.generated import GeneratedFactors
+from qlbench.adapters.replora import RepLoraConfig, RepLoraGenerators
 from qlbench.stacked import ForwardContext, StackedLinear
+
+NAME = "doran"
 
 
 @dataclass
@@ -37,17 +40,16 @@ class DoranConfig(RepLoraConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.tau_init > 0:
-            raise ValueError(f"tau_init must be > 0, got {self.tau_init!r}")
+        check_positive(self, "tau_init")
 
 
-class DoranLinear(nn.Module):
+class DoranLinear(GeneratedFactors, nn.Module):
     """A frozen StackedLinear re-parameterised as m times the stabilised direction of W0 + s G_B(B~) G_A(A~)."""
 
     def __init__(self, base: StackedLinear, site: Site, config: DoranConfig, generators: list[torch.Generator]):
         super().__init__()
         self.base, self.scale = base, config.scale
-        self.key, self.layer = role_shape_key(site, base), site.target.layer  # slot `layer` of the key's latents
+        self.init_slot(NAME, site, base)  # slot `layer` of the key's latents
         rho = math.log(math.expm1(config.tau_init))  # softplus^-1
         w = base.weight
         self.doran_rho = nn.Parameter(torch.full((base.members,), rho, device=w.device, dtype=w.dtype))  # (E,)
@@ -58,12 +60,6 @@ class DoranLinear(nn.Module):
         """tau_l = softplus(rho_l), (E, 1) to broadcast over the output units."""
         return F.softplus(self.doran_rho).unsqueeze(-1)
 
-    def factors(self, shared: nn.ModuleDict, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The generated factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`, `scratch` the
-        forward's ctx.scratch (None: generate afresh)."""
-        cache = None if scratch is None else scratch.setdefault("doran", {})
-        return shared["doran"].factors(self.key, self.layer, cache)
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         A, B = self.factors(ctx.shared, ctx.scratch)
         V = torch.baddbmm(self.base.weight, B, A, alpha=self.scale)  # W0 + s B A (E, d_out, d_in)
@@ -71,5 +67,10 @@ class DoranLinear(nn.Module):
         return rescaled_linear(x, V, g, self.base.bias)  # (E, ..., d_out)
 
 
-METHOD = AdapterMethod("doran", "DoRAN: DoRA with a learnable norm stabiliser and RepLoRA-generated factors",
-                       DoranConfig, DoranLinear, prefix="doran", shared_cls=RepLoraGenerators)
+METHOD = AdapterMethod(
+    NAME,
+    "DoRAN: DoRA with a learnable norm stabiliser and RepLoRA-generated factors",
+    DoranConfig,
+    DoranLinear,
+    shared_cls=RepLoraGenerators,
+)

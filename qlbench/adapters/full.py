@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from pytorch_optimizer import SOAP
 
-from qlbench.adapters.base import Method
+from qlbench.adapters.base import Method, check_positive_int
 
 
 class FullFineTune(Method):
@@ -36,10 +35,15 @@ class SoapConfig:
     precondition_frequency: int = 10
 
     def __post_init__(self):
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must lie in [0, 1), got {self.betas!r}")
-        if not (isinstance(self.precondition_frequency, int) and self.precondition_frequency >= 1):
-            raise ValueError(f"precondition_frequency must be an integer >= 1, got {self.precondition_frequency!r}")
+        ok = (
+            isinstance(self.betas, (tuple, list))
+            and len(self.betas) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas)
+        )
+        if not ok:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        self.betas = tuple(self.betas)
+        check_positive_int(self, "precondition_frequency")
 
 
 class PerMember:
@@ -85,10 +89,16 @@ class FullSoap(FullFineTune):
         super().__init__(self.name)
 
     def optimizer(self, model, config: SoapConfig, lr, weight_decay):
+        from pytorch_optimizer import SOAP  # imported here: only this method needs the package
+
         c = config
         params = [p for p in model.parameters() if p.requires_grad]
-        return PerMember(params, lambda ps: SOAP(ps, lr=lr, weight_decay=weight_decay, betas=c.betas,
-                                                 precondition_frequency=c.precondition_frequency))
+        return PerMember(
+            params,
+            lambda ps: SOAP(
+                ps, lr=lr, weight_decay=weight_decay, betas=c.betas, precondition_frequency=c.precondition_frequency
+            ),
+        )
 
 
 FULL_ADAMW = FullFineTune()

@@ -17,8 +17,7 @@ qlbench interpretation (methods.md; the public record is thin):
   so the generated A's entries have LoRA's variance 1 / (3 d_in) (averaged over the key's layers, per member).
 
 Every layer's factors of a key come from one evaluation of H over the key's L (1 + H) inputs per forward, on the
-first layer's request, kept in ctx.scratch["hyra"] for the key's other layers, which only take their slice
-(per-layer evaluations were 2-5x LoRA's step time).
+first layer's request, kept for the key's other layers, which only take their slice (generated.py).
 
 Trainable, per (role, shape) key with L layers and H heads:
     L d_e + H d_e + hidden 2 d_e + hidden r d_in + hidden (d_out / H) r.
@@ -33,10 +32,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qlbench.adapters.base import AdapterMethod, Site
+from qlbench.adapters.base import AdapterMethod, Site, check_positive_int
+from qlbench.adapters.generated import GeneratedFactors, role_shape_key
 from qlbench.adapters.lora import LoraConfig, lora_linear
-from qlbench.adapters.replora import cached, role_shape_key
 from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, uniform_members
+
+NAME = "hyra"
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
 MLP_HEADS = 4  # heads an MLP layer is split into
@@ -49,16 +50,22 @@ class HyraConfig(LoraConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("d_e", "hyper_hidden"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        check_positive_int(self, "d_e", "hyper_hidden")
 
 
 class HyperNetwork(nn.Module):
     """H for one (role, shape) key: layer embeddings, head embeddings, W_in and W_out = [W_out_A; W_out_B]."""
 
-    def __init__(self, n_layers: int, heads: int, d_in: int, d_out: int, config: HyraConfig,
-                 generators: list[torch.Generator], like: torch.Tensor):
+    def __init__(
+        self,
+        n_layers: int,
+        heads: int,
+        d_in: int,
+        d_out: int,
+        config: HyraConfig,
+        generators: list[torch.Generator],
+        like: torch.Tensor,
+    ):
         super().__init__()
         c, E = config, len(generators)
         self.r, self.heads, self.d_in, self.d_out = c.r, heads, d_in, d_out
@@ -68,7 +75,7 @@ class HyperNetwork(nn.Module):
         W_out_A = uniform_members((c.r * d_in, c.hyper_hidden), 1.0 / math.sqrt(d_in), generators)
         # A_l = W_out_A z_l has entry variance Var(W_out_A) ||z_l||^2; dividing by the RMS of ||z_l|| over the
         # layers gives LoRA's 1 / (3 d_in) on average (member by member: no op mixes members).
-        z = F.gelu(layer_emb @ W_in[:, :, :c.d_e].transpose(1, 2))  # gelu(W_in [e_l; 0]) (E, L, hidden)
+        z = F.gelu(layer_emb @ W_in[:, :, : c.d_e].transpose(1, 2))  # gelu(W_in [e_l; 0]) (E, L, hidden)
         W_out_A = W_out_A / z.pow(2).sum(-1).mean(-1).sqrt().view(E, 1, 1)
         self.layer_emb, self.head_emb = param(layer_emb, like=like), param(head_emb, like=like)
         self.W_in, self.W_out_A = param(W_in, like=like), param(W_out_A, like=like)
@@ -81,8 +88,13 @@ class HyperNetwork(nn.Module):
         H = self.heads
         e = self.layer_emb.unsqueeze(2).expand(E, L, H, d_e)
         h = self.head_emb.unsqueeze(1).expand(E, L, H, d_e)
-        x = torch.cat([F.pad(self.layer_emb, (0, d_e)),  # [e_l; 0] (E, L, 2 d_e)
-                       torch.cat([e, h], dim=-1).view(E, L * H, 2 * d_e)], dim=1)  # then [e_l; h_j], layer-major
+        x = torch.cat(
+            [
+                F.pad(self.layer_emb, (0, d_e)),  # [e_l; 0] (E, L, 2 d_e)
+                torch.cat([e, h], dim=-1).view(E, L * H, 2 * d_e),
+            ],
+            dim=1,
+        )  # then [e_l; h_j], layer-major
         z = F.gelu(x @ self.W_in.transpose(1, 2))  # H's hidden layer (E, L + L H, hidden)
         A = (z[:, :L] @ self.W_out_A.transpose(1, 2)).view(E, L, self.r, self.d_in)
         B = (z[:, L:] @ self.W_out_B.transpose(1, 2)).view(E, L, self.d_out, self.r)  # head blocks stacked row-wise
@@ -97,8 +109,14 @@ class HyperNetwork(nn.Module):
 class HyraHyperNetworks(nn.ModuleDict):
     """The shared module: one HyperNetwork per (role, shape) key, built in forward order."""
 
-    def __init__(self, model: nn.Module, sites: list[Site], config: HyraConfig,
-                 generators: list[torch.Generator], like: torch.Tensor):
+    def __init__(
+        self,
+        model: nn.Module,
+        sites: list[Site],
+        config: HyraConfig,
+        generators: list[torch.Generator],
+        like: torch.Tensor,
+    ):
         super().__init__()
         for site in sites:
             base = model.get_submodule(site.target.path)
@@ -107,30 +125,30 @@ class HyraHyperNetworks(nn.ModuleDict):
                 continue
             heads = model.config.n_heads if site.target.role in ATTENTION_ROLES else MLP_HEADS
             if base.d_out % heads:
-                raise ValueError(f"hyra splits {site.target.role}'s d_out={base.d_out} into {heads} heads: "
-                                 f"d_out must be divisible by {heads}")
+                raise ValueError(
+                    f"hyra splits {site.target.role}'s d_out={base.d_out} into {heads} heads: "
+                    f"d_out must be divisible by {heads}"
+                )
             self[key] = HyperNetwork(site.n_layers, heads, base.d_in, base.d_out, config, generators, like)
 
 
-class HyraLinear(nn.Module):
+class HyraLinear(GeneratedFactors, nn.Module):
     """A frozen StackedLinear plus s B A, with (A, B) generated from the layer's embedding by the shared H."""
 
     def __init__(self, base: StackedLinear, site: Site, config: HyraConfig, generators: list[torch.Generator]):
         super().__init__()
         self.base, self.scale = base, config.scale
-        self.key, self.layer = role_shape_key(site, base), site.target.layer
-
-    def factors(self, shared: nn.ModuleDict, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The materialised LoRA factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`,
-        `scratch` the forward's ctx.scratch (None: generate afresh)."""
-        cache = None if scratch is None else scratch.setdefault("hyra", {})
-        A, B = cached(cache, self.key, shared["hyra"][self.key])
-        return A[self.layer], B[self.layer]
+        self.init_slot(NAME, site, base)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         A, B = self.factors(ctx.shared, ctx.scratch)
         return lora_linear(x, self.base, A, B, self.scale)  # (E, ..., d_out)
 
 
-METHOD = AdapterMethod("hyra", "HyRA: one hypernetwork per (role, shape) generates every layer's factors, "
-                       "B head by head", HyraConfig, HyraLinear, prefix="hyra", shared_cls=HyraHyperNetworks)
+METHOD = AdapterMethod(
+    NAME,
+    "HyRA: one hypernetwork per (role, shape) generates every layer's factors, B head by head",
+    HyraConfig,
+    HyraLinear,
+    shared_cls=HyraHyperNetworks,
+)

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from qlbench.adapters.base import AdapterMethod, Site
+from qlbench.adapters.base import AdapterMethod, Site, check_nonnegative, check_positive, check_positive_int
 from qlbench.adapters.lora import LoraConfig, lora_factors, low_rank_update
 from qlbench.adapters.routing import Route, route
 from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, rank_project
 
+NAME = "queryable"  # the method's name: its parameter prefix and its key in model.shared and ctx.scratch
 ENTRY_ROLES = ("hidden", "q", "k", "v")  # projections whose rank states feed the router
 
 
@@ -51,17 +52,18 @@ class QueryableConfig(LoraConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("n_blocks", "n_atoms", "d_k"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_atoms):
+        check_positive_int(self, "n_blocks", "n_atoms", "d_k")
+        if isinstance(self.top_k, bool) or not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_atoms):
             raise ValueError(f"top_k must be an integer in [1, n_atoms={self.n_atoms}], got {self.top_k!r}")
-        for name in ("t_attn", "t_dep", "t_lang", "rms_eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("tau_lang", "lambda_ctx", "atom_std"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        check_positive(self, "t_attn", "t_dep", "t_lang", "rms_eps")
+        check_nonnegative(self, "tau_lang", "lambda_ctx", "atom_std")
+        if self.instruction_dim is not None:
+            check_positive_int(self, "instruction_dim")
+        if self.targets is not None and not set(self.targets) & set(ENTRY_ROLES):
+            raise ValueError(
+                f"queryable routes from the rank states of {'/'.join(ENTRY_ROLES[1:])} (transformer) or "
+                f"hidden (deep-narrow) layers: targets {self.targets} has none of them"
+            )
         if (self.tau_lang or self.lambda_ctx) and self.instruction_dim is None:
             raise ValueError("tau_lang or lambda_ctx > 0 needs an instruction embedding: set instruction_dim")
 
@@ -73,7 +75,7 @@ def block_of(layer: int, n_layers: int, n_blocks: int) -> int:
 
 @dataclass
 class RoutingState:
-    """Per-forward scratch (in ctx.scratch["queryable"]): rank states recorded per block, and each block's Route."""
+    """Per-forward scratch (in ctx.scratch[NAME]): rank states recorded per block, and each block's Route."""
 
     states: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # block -> [(E, N, r)] per layer
     routes: dict[int, Route] = field(default_factory=dict)
@@ -88,15 +90,24 @@ class RoutingState:
 class QueryableMemory(nn.Module):
     """The shared memory (atoms C_m and keys k_m) and the router's parameters, one set per member."""
 
-    def __init__(self, model: nn.Module, sites: list[Site], config: QueryableConfig,
-                 generators: list[torch.Generator], like: torch.Tensor):
+    def __init__(
+        self,
+        model: nn.Module,
+        sites: list[Site],
+        config: QueryableConfig,
+        generators: list[torch.Generator],
+        like: torch.Tensor,
+    ):
         super().__init__()
         c, r, d_k = config, config.r, config.d_k
         if c.n_blocks > model.n_layers:
             raise ValueError(f"n_blocks={c.n_blocks} exceeds the backbone's {model.n_layers} layers")
         entry_blocks = {block_of(s.target.layer, s.n_layers, c.n_blocks) for s in sites if s.target.role in ENTRY_ROLES}
         if len(entry_blocks) != c.n_blocks:
-            raise ValueError(f"queryable routes from {'/'.join(ENTRY_ROLES)} targets; every block needs one")
+            raise ValueError(
+                f"queryable routes each block from its {'/'.join(ENTRY_ROLES)} targets; blocks "
+                f"{sorted(set(range(c.n_blocks)) - entry_blocks)} of {c.n_blocks} have none"
+            )
         self.config = c
         normal = lambda shape, std: param(normal_members(shape, std, generators), like=like)
         self.atoms = normal((c.n_atoms, r, r), c.atom_std)  # C_m (E, M, r, r)
@@ -112,16 +123,33 @@ class QueryableMemory(nn.Module):
         else:
             self.Q_ctx = self.R_ctx = None
 
-    def route(self, block: int, s_entry: torch.Tensor, summaries: torch.Tensor | None,
-              instruction: torch.Tensor | None) -> Route:
+    def route(
+        self, block: int, s_entry: torch.Tensor, summaries: torch.Tensor | None, instruction: torch.Tensor | None
+    ) -> Route:
         c = self.config
         if (c.tau_lang or c.lambda_ctx) and instruction is None:
             raise ValueError("this queryable adapter uses the instruction channels: pass an instruction embedding")
-        return route(s_entry, summaries, w=self.block_prior[:, block], Q_cur=self.Q_cur, Q_dep=self.Q_dep,
-                     Q_dep_q=self.Q_dep_q, Q_dep_k=self.Q_dep_k, keys=self.keys, atoms=self.atoms, top_k=c.top_k,
-                     t_attn=c.t_attn, t_dep=c.t_dep, t_lang=c.t_lang, tau_lang=c.tau_lang,
-                     lambda_ctx=c.lambda_ctx, instruction=instruction, Q_ctx=self.Q_ctx, R_ctx=self.R_ctx,
-                     eps=c.rms_eps)
+        return route(
+            s_entry,
+            summaries,
+            w=self.block_prior[:, block],
+            Q_cur=self.Q_cur,
+            Q_dep=self.Q_dep,
+            Q_dep_q=self.Q_dep_q,
+            Q_dep_k=self.Q_dep_k,
+            keys=self.keys,
+            atoms=self.atoms,
+            top_k=c.top_k,
+            t_attn=c.t_attn,
+            t_dep=c.t_dep,
+            t_lang=c.t_lang,
+            tau_lang=c.tau_lang,
+            lambda_ctx=c.lambda_ctx,
+            instruction=instruction,
+            Q_ctx=self.Q_ctx,
+            R_ctx=self.R_ctx,
+            eps=c.rms_eps,
+        )
 
 
 class QueryableLinear(nn.Module):
@@ -134,27 +162,35 @@ class QueryableLinear(nn.Module):
         self.queryable_eta = nn.Parameter(torch.zeros(base.members, device=base.weight.device, dtype=base.weight.dtype))
         self.block = block_of(site.target.layer, site.n_layers, config.n_blocks)
         self.records = site.target.role in ENTRY_ROLES  # its rank state feeds routing and block summaries
-        first_layer_of_block = min(l for l in range(site.n_layers) if block_of(l, site.n_layers, config.n_blocks) == self.block)
+        first_layer_of_block = min(
+            i for i in range(site.n_layers) if block_of(i, site.n_layers, config.n_blocks) == self.block
+        )
         self.entry = self.records and site.target.layer == first_layer_of_block
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.group_forward([self], x, ctx)[0]
 
     @staticmethod
-    def group_forward(layers: list[QueryableLinear], x: torch.Tensor, ctx: ForwardContext) -> list[torch.Tensor]:
-        """Apply layers that share the input x (E, N, [T,] d_in): one layer in the MLP, q/k/v in attention."""
-        first = layers[0]
-        state = ctx.scratch.setdefault("queryable", RoutingState())
-        s = [rank_project(x, layer.queryable_A) for layer in layers]  # each (E, N, [T,] r)
+    def group_forward(layers: list[nn.Module], x: torch.Tensor, ctx: ForwardContext) -> list[torch.Tensor]:
+        """Apply layers that share the input x (E, N, [T,] d_in): one layer in the MLP; q, k, v in attention, of
+        which any non-empty subset is adapted (the others are plain StackedLinears, applied as they are).
+
+        The block state is the adapted layers' rank states, token-averaged in attention, averaged over the
+        projections (a single adapted projection gives its own token-averaged state)."""
+        adapted = [layer for layer in layers if isinstance(layer, QueryableLinear)]
+        first = adapted[0]
+        state = ctx.scratch.setdefault(NAME, RoutingState())
+        s = [rank_project(x, layer.queryable_A) for layer in adapted]  # each (E, N, [T,] r)
         if first.records:
-            tokens = x.dim() == 4
-            joint = s[0] if len(s) == 1 else torch.stack([si.mean(2) if tokens else si for si in s]).mean(0)  # (E, N, r)
+            per_sample = [si.mean(2) if x.dim() == 4 else si for si in s]  # each (E, N, r)
+            joint = per_sample[0] if len(s) == 1 else torch.stack(per_sample).mean(0)  # (E, N, r)
             if first.entry:
                 summaries = state.summaries(first.block)
-                state.routes[first.block] = ctx.shared["queryable"].route(first.block, joint, summaries, ctx.instruction)
+                state.routes[first.block] = ctx.shared[NAME].route(first.block, joint, summaries, ctx.instruction)
             state.states.setdefault(first.block, []).append(joint)
         S = state.routes[first.block].S  # (E, N, r, r)
-        return [layer.routed_update(x, si, S) for layer, si in zip(layers, s)]
+        updates = {id(layer): layer.routed_update(x, si, S) for layer, si in zip(adapted, s)}
+        return [updates[id(layer)] if id(layer) in updates else layer(x, ctx) for layer in layers]
 
     def routed_update(self, x: torch.Tensor, s: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
         """W0 x + b0 + scale B t with t = s + g S s, for s = A x and the block's S (E, N, r, r)."""
@@ -169,5 +205,10 @@ class QueryableLinear(nn.Module):
         return low_rank_update(self.base(x), t, self.queryable_B, self.scale)
 
 
-METHOD = AdapterMethod("queryable", "Queryable LoRA: s B (I + g S_b) A with S_b routed top-k over shared atoms",
-                       QueryableConfig, QueryableLinear, prefix="queryable", shared_cls=QueryableMemory)
+METHOD = AdapterMethod(
+    NAME,
+    "Queryable LoRA: s B (I + g S_b) A with S_b routed top-k over shared atoms",
+    QueryableConfig,
+    QueryableLinear,
+    shared_cls=QueryableMemory,
+)

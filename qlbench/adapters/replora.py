@@ -15,10 +15,10 @@ qlbench interpretation (methods.md; the public record is thin):
 Layout: the latents of all L layers of a key live next to the key's generator pair, stacked as A~ (E, L, r, d_in)
 and B~ (E, L, d_out, r) (`shared.replora.<key>.latent_A` / `latent_B`; layer l of the key is slot l). A forward
 generates every layer's factors of a key in one batched call of each generator, on the first layer's request, and
-keeps them in ctx.scratch[<prefix>] for the key's other layers, which only take their slice (per-layer calls were
-2-5x LoRA's step time). Random draws, member by member from generators[e]: every key's G_A W1, G_A W2, G_B W1,
-G_B W2 in forward order of the keys, then every layer's A~ in forward order (the draws, and order, of when each
-layer held its own latents: the initial values did not change).
+keeps them in ctx.scratch[<method name>] for the key's other layers, which only take their slice (generated.py).
+Random draws, member by member from generators[e]: every key's G_A W1, G_A W2, G_B W1, G_B W2 in forward order of
+the keys, then every layer's A~ in forward order (the draws, and order, of when each layer held its own latents:
+the initial values did not change).
 
 Trainable: L r (d_in + d_out) + sum over (role, shape) keys of 2 h (d_in + d_out).
 DoRAN (doran.py) reuses `RepLoraGenerators` as its auxiliary networks.
@@ -33,9 +33,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qlbench.adapters.base import AdapterMethod, Site
+from qlbench.adapters.base import AdapterMethod, Site, check_positive_int
+from qlbench.adapters.generated import GeneratedFactors, key_slots, role_shape_key
 from qlbench.adapters.lora import LoraConfig, lora_linear
 from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, uniform_members
+
+NAME = "replora"
 
 W2_STD = 0.02  # small, so the generators start close to the identity
 
@@ -46,40 +49,7 @@ class RepLoraConfig(LoraConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not (isinstance(self.gen_hidden, int) and self.gen_hidden >= 1):
-            raise ValueError(f"gen_hidden must be an integer >= 1, got {self.gen_hidden!r}")
-
-
-def role_shape_key(site: Site, base: StackedLinear) -> str:
-    """The (role, shape) a shared generator serves, e.g. "q_256x256" (d_out x d_in)."""
-    return f"{site.target.role}_{base.d_out}x{base.d_in}"
-
-
-def key_slots(model: nn.Module, sites: list[Site]) -> dict[str, list[Site]]:
-    """The sites of every (role, shape) key, in forward order. Layer `site.target.layer` is its key's slot, so the
-    key's sites must be backbone layers 0, 1, .. in order (true of both backbones: one linear per role and layer)."""
-    out: dict[str, list[Site]] = {}
-    for site in sites:
-        out.setdefault(role_shape_key(site, model.get_submodule(site.target.path)), []).append(site)
-    for key, group in out.items():
-        if [s.target.layer for s in group] != list(range(len(group))):
-            raise ValueError(f"the {key} sites must be backbone layers 0 .. L-1 in order, got "
-                             f"{[s.target.layer for s in group]}")
-    return out
-
-
-def cached(scratch: dict | None, key: str, compute) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """`compute()`'s stacked (E, L, ...) tensors unbound into per-layer views, once per forward per key.
-
-    `scratch` is the method's dict in ctx.scratch (fresh every forward), or None to compute afresh (materialising
-    factors outside a forward). unbind, not indexing: its backward is one stack over the layers' gradients, where
-    L separate slices would each scatter into a zero tensor of the full size.
-    """
-    if scratch is None:
-        return tuple(t.unbind(1) for t in compute())
-    if key not in scratch:
-        scratch[key] = tuple(t.unbind(1) for t in compute())
-    return scratch[key]
+        check_positive_int(self, "gen_hidden")
 
 
 class FactorGenerator(nn.Module):
@@ -116,14 +86,22 @@ class RepLoraGenerators(nn.ModuleDict):
     """The shared module: one GeneratorPair (generators and the key's latents) per (role, shape) key, built in
     forward order; draws as the module docstring lists."""
 
-    def __init__(self, model: nn.Module, sites: list[Site], config: RepLoraConfig,
-                 generators: list[torch.Generator], like: torch.Tensor):
+    def __init__(
+        self,
+        model: nn.Module,
+        sites: list[Site],
+        config: RepLoraConfig,
+        generators: list[torch.Generator],
+        like: torch.Tensor,
+    ):
         super().__init__()
         E, r, h = len(generators), config.r, config.gen_hidden
         groups = key_slots(model, sites)
         shapes = {key: model.get_submodule(group[0].target.path) for key, group in groups.items()}
-        nets = {key: (FactorGenerator(b.d_in, h, generators, like), FactorGenerator(b.d_out, h, generators, like))
-                for key, b in shapes.items()}
+        nets = {
+            key: (FactorGenerator(b.d_in, h, generators, like), FactorGenerator(b.d_out, h, generators, like))
+            for key, b in shapes.items()
+        }
         latents = {key: [] for key in groups}
         for site in sites:  # LoRA's A init per layer (U(+-1/sqrt(d_in))), in forward order
             b = model.get_submodule(site.target.path)
@@ -133,32 +111,25 @@ class RepLoraGenerators(nn.ModuleDict):
             latent_B = param(torch.zeros(E, len(groups[key]), b.d_out, r, dtype=torch.float64), like=like)  # B~ = 0
             self[key] = GeneratorPair(*nets[key], latent_A, latent_B)
 
-    def factors(self, key: str, layer: int, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s A (E, r, d_in) and B (E, d_out, r) of `key`, generated with all the key's layers (once
-        per forward when `scratch`, the method's ctx.scratch dict, is given)."""
-        A, B = cached(scratch, key, self[key])
-        return A[layer], B[layer]
 
-
-class RepLoraLinear(nn.Module):
+class RepLoraLinear(GeneratedFactors, nn.Module):
     """A frozen StackedLinear plus s B A, with (A, B) generated from this layer's latents (slot `layer` of its key's
-    stacked latents) by the shared pair."""
+    stacked latents) by the shared pair; `factors` materialises them."""
 
     def __init__(self, base: StackedLinear, site: Site, config: RepLoraConfig, generators: list[torch.Generator]):
         super().__init__()
         self.base, self.scale = base, config.scale
-        self.key, self.layer = role_shape_key(site, base), site.target.layer
-
-    def factors(self, shared: nn.ModuleDict, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The materialised LoRA factors A (E, r, d_in), B (E, d_out, r); `shared` is the model's `shared`,
-        `scratch` the forward's ctx.scratch (None: generate afresh)."""
-        cache = None if scratch is None else scratch.setdefault("replora", {})
-        return shared["replora"].factors(self.key, self.layer, cache)
+        self.init_slot(NAME, site, base)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         A, B = self.factors(ctx.shared, ctx.scratch)
         return lora_linear(x, self.base, A, B, self.scale)  # (E, ..., d_out)
 
 
-METHOD = AdapterMethod("replora", "RepLoRA: LoRA factors generated by MLPs shared across layers of a (role, shape)",
-                       RepLoraConfig, RepLoraLinear, prefix="replora", shared_cls=RepLoraGenerators)
+METHOD = AdapterMethod(
+    NAME,
+    "RepLoRA: LoRA factors generated by MLPs shared across layers of a (role, shape)",
+    RepLoraConfig,
+    RepLoraLinear,
+    shared_cls=RepLoraGenerators,
+)

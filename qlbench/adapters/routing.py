@@ -33,8 +33,9 @@ def topk_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(logits).scatter(-1, idx, top.softmax(dim=-1))
 
 
-def depth_summary(q0: torch.Tensor, summaries: torch.Tensor, Q_dep_q: torch.Tensor, Q_dep_k: torch.Tensor,
-                  t_dep: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def depth_summary(
+    q0: torch.Tensor, summaries: torch.Tensor, Q_dep_q: torch.Tensor, Q_dep_k: torch.Tensor, t_dep: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over completed blocks: u = sum_i beta_i sbar_i.
 
     q0 (E, N, d_k) pre-query; summaries (E, N, P, r) block means sbar_1..sbar_P (P = b - 1 >= 1);
@@ -65,11 +66,28 @@ class Route:
     S: torch.Tensor  # (E, N, r, r) routed operator sum_m alpha_m C_m
 
 
-def route(s_entry: torch.Tensor, summaries: torch.Tensor | None, *, w: torch.Tensor, Q_cur: torch.Tensor,
-          Q_dep: torch.Tensor, Q_dep_q: torch.Tensor, Q_dep_k: torch.Tensor, keys: torch.Tensor,
-          atoms: torch.Tensor, top_k: int, t_attn: float = 1.0, t_dep: float = 1.0, t_lang: float = 1.0,
-          tau_lang: float = 0.0, lambda_ctx: float = 0.0, instruction: torch.Tensor | None = None,
-          Q_ctx: torch.Tensor | None = None, R_ctx: torch.Tensor | None = None, eps: float = 1e-6) -> Route:
+def route(
+    s_entry: torch.Tensor,
+    summaries: torch.Tensor | None,
+    *,
+    w: torch.Tensor,
+    Q_cur: torch.Tensor,
+    Q_dep: torch.Tensor,
+    Q_dep_q: torch.Tensor,
+    Q_dep_k: torch.Tensor,
+    keys: torch.Tensor,
+    atoms: torch.Tensor,
+    top_k: int,
+    t_attn: float = 1.0,
+    t_dep: float = 1.0,
+    t_lang: float = 1.0,
+    tau_lang: float = 0.0,
+    lambda_ctx: float = 0.0,
+    instruction: torch.Tensor | None = None,
+    Q_ctx: torch.Tensor | None = None,
+    R_ctx: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> Route:
     """One block's routing (Algorithm 2, lines 5-27).
 
     s_entry (E, N, r) block-entry rank state; summaries (E, N, b-1, r) or None for the first block;

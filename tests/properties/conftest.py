@@ -9,7 +9,6 @@ statement of the paper on qlbench's own router and adapter code; tolerances are 
 
 import os
 
-import pytest
 from hypothesis import HealthCheck, settings
 
 _common = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -22,6 +21,4 @@ settings.load_profile(PROFILE)
 def pytest_report_header(config):
     import qlbench
 
-    return [f"qlbench under test: {os.path.dirname(qlbench.__file__)}",
-            f"hypothesis profile: {PROFILE}"]
-
+    return [f"qlbench under test: {os.path.dirname(qlbench.__file__)}", f"hypothesis profile: {PROFILE}"]

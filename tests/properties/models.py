@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from qlbench import adapters
 from qlbench.adapters import queryable
 from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP, RegressionTransformer, TransformerConfig
+
 from strategies import reals
 
 
@@ -48,9 +49,19 @@ class ModelCase:
 
     def config(self):
         return adapters.get("queryable").make_config(
-            r=self.r, n_blocks=self.n_blocks, n_atoms=self.n_atoms, top_k=self.top_k, d_k=self.d_k,
-            instruction_dim=self.instruction_dim, lambda_ctx=self.lambda_ctx, tau_lang=self.tau_lang,
-            t_attn=self.t_attn, t_dep=self.t_dep, t_lang=self.t_lang, rms_eps=self.rms_eps)
+            r=self.r,
+            n_blocks=self.n_blocks,
+            n_atoms=self.n_atoms,
+            top_k=self.top_k,
+            d_k=self.d_k,
+            instruction_dim=self.instruction_dim,
+            lambda_ctx=self.lambda_ctx,
+            tau_lang=self.tau_lang,
+            t_attn=self.t_attn,
+            t_dep=self.t_dep,
+            t_lang=self.t_lang,
+            rms_eps=self.rms_eps,
+        )
 
     def generators(self, tag: int = 0) -> list[torch.Generator]:
         return [torch.Generator().manual_seed(self.seed * 7919 + 31 * e + tag) for e in range(self.members)]
@@ -59,8 +70,9 @@ class ModelCase:
         gens = self.generators()
         if self.arch == "deep-narrow":
             return DeepNarrowMLP(gens, DeepNarrowConfig(width=6, depth=self.n_layers), dtype=torch.float64)
-        return RegressionTransformer(gens, TransformerConfig(d_model=8, n_layers=self.n_layers, n_heads=2, d_ff=16),
-                                     dtype=torch.float64)
+        return RegressionTransformer(
+            gens, TransformerConfig(d_model=8, n_layers=self.n_layers, n_heads=2, d_ff=16), dtype=torch.float64
+        )
 
     def build(self) -> torch.nn.Module:
         """The adapted model (registry build), with every adapter weight redrawn at the case's scales."""
@@ -97,8 +109,14 @@ class ModelCase:
 
 
 @st.composite
-def model_cases(draw, arch: str = "deep-narrow", *, instruction: bool | None = None, min_blocks: int = 1,
-                max_layers: int | None = None) -> ModelCase:
+def model_cases(
+    draw,
+    arch: str = "deep-narrow",
+    *,
+    instruction: bool | None = None,
+    min_blocks: int = 1,
+    max_layers: int | None = None,
+) -> ModelCase:
     """instruction True: lambda_ctx, tau_lang > 0; False: state-only routing; None: either."""
     max_layers = max_layers or (6 if arch == "deep-narrow" else 3)
     n_layers = draw(st.integers(max(2, min_blocks), max_layers))
@@ -106,20 +124,33 @@ def model_cases(draw, arch: str = "deep-narrow", *, instruction: bool | None = N
     M = draw(st.integers(1, 5))
     use = draw(st.booleans()) if instruction is None else instruction
     return ModelCase(
-        arch=arch, seed=draw(st.integers(0, 2 ** 16)), n_layers=n_layers, n_blocks=n_blocks, r=draw(st.integers(1, 4)),
-        n_atoms=M, top_k=draw(st.integers(1, M)), d_k=draw(st.integers(1, 6)),
+        arch=arch,
+        seed=draw(st.integers(0, 2**16)),
+        n_layers=n_layers,
+        n_blocks=n_blocks,
+        r=draw(st.integers(1, 4)),
+        n_atoms=M,
+        top_k=draw(st.integers(1, M)),
+        d_k=draw(st.integers(1, 6)),
         instruction_dim=draw(st.integers(1, 4)) if use else None,
-        lambda_ctx=draw(reals(0.05, 2.0)) if use else 0.0, tau_lang=draw(reals(0.05, 3.0)) if use else 0.0,
-        t_attn=draw(reals(0.2, 5.0)), t_dep=draw(reals(0.2, 5.0)), t_lang=draw(reals(0.2, 5.0)),
-        rms_eps=draw(st.sampled_from([1e-6, 1e-3])), scale_A=draw(st.sampled_from([1.0, 3.0])),
-        scale_B=draw(st.sampled_from([0.3, 1.0, 3.0])), scale_atoms=draw(st.sampled_from([0.02, 0.5, 2.0])),
-        eta_mean=draw(reals(-3.0, 3.0)), n_samples=draw(st.integers(1, 4)))
+        lambda_ctx=draw(reals(0.05, 2.0)) if use else 0.0,
+        tau_lang=draw(reals(0.05, 3.0)) if use else 0.0,
+        t_attn=draw(reals(0.2, 5.0)),
+        t_dep=draw(reals(0.2, 5.0)),
+        t_lang=draw(reals(0.2, 5.0)),
+        rms_eps=draw(st.sampled_from([1e-6, 1e-3])),
+        scale_A=draw(st.sampled_from([1.0, 3.0])),
+        scale_B=draw(st.sampled_from([0.3, 1.0, 3.0])),
+        scale_atoms=draw(st.sampled_from([0.02, 0.5, 2.0])),
+        eta_mean=draw(reals(-3.0, 3.0)),
+        n_samples=draw(st.integers(1, 4)),
+    )
 
 
 @contextmanager
 def capture_rank_updates(ts: list[torch.Tensor]):
     """Record t_l = s_l + g_l S_b s_l, the rank-space vector each QueryableLinear hands to low_rank_update, in call
-    order (the same order as theory.trace's calls), with retain_grad so that r_l = dL/dt_l is read by autograd."""
+    order (the same order as tracing.trace's calls), with retain_grad so that r_l = dL/dt_l is read by autograd."""
     original = queryable.low_rank_update
 
     def recording(y, t, B, scale):

@@ -104,10 +104,25 @@ class RouterCase:
         return 0 if self.summaries is None else self.summaries.shape[2]
 
     def kwargs(self) -> dict:
-        return dict(w=self.w, Q_cur=self.Q_cur, Q_dep=self.Q_dep, Q_dep_q=self.Q_dep_q, Q_dep_k=self.Q_dep_k,
-                    keys=self.keys, atoms=self.atoms, top_k=self.top_k, t_attn=self.t_attn, t_dep=self.t_dep,
-                    t_lang=self.t_lang, tau_lang=self.tau_lang, lambda_ctx=self.lambda_ctx,
-                    instruction=self.instruction, Q_ctx=self.Q_ctx, R_ctx=self.R_ctx, eps=self.eps)
+        return dict(
+            w=self.w,
+            Q_cur=self.Q_cur,
+            Q_dep=self.Q_dep,
+            Q_dep_q=self.Q_dep_q,
+            Q_dep_k=self.Q_dep_k,
+            keys=self.keys,
+            atoms=self.atoms,
+            top_k=self.top_k,
+            t_attn=self.t_attn,
+            t_dep=self.t_dep,
+            t_lang=self.t_lang,
+            tau_lang=self.tau_lang,
+            lambda_ctx=self.lambda_ctx,
+            instruction=self.instruction,
+            Q_ctx=self.Q_ctx,
+            R_ctx=self.R_ctx,
+            eps=self.eps,
+        )
 
     def route(self, **changes) -> Route:
         """qlbench's router (routing.route) on this case, with any field replaced."""
@@ -116,8 +131,18 @@ class RouterCase:
 
 
 @st.composite
-def router_cases(draw, *, min_done: int = 0, max_done: int = 3, tau=tau_langs, lam=lambda_ctxs,
-                 min_atoms: int = 1, max_atoms: int = 6, min_key_dim: int = 1, max_samples: int = 3) -> RouterCase:
+def router_cases(
+    draw,
+    *,
+    min_done: int = 0,
+    max_done: int = 3,
+    tau=tau_langs,
+    lam=lambda_ctxs,
+    min_atoms: int = 1,
+    max_atoms: int = 6,
+    min_key_dim: int = 1,
+    max_samples: int = 3,
+) -> RouterCase:
     E = 1
     N = draw(st.integers(1, max_samples))
     r, d_k, d_c = draw(ranks), draw(st.integers(min_key_dim, 8)), draw(instruction_dims)
@@ -128,20 +153,33 @@ def router_cases(draw, *, min_done: int = 0, max_done: int = 3, tau=tau_langs, l
     s_entry = draw(tensors(E, N, r)) * state_scale
     summaries = draw(tensors(E, N, P, r)) * state_scale if P else None
     return RouterCase(
-        s_entry=s_entry, summaries=summaries, w=draw(maybe_zero(E, d_k)), Q_cur=draw(maybe_zero(E, d_k, r)),
-        Q_dep=draw(maybe_zero(E, d_k, r)), Q_dep_q=draw(maybe_zero(E, d_k, d_k)), Q_dep_k=draw(maybe_zero(E, d_k, r)),
-        keys=draw(tensors(E, M, d_k)) * key_scale, atoms=draw(tensors(E, M, r, r)),
-        instruction=draw(tensors(E, d_c)), Q_ctx=draw(maybe_zero(E, d_k, d_c)), R_ctx=draw(maybe_zero(E, d_k, d_c)),
-        top_k=k, t_attn=draw(temperatures), t_dep=draw(temperatures), t_lang=draw(temperatures),
-        tau_lang=draw(tau), lambda_ctx=draw(lam), eps=draw(rms_eps_values))
+        s_entry=s_entry,
+        summaries=summaries,
+        w=draw(maybe_zero(E, d_k)),
+        Q_cur=draw(maybe_zero(E, d_k, r)),
+        Q_dep=draw(maybe_zero(E, d_k, r)),
+        Q_dep_q=draw(maybe_zero(E, d_k, d_k)),
+        Q_dep_k=draw(maybe_zero(E, d_k, r)),
+        keys=draw(tensors(E, M, d_k)) * key_scale,
+        atoms=draw(tensors(E, M, r, r)),
+        instruction=draw(tensors(E, d_c)),
+        Q_ctx=draw(maybe_zero(E, d_k, d_c)),
+        R_ctx=draw(maybe_zero(E, d_k, d_c)),
+        top_k=k,
+        t_attn=draw(temperatures),
+        t_dep=draw(temperatures),
+        t_lang=draw(temperatures),
+        tau_lang=draw(tau),
+        lambda_ctx=draw(lam),
+        eps=draw(rms_eps_values),
+    )
 
 
 def instruction_pairs(case: RouterCase):
     """A second instruction e' for `case`: a perturbation of e that is either tiny (the local Lipschitz constant) or
     of the order of e itself."""
     d_c = case.instruction.shape[1]
-    return st.tuples(tensors(1, d_c), st.sampled_from([1e-6, 1e-2, 1.0])).map(
-        lambda t: case.instruction + t[0] * t[1])
+    return st.tuples(tensors(1, d_c), st.sampled_from([1e-6, 1e-2, 1.0])).map(lambda t: case.instruction + t[0] * t[1])
 
 
 @st.composite

@@ -2,7 +2,7 @@
 thm:app_blockwise_gradient_factorization, cor:app_exact_logit_gradients).
 
 A small DeepNarrowMLP or RegressionTransformer is adapted with Queryable LoRA through the registry; one forward is
-traced (theory.trace: every layer's input x_l, rank state s_l = A_l x_l and routed operator S_b; every block's Route),
+traced (tracing.trace: every layer's input x_l, rank state s_l = A_l x_l and routed operator S_b; every block's Route),
 the rank-space vectors t_l = s_l + g_l S_b s_l are captured where the layer hands them to low_rank_update
 (models.capture_rank_updates), and autograd provides dL/dS_b, dL/dalpha, dL/dzeta, dL/drho, dL/dC_m, dL/deta_l and
 r_l = dL/dt_l. The tests compare them with the paper's closed forms built from those captured quantities.
@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qlbench.theory import tracing
+
 from models import ModelCase, capture_rank_updates, model_cases
-from qlbench import theory
 from strategies import tol
 
 EXAMPLES = max(4, settings().max_examples // 6)
@@ -28,7 +29,7 @@ def forward_backward(case: ModelCase):
     x, e = case.inputs()
     ts: list[torch.Tensor] = []
     with capture_rank_updates(ts):
-        t = theory.trace(model, x, e)
+        t = tracing.trace(model, x, e)
     assert len(ts) == len(t.calls)
     for R in t.routes.values():
         for name in ("S", "alpha", "zeta", "logits", "rho"):
@@ -37,7 +38,7 @@ def forward_backward(case: ModelCase):
     for c in t.calls:
         c.out.retain_grad()
     w = torch.randn(t.output.shape, generator=torch.Generator().manual_seed(case.seed + 2), dtype=t.output.dtype)
-    loss = (w * t.output + 0.5 * t.output ** 2).sum()
+    loss = (w * t.output + 0.5 * t.output**2).sum()
     loss.backward()
     return model, t, ts
 
@@ -66,6 +67,7 @@ def close(actual, expected, *operands, ops: int = 4096):
 
 # ---------------------------------------------------------------------------------------------------------------
 # thm:app_blockwise_gradient_factorization
+
 
 @given(case=ARCH_CASES)
 @settings(max_examples=EXAMPLES)
@@ -96,8 +98,14 @@ def test_blockwise_gradient_factorisation(case):
 # ---------------------------------------------------------------------------------------------------------------
 # cor:app_exact_logit_gradients
 
-@given(case=st.one_of(model_cases("deep-narrow", instruction=True), model_cases("deep-narrow", instruction=False),
-                      model_cases("transformer", instruction=True, max_layers=2)))
+
+@given(
+    case=st.one_of(
+        model_cases("deep-narrow", instruction=True),
+        model_cases("deep-narrow", instruction=False),
+        model_cases("transformer", instruction=True, max_layers=2),
+    )
+)
 @settings(max_examples=EXAMPLES)
 def test_exact_logit_gradients(case):
     """On the active set: dL/dz_m = dL/dzeta_m = alpha_m (psi_m - psibar), psi_m = <grad_S L, C_m>_F,
@@ -119,6 +127,7 @@ def test_exact_logit_gradients(case):
 # ---------------------------------------------------------------------------------------------------------------
 # prop:app_compressed_gradient_identity
 
+
 @given(case=ARCH_CASES)
 @settings(max_examples=EXAMPLES)
 def test_compressed_gradient_identity(case):
@@ -131,7 +140,7 @@ def test_compressed_gradient_identity(case):
         dy, x = c.out.grad, c.x.detach()
         G = per_sample_outer(dy, x) if dy.dim() == 3 else torch.einsum("enti,entj->enij", dy, x)  # (E, N, out, in)
         with torch.no_grad():
-            U = theory.update_matrix(L, c.S.detach()) - theory.update_matrix(L, torch.zeros_like(c.S))
+            U = tracing.update_matrix(L, c.S.detach()) - tracing.update_matrix(L, torch.zeros_like(c.S))
         lhs = (G * U).flatten(1).sum(-1)  # (E,)
         A, B = L.queryable_A.detach(), L.queryable_B.detach()
         g = torch.sigmoid(L.queryable_eta.detach())

@@ -3,7 +3,7 @@ stay bounded (prop:app_convex_hull_bound, cor:app_update_norm_bound, prop:app_de
 cor:app_query_norm_bound, and the norm part of thm:app_attention_projection_norm_stability).
 
 Router-level checks draw raw float64 inputs; model-level checks read the quantities off a real adapted model's
-forward (theory.trace) and compute only the right-hand sides.
+forward (tracing.trace) and compute only the right-hand sides.
 """
 
 from __future__ import annotations
@@ -11,23 +11,26 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, target
 
+from qlbench.theory import checks, formulas, tracing
+
 from models import model_cases
-from qlbench import theory
 from strategies import ratio, router_cases, tol
 
 MODEL_EXAMPLES = max(5, settings().max_examples // 4)
 
 
-def assert_holds(bounds: list[theory.Bound]):
+def assert_holds(bounds: list[checks.Bound]):
     assert bounds
     for b in bounds:
         bad = b.violations()
-        assert not bad.any(), (f"{b.label}: {b.quantity}: observed {b.observed[bad][:3].tolist()} > bound "
-                               f"{b.bound[bad][:3].tolist()}")
+        assert not bad.any(), (
+            f"{b.label}: {b.quantity}: observed {b.observed[bad][:3].tolist()} > bound {b.bound[bad][:3].tolist()}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # prop:app_convex_hull_bound
+
 
 @given(case=router_cases())
 def test_convex_hull_router(case):
@@ -37,10 +40,11 @@ def test_convex_hull_router(case):
     assert (R.alpha >= 0).all()
     assert (R.alpha.sum(-1) - 1).abs().max() <= tol(ops=16)
     assert ((R.alpha > 0).sum(-1) <= case.top_k).all()
-    torch.testing.assert_close(R.S, torch.einsum("enm,emij->enij", R.alpha, case.atoms), rtol=0,
-                               atol=tol(case.atoms, ops=64))
-    C = theory.opnorm(case.atoms)  # (E, M)
-    S = theory.opnorm(R.S)
+    torch.testing.assert_close(
+        R.S, torch.einsum("enm,emij->enij", R.alpha, case.atoms), rtol=0, atol=tol(case.atoms, ops=64)
+    )
+    C = formulas.opnorm(case.atoms)  # (E, M)
+    S = formulas.opnorm(R.S)
     mid = (R.alpha * C[:, None]).sum(-1)
     t = tol(C, ops=256)
     target(ratio(S, C.max(-1).values[:, None]), label="||S|| / R_C")
@@ -55,15 +59,17 @@ def test_convex_hull_real_model(case):
     model = case.build()
     x, e = case.inputs()
     with torch.no_grad():
-        t = theory.trace(model, x, e)
+        t = tracing.trace(model, x, e)
     for R in t.routes.values():
-        torch.testing.assert_close(R.S, torch.einsum("enm,emij->enij", R.alpha, t.memory.atoms), rtol=0,
-                                   atol=tol(t.memory.atoms, ops=64))
-    assert_holds(theory.convex_hull(t))
+        torch.testing.assert_close(
+            R.S, torch.einsum("enm,emij->enij", R.alpha, t.memory.atoms), rtol=0, atol=tol(t.memory.atoms, ops=64)
+        )
+    assert_holds(checks.convex_hull(t))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # cor:app_update_norm_bound
+
 
 @given(case=model_cases("deep-narrow"))
 @settings(max_examples=MODEL_EXAMPLES)
@@ -73,8 +79,8 @@ def test_layer_update_norm_bound(case):
     model = case.build()
     x, e = case.inputs()
     with torch.no_grad():
-        t = theory.trace(model, x, e)
-        bounds = theory.layer_updates(t, full_matrix=True)
+        t = tracing.trace(model, x, e)
+        bounds = checks.layer_updates(t, full_matrix=True)
     assert {b.label for b in bounds} == {"cor:app_update_norm_bound"}
     assert_holds(bounds)
 
@@ -87,18 +93,20 @@ def test_update_matrix_row_space_shortcut(case):
     model = case.build()
     x, e = case.inputs()
     with torch.no_grad():
-        t = theory.trace(model, x, e)
+        t = tracing.trace(model, x, e)
         for c in t.calls:
-            full = theory.update_matrix(c.layer, c.S)
-            short = theory.update_matrix(c.layer, c.S, theory.row_space_basis(c.layer))
-            n = theory.opnorm(full)
-            torch.testing.assert_close(theory.opnorm(short), n, rtol=0, atol=tol(n, ops=256))
-            torch.testing.assert_close((full @ c.x.unsqueeze(-1)).squeeze(-1), c.out - c.layer.base(c.x), rtol=0,
-                                       atol=tol(c.out, ops=1024))
+            full = tracing.update_matrix(c.layer, c.S)
+            short = tracing.update_matrix(c.layer, c.S, tracing.row_space_basis(c.layer))
+            n = formulas.opnorm(full)
+            torch.testing.assert_close(formulas.opnorm(short), n, rtol=0, atol=tol(n, ops=256))
+            torch.testing.assert_close(
+                (full @ c.x.unsqueeze(-1)).squeeze(-1), c.out - c.layer.base(c.x), rtol=0, atol=tol(c.out, ops=1024)
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # thm:app_attention_projection_norm_stability (norm part): per projection p in {Q, K, V, O}
+
 
 @given(case=model_cases("transformer"))
 @settings(max_examples=max(4, MODEL_EXAMPLES // 2))
@@ -108,8 +116,8 @@ def test_attention_projection_norm_bound(case):
     model = case.build()
     x, e = case.inputs()
     with torch.no_grad():
-        t = theory.trace(model, x, e)
-        bounds = theory.layer_updates(t, full_matrix=True)
+        t = tracing.trace(model, x, e)
+        bounds = checks.layer_updates(t, full_matrix=True)
     roles = {c.role for c in t.calls}
     assert roles == {"q", "k", "v", "o"}
     assert {b.label for b in bounds} == {"thm:app_attention_projection_norm_stability"}
@@ -119,17 +127,19 @@ def test_attention_projection_norm_bound(case):
 # ---------------------------------------------------------------------------------------------------------------
 # prop:app_depth_summary_bounded
 
+
 @given(case=router_cases(min_done=1))
 def test_depth_summary_bounded_router(case):
     """u_{b-1} = sum_i beta_i sbar_i with beta in the simplex, so ||u|| <= max_i ||sbar_i||."""
     R = case.route()
     assert R.beta.shape[-1] == case.n_done
     assert (R.beta >= 0).all() and (R.beta.sum(-1) - 1).abs().max() <= tol(ops=16)
-    torch.testing.assert_close(R.u, torch.einsum("enp,enpr->enr", R.beta, case.summaries), rtol=0,
-                               atol=tol(case.summaries, ops=64))
-    R_s = theory.vnorm(case.summaries).max(-1).values
-    target(ratio(theory.vnorm(R.u), R_s), label="||u|| / R_s")
-    assert (theory.vnorm(R.u) <= R_s + tol(R_s, ops=64)).all()
+    torch.testing.assert_close(
+        R.u, torch.einsum("enp,enpr->enr", R.beta, case.summaries), rtol=0, atol=tol(case.summaries, ops=64)
+    )
+    R_s = formulas.vnorm(case.summaries).max(-1).values
+    target(ratio(formulas.vnorm(R.u), R_s), label="||u|| / R_s")
+    assert (formulas.vnorm(R.u) <= R_s + tol(R_s, ops=64)).all()
 
 
 @given(case=model_cases("deep-narrow", min_blocks=2))
@@ -140,7 +150,7 @@ def test_depth_summary_bounded_real_model(case):
     model = case.build()
     x, e = case.inputs()
     with torch.no_grad():
-        t = theory.trace(model, x, e)
+        t = tracing.trace(model, x, e)
     per_block: dict[int, list[torch.Tensor]] = {}
     for c in t.calls:
         per_block.setdefault(c.layer.block, []).append(c.s)
@@ -153,24 +163,32 @@ def test_depth_summary_bounded_real_model(case):
         assert R.beta.shape[-1] == b
         done = torch.stack([sbar[i] for i in range(b)], dim=2)  # (E, N, b, r)
         torch.testing.assert_close(R.u, torch.einsum("enp,enpr->enr", R.beta, done), rtol=0, atol=tol(done, ops=64))
-    assert_holds(theory.depth_summaries(t))
+    assert_holds(checks.depth_summaries(t))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # cor:app_query_norm_bound
 
+
 @given(case=router_cases())
 def test_query_norm_bound_router(case):
-    """||q_b|| <= ||w|| + ||Q_cur|| R_s + lambda ||Q_ctx|| ||e|| + ||Q_dep|| R_s, R_s = max(||s_entry||, max_i ||sbar_i||)."""
+    """||q_b|| <= ||w|| + ||Q_cur|| R_s + lambda ||Q_ctx|| ||e|| + ||Q_dep|| R_s,
+    R_s = max(||s_entry||, max_i ||sbar_i||)."""
     R = case.route()
-    R_s = theory.vnorm(case.s_entry)
+    R_s = formulas.vnorm(case.s_entry)
     if case.summaries is not None:
-        R_s = torch.maximum(R_s, theory.vnorm(case.summaries).max(-1).values)
-    rhs = theory.query_norm_bound(theory.vnorm(case.w)[:, None], theory.opnorm(case.Q_cur)[:, None], R_s,
-                                  case.lambda_ctx, theory.opnorm(case.Q_ctx)[:, None],
-                                  theory.vnorm(case.instruction)[:, None], theory.opnorm(case.Q_dep)[:, None])
-    target(ratio(theory.vnorm(R.q), rhs), label="||q|| / bound")
-    assert (theory.vnorm(R.q) <= rhs + tol(rhs, ops=256)).all()
+        R_s = torch.maximum(R_s, formulas.vnorm(case.summaries).max(-1).values)
+    rhs = formulas.query_norm_bound(
+        formulas.vnorm(case.w)[:, None],
+        formulas.opnorm(case.Q_cur)[:, None],
+        R_s,
+        case.lambda_ctx,
+        formulas.opnorm(case.Q_ctx)[:, None],
+        formulas.vnorm(case.instruction)[:, None],
+        formulas.opnorm(case.Q_dep)[:, None],
+    )
+    target(ratio(formulas.vnorm(R.q), rhs), label="||q|| / bound")
+    assert (formulas.vnorm(R.q) <= rhs + tol(rhs, ops=256)).all()
 
 
 @given(case=model_cases("deep-narrow"))
@@ -179,5 +197,5 @@ def test_query_norm_bound_real_model(case):
     model = case.build()
     x, e = case.inputs()
     with torch.no_grad():
-        t = theory.trace(model, x, e)
-    assert_holds(theory.query_norms(t))
+        t = tracing.trace(model, x, e)
+    assert_holds(checks.query_norms(t))

@@ -1,0 +1,49 @@
+"""The command-line layer: argument parsing, printing, report files and exit codes, one module per subcommand.
+
+Each subcommand module has `register(subparsers)`, which adds its parser and sets `func(args) -> exit code`;
+`qlbench.cli` registers them all. Library modules never print or exit: they return data and raise ValueError,
+which a command turns into a `UsageError` (one line on stderr, exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line, exit 2, no usage dump
+        raise UsageError(message)
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """Turn a library's ValueError (bad input, with the valid choices) into a one-line UsageError."""
+    try:
+        yield
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def split_list(text: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']."""
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """['top_k=3', 'tau_lang=0.5'] -> {'top_k': 3, 'tau_lang': 0.5}; values are Python literals or strings."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--hp expects key=value, got {item!r}")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out

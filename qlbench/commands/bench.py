@@ -1,0 +1,48 @@
+"""`qlbench bench`: speed benchmarks side by side in one run; prints Markdown, writes bench.json and bench.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qlbench.commands import UsageError, split_list, usage_errors
+
+
+def register(subparsers) -> None:
+    from qlbench.backbones import ARCHS
+
+    p = subparsers.add_parser(
+        "bench",
+        help="speed benchmarks: stacked vs naive, matmul-peak share, inference",
+        description="Speed, measured side by side in one process and reported as ratios.",
+    )
+    p.add_argument("--quick", action="store_true", help="few steps, E = 5 only, no compile")
+    p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
+    p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--out", type=Path, help="folder for bench.json and bench.md (default results/bench)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from qlbench import adapters, bench, engine
+    from qlbench.backbones import ARCHS
+    from qlbench.store import Store, write_json, write_text
+
+    archs = split_list(args.archs)
+    if not archs or (bad := [a for a in archs if a not in ARCHS]):
+        raise UsageError(f"unknown arch {', '.join(bad) if archs else repr(args.archs)}; valid: {', '.join(ARCHS)}")
+    methods = split_list(args.methods) if args.methods is not None else adapters.names()
+    if not methods:
+        raise UsageError(f"--methods is empty; valid: {', '.join(adapters.names())}")
+    with usage_errors():
+        for m in methods:
+            adapters.get(m)
+        device = engine.resolve_device(args.device)
+    out = args.out or Store("results").bench_dir
+    report = bench.run(archs, methods, bench.Settings.make(args.quick), device, progress=not args.no_progress)
+    text = bench.markdown(report)
+    write_json(report, out / "bench.json")
+    write_text(text, out / "bench.md")
+    print(text)
+    return 0

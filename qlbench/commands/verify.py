@@ -1,0 +1,81 @@
+"""`qlbench verify`: the paper's norm and Lipschitz bounds on a trained queryable cell (table + JSON report).
+
+Exit 0 when every statement holds, 1 when one is violated (named on stderr), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from qlbench.commands import usage_errors
+
+
+def register(subparsers) -> None:
+    from qlbench import verify
+    from qlbench.backbones import ARCHS
+
+    p = subparsers.add_parser(
+        "verify",
+        help="check the paper's norm and Lipschitz bounds on a trained queryable model",
+        description="Check every norm and Lipschitz statement of the Queryable LoRA paper on a trained queryable "
+        "cell over its target test set: observed value, bound, tightness ratio, holds / VIOLATED. "
+        "Without --results a smoke cell is trained first.",
+    )
+    p.add_argument(
+        "--results",
+        type=Path,
+        metavar="DIR",
+        help="results folder holding records/<arch>/<function>/queryable.json (default: train a smoke "
+        "cell into --out's folder, or a new temp folder)",
+    )
+    p.add_argument(
+        "--function",
+        metavar="NAME",
+        help=f"the cell's function (default: the only one with a queryable record; "
+        f"{verify.DEFAULT_FUNCTION} when training)",
+    )
+    p.add_argument(
+        "--arch",
+        help=f"one of: {', '.join(ARCHS)} (default: the only one with a queryable record; deep-narrow when training)",
+    )
+    p.add_argument("--out", type=Path, metavar="PATH", help="JSON report (default <results>/verify.json)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while training")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from qlbench import experiment, verify
+    from qlbench.store import write_json
+
+    log = lambda message: print(message, file=sys.stderr, flush=True)
+    if args.results is not None:
+        with usage_errors():
+            record = verify.find_record(args.results, args.arch, args.function)
+        out = args.out or args.results / "verify.json"
+    else:
+        arch, function = args.arch or "deep-narrow", args.function or verify.DEFAULT_FUNCTION
+        folder = args.out.parent if args.out is not None else Path(tempfile.mkdtemp(prefix="qlbench-verify-"))
+        with usage_errors():
+            plan = verify.smoke_plan(folder, arch, function, args.device)
+        log(f"qlbench verify: training a smoke {verify.METHOD} cell ({function} on {arch}) in {folder}")
+        (record,) = experiment.run(plan, progress=not args.no_progress, log=log)
+        out = args.out or folder / "verify.json"
+    with usage_errors():
+        report = verify.verify_record(record, args.device)
+    print(
+        f"qlbench verify: {report['method']} on {report['function']} ({report['arch']}, budget {report['budget']}, "
+        f"{report['members']} member(s) x {report['test_samples']} test samples)"
+    )
+    print(verify.format_table(report))
+    write_json(report, Path(out))
+    print(f"report: {out}")
+    bad = [r for r in report["statements"] if r["status"] == "VIOLATED"]
+    for r in bad:
+        log(
+            f"qlbench verify: VIOLATED {r['label']}: {r['quantity']} (observed {r['observed']:.6g} > bound "
+            f"{r['bound']:.6g}, ratio {r['ratio']:.6g})"
+        )
+    return 1 if bad else 0

@@ -1,0 +1,83 @@
+"""Imports go one way: no cycle among qlbench's modules (function-local imports included), and library modules never
+import the command-line layer (qlbench.cli, qlbench.commands)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import qlbench
+
+ROOT = Path(qlbench.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """qlbench module -> the qlbench modules it imports anywhere in its text (top level or inside functions).
+    `from a.b import c` counts as importing a.b.c when that is a module, else a.b."""
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                for a in node.names:
+                    deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_graph_sees_function_local_imports():
+    graph = import_graph()
+    assert "qlbench.commands.run" in graph["qlbench.cli"]
+    assert "qlbench.experiment" in graph["qlbench.commands.run"]  # imported inside run()
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_library_modules_do_not_import_the_command_line_layer():
+    cli_layer = {m for m in import_graph() if m == "qlbench.cli" or m.startswith("qlbench.commands")}
+    offenders = {
+        m: sorted(deps & cli_layer) for m, deps in import_graph().items() if m not in cli_layer and deps & cli_layer
+    }
+    assert not offenders
