@@ -16,8 +16,11 @@ a shared machine hits both sides alike. Nothing here asserts a speed: the number
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -290,6 +293,21 @@ def anchor(s: Settings, device) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """Send file descriptor 2 to /dev/null inside the block: the profiler's native library prints two "USDT: ...
+    profiler_start/stop" lines per use that a Python-level redirect cannot catch."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm")
 
 
@@ -310,7 +328,7 @@ def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     chunk(step, data, n, threads)()  # wall time without the profiler's own overhead
     sync(device)
     wall = (time.perf_counter() - t0) / n
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
         chunk(step, data, n, threads)()
     events = prof.key_averages()
     # top-level ATen calls only would need the call tree; count every ATen op (nested ones included) and the

@@ -7,6 +7,7 @@ the same config hash are skipped, so an interrupted run resumes where it stopped
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from qlbench import adapters, engine, results, zoo
-from qlbench.backbones import ARCHS
+from qlbench.backbones import ARCHS, build_backbone
+from qlbench.seeding import generator
 from qlbench.store import Store, save_torch, stable_hash, write_json
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -101,6 +103,7 @@ def plan(
             configs[m] = adapters.get(m).make_config(**overrides)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{m}: {err}") from None
+    dry_build(arch, configs)
     if compile not in ("auto", "on", "off"):
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
     if threads is not None and not (isinstance(threads, int) and threads >= 1):
@@ -120,6 +123,19 @@ def plan(
         use_compile,
         threads,
     )
+
+
+def dry_build(arch: str, configs: dict[str, object]) -> None:
+    """Build every method on a one-member backbone on the meta device (shapes only, no memory, no arithmetic), so
+    a config that cannot be built on this arch (targets it lacks, more blocks than layers ...) fails before any
+    work, as a ValueError naming the method."""
+    backbone = build_backbone(arch, [("dry-build", 0)], device="meta")
+    y = torch.zeros(1, 1, device="meta")
+    for name, config in configs.items():
+        try:
+            adapters.get(name).build(copy.deepcopy(backbone), config, [generator("dry-build", name)], y)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name}: {err}") from None
 
 
 def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:

@@ -125,3 +125,73 @@ def test_smoke_sweep_stacks_functions_times_seeds(capsys, tmp_path):
         assert sorted(p.name for p in folder.iterdir()) == ["lora.json", "mean.json"]
         info = json.loads((folder / "lora.json").read_text())["train_info"]
         assert info["status"] == "ok" and info["stacked_members"] == 4  # 2 functions x 2 seeds in one stack
+
+
+@pytest.mark.parametrize(
+    "hp, word",
+    [
+        ("targets=('nosuch',)", "nosuch"),
+        ("n_blocks=64", "n_blocks=64 exceeds"),
+        ("top_k=True", "top_k"),
+        ("alpha=big", "alpha must be a finite number > 0, got 'big'"),
+        ("alpha=inf", "alpha must be a finite number > 0, got inf"),
+        ("targets=('o',)", "none of them"),
+    ],
+)
+def test_a_config_that_cannot_be_built_is_one_line_before_any_work(capsys, tmp_path, hp, word):
+    line = one_line_error(
+        capsys,
+        [
+            "run",
+            "--function",
+            "matyas",
+            "--arch",
+            "transformer",
+            "--budget",
+            "smoke",
+            "--methods",
+            "lora,queryable",
+            "--hp",
+            hp,
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    assert word in line
+    assert not any(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("methods", ["lora,mean", "lora"])
+def test_a_failed_cell_is_one_line_per_cell_and_exit_1(capsys, tmp_path, monkeypatch, methods):
+    from qlbench import engine
+
+    adapt = engine.adapt
+
+    def failing(pre, method_name, *args, **kw):
+        if method_name == "lora":
+            raise RuntimeError("planted failure")
+        return adapt(pre, method_name, *args, **kw)
+
+    monkeypatch.setattr(engine, "adapt", failing)
+    code = cli.main(
+        [
+            "sweep",
+            "--functions",
+            "matyas,levy",
+            "--budget",
+            "smoke",
+            "--methods",
+            methods,
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in err
+    failed = [line for line in err.splitlines() if line.startswith("qlbench sweep: ") and "failed" in line]
+    assert sorted(failed) == [
+        f"qlbench sweep: {f}/lora failed: RuntimeError: planted failure" for f in ("levy", "matyas")
+    ]
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "lora" in line]
+    assert len(rows) == 2 and all("failed" in row for row in rows)  # a failed cell stays a row of the table

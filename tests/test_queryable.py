@@ -190,3 +190,30 @@ def test_adapted_model_moves_and_casts_like_any_module():
     m32 = m.to(torch.float32)
     assert m32.hidden[0].queryable_A.dtype == torch.float32
     torch.testing.assert_close(m32.double()(x), y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("targets", [("q", "v"), ("k", "v"), ("v",), ("q", "k", "v", "o")])
+def test_transformer_block_state_averages_whichever_of_qkv_are_adapted(targets):
+    """The routing state of a block is the token average of the adapted q/k/v rank states, averaged over those
+    projections (computed here from the layer's LayerNorm output and the A factors)."""
+    model = adapted("transformer", targets=targets)
+    randomize_B(model)
+    x = inputs(n=5)
+    seen = {}
+    model.layers[0].ln1.register_forward_hook(lambda mod, args, out: seen.setdefault("x", out))
+    ctx = ForwardContext(model.shared)
+    model(x, None, ctx=ctx)
+    layer = model.layers[0]
+    states = [
+        (seen["x"] @ getattr(layer, t).queryable_A.transpose(1, 2).unsqueeze(1)).mean(2)  # (E, N, r)
+        for t in ("q", "k", "v")
+        if t in targets
+    ]
+    torch.testing.assert_close(ctx.scratch["queryable"].states[0][0], torch.stack(states).mean(0), rtol=1e-12, atol=0)
+    unadapted = [t for t in ("q", "k", "v") if t not in targets]
+    assert all(not hasattr(getattr(layer, t), "queryable_A") for t in unadapted)
+
+
+def test_queryable_rejects_targets_without_an_entry_projection():
+    with pytest.raises(ValueError, match=r"targets \('o',\) has none of them"):
+        adapters.get("queryable").make_config(targets=("o",))

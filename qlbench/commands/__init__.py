@@ -36,14 +36,16 @@ def split_list(text: str) -> list[str]:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """['top_k=3', 'tau_lang=0.5'] -> {'top_k': 3, 'tau_lang': 0.5}; values are Python literals or strings."""
+    """['top_k=3', 'tau_lang=0.5'] -> {'top_k': 3, 'tau_lang': 0.5}; values are Python literals (inf and nan
+    included, as floats) or else strings; the method's config then says which values it accepts."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--hp expects key=value, got {item!r}")
+        value = value.strip()
         try:
-            out[key.strip()] = ast.literal_eval(value.strip())
+            out[key.strip()] = float(value) if value.lower() in ("inf", "-inf", "nan") else ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            out[key.strip()] = value.strip()
+            out[key.strip()] = value
     return out
