@@ -21,7 +21,7 @@ from qlbench import adapters, zoo
 from qlbench.adapters.base import adamw
 from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
-from qlbench.store import Store, save_torch, stable_hash
+from qlbench.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,11 @@ def num_threads(n: int | None):
 
 
 Member = tuple[str, int]  # (function name, seed)
+
+# qlbench interpretation of the paper's "inf": a member diverged when an evaluated MSE is non-finite or grows past
+# this factor times its own epoch-0 train MSE (the frozen model's error, where every method starts). Relative, not
+# the paper's absolute 1e5: the zoo's labels are in raw units whose MSE scales differ by orders of magnitude.
+DIVERGENCE_FACTOR = 100.0
 
 
 @dataclass
@@ -226,9 +231,10 @@ def fit(
 ) -> Curves:
     """Minibatch training of a stack: member e shuffles its own data with order[e] every epoch.
 
-    Evaluates train and test MSE before training and every `eval_every` epochs (and after the last). A member
-    whose loss or metrics turn non-finite is marked diverged at that evaluation; it keeps its slot (the stack's
-    shapes do not change) but its later metrics are NaN, and no other member is affected (no op mixes members).
+    Evaluates train and test MSE before training and every `eval_every` epochs (and after the last). A member is
+    marked diverged at the first evaluation where its loss or metrics are non-finite or its train or test MSE
+    exceeds DIVERGENCE_FACTOR times its epoch-0 train MSE; it keeps its slot (the stack's shapes do not change)
+    but its metrics from then on are NaN, and no other member is affected (no op mixes members).
     """
     E, N = data.y_train.shape
     device = data.y_train.device
@@ -238,12 +244,17 @@ def fit(
     rows = torch.arange(E, device=device).unsqueeze(1)
     n_batches = -(-N // phase.batch_size)
 
+    initial: list[torch.Tensor] = []  # the epoch-0 train MSE (E,), the scale divergence is measured against
+
     def record(epoch: int) -> None:
         model.eval()
         tr = evaluate(model, data.x_train, data.y_train, instruction)
         te = evaluate(model, data.x_test, data.y_test, instruction)
         model.train()
+        if not initial:
+            initial.append(tr.clone())
         bad = ~(torch.isfinite(tr) & torch.isfinite(te) & torch.isfinite(running))
+        bad |= (tr > DIVERGENCE_FACTOR * initial[0]) | (te > DIVERGENCE_FACTOR * initial[0])
         for e in torch.nonzero(bad).flatten().tolist():
             diverged[e] = epoch if diverged[e] is None else diverged[e]
         dead = torch.tensor([d is not None for d in diverged], device=device)
@@ -331,12 +342,19 @@ def pretrain(
     store: Store | None = None,
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
+    log: Callable[[str], None] = lambda message: None,
 ) -> Pretrained:
     """Source-pretrained backbones for `members`. Members found in the store's backbone cache are loaded; the
     rest are trained together and cached one file per member, so any later stacking of the same members reuses
-    them."""
+    them. A damaged cache file is reported through `log`, set aside and retrained."""
     paths = _cache_paths(arch, members, phase, dtype, store)
-    cached = {i: torch.load(p, map_location="cpu") for i, p in enumerate(paths) if p is not None and p.exists()}
+    cached = {}
+    for i, path in enumerate(paths):
+        if path is not None and path.exists():
+            try:
+                cached[i] = load_torch(path)
+            except DamagedFile as err:
+                log(f"{err}; moved to {set_aside(path).name}, retraining that backbone")
     todo = [i for i in range(len(members)) if i not in cached]
     if todo:
         sub = [members[i] for i in todo]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 from qlbench import adapters, engine, results, zoo
 from qlbench.backbones import ARCHS, build_backbone
 from qlbench.seeding import generator
-from qlbench.store import Store, save_torch, stable_hash, write_json
+from qlbench.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash, write_json
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -39,10 +40,17 @@ class Plan:
     out_dir: Path
     compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
     threads: int | None = None  # intra-op threads; None: engine.auto_threads
+    force: bool = False  # re-run cells that already have a finished record of the same config
 
     @property
     def store(self) -> Store:
         return Store(self.out_dir)
+
+    def record_path(self, function: str, method: str) -> Path:
+        """Where the cell's record lives: keyed by budget and config hash, so other configs never collide."""
+        return self.store.record_path(
+            self.arch, function, method, self.budget.name, stable_hash(self.cell_config(function, method))
+        )
 
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused."""
@@ -71,6 +79,7 @@ def plan(
     overrides: dict | None = None,
     compile: str = "auto",
     threads: int | None = None,
+    force: bool = False,
 ) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults."""
     if arch not in ARCHS:
@@ -104,6 +113,7 @@ def plan(
         except (TypeError, ValueError) as err:
             raise ValueError(f"{m}: {err}") from None
     dry_build(arch, configs)
+    check_writable(Path(out_dir))
     if compile not in ("auto", "on", "off"):
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
     if threads is not None and not (isinstance(threads, int) and threads >= 1):
@@ -122,7 +132,21 @@ def plan(
         Path(out_dir),
         use_compile,
         threads,
+        force,
     )
+
+
+def check_writable(folder: Path) -> None:
+    """The results folder exists or can be created, and a file can be written in it (ValueError otherwise)."""
+    if not str(folder).strip():
+        raise ValueError("the results folder is empty; give a path")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"results folder {folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise ValueError(f"cannot write to results folder {folder}: {err.strerror or err}") from None
 
 
 def dry_build(arch: str, configs: dict[str, object]) -> None:
@@ -150,6 +174,8 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     rec = results.read_record(record)
     cfg = rec["run_info"]["config"]
     store = Store.of_record(record)
+    if rec["train_info"]["status"] == "failed":
+        raise ValueError(f"{record} is a failed cell ({rec['train_info']['message']}): nothing to rebuild")
     arch, function, method_name = cfg["arch"], cfg["function"], cfg["method"]
     method = adapters.get(method_name)
     config = method.config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg["method_config"].items()})
@@ -159,10 +185,10 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     dtype, dev = DTYPES[cfg["dtype"]], engine.resolve_device(device)
     pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, store=store)
     model, data = engine.build_model(pre, method_name, config, device=dev, dtype=dtype)
-    path = store.model_path(arch, function, method_name)
+    path = Store.model_of(record)
     if not path.exists():
         raise FileNotFoundError(f"no saved weights for {method_name} at {path}")
-    saved = torch.load(path, map_location=dev)
+    saved = load_torch(path, map_location=dev)  # DamagedFile (a ValueError) names the file
     if saved["config_hash"] != rec["run_info"]["config_hash"]:
         raise ValueError(f"{path} belongs to another run than {record}")
     params = dict(model.named_parameters())
@@ -172,28 +198,35 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     return model, data, rec
 
 
-def _finished(path: Path, config: dict) -> bool:
+def _finished(path: Path, config: dict, log) -> bool:
+    """Whether a finished record of this exact config exists. A damaged record is reported, set aside and counts
+    as unfinished; a failed one is retried (it holds no results)."""
     if not path.exists():
         return False
-    rec = results.read_record(path)
+    try:
+        rec = results.read_record(path)
+    except DamagedFile as err:
+        log(f"{err}; moved to {set_aside(path).name}, the cell is recomputed")
+        return False
     return rec["run_info"]["config_hash"] == stable_hash(config) and rec["train_info"]["status"] != "failed"
 
 
 def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
-    """Run every unfinished cell of the plan; returns the record paths of all cells (finished before or now)."""
+    """Run every unfinished cell of the plan (every cell with `p.force`); returns the record paths of all cells
+    (finished before or now)."""
     dtype = DTYPES[p.dtype]
     todo = {
-        m: [f for f in p.functions if not _finished(p.store.record_path(p.arch, f, m), p.cell_config(f, m))]
+        m: [f for f in p.functions if p.force or not _finished(p.record_path(f, m), p.cell_config(f, m), log)]
         for m in p.methods
     }
     skipped = sum(len(p.functions) - len(fs) for fs in todo.values())
     if skipped:
-        log(f"{skipped} cell(s) already have a record with the same config: skipped")
+        log(f"{skipped} cell(s) already have a finished record of the same config: skipped (--force re-runs them)")
     functions = [f for f in p.functions if any(f in fs for fs in todo.values())]
     threads = p.threads or engine.auto_threads(p.arch, len(functions) * len(p.seeds))
     with engine.num_threads(threads):
         _run(p, todo, functions, dtype, progress, log)
-    return [p.store.record_path(p.arch, f, m) for m in p.methods for f in p.functions]
+    return [p.record_path(f, m) for m in p.methods for f in p.functions]
 
 
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
@@ -218,6 +251,7 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
                 store=store,
                 progress=bar.update,
                 compile=p.compile,
+                log=log,
             )
         trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
         total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
@@ -249,7 +283,7 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
                 message=f"{type(err).__name__}: {err}",
                 wall_time_s=time.perf_counter() - t0,
             )
-            write_json(rec, p.store.record_path(p.arch, f, method))
+            write_json(rec, p.record_path(f, method))
         return
     c = res.curves
     for f in functions:
@@ -272,7 +306,11 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
         bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
         message = f"diverged seeds: {bad}" if bad else ""
         if bad:
-            log(f"{method} on {f}: seed(s) {bad} diverged (non-finite loss); the other seeds completed")
+            rest = "the other seeds completed" if len(bad) < len(per_seed) else "every seed diverged"
+            log(
+                f"{method} on {f}: seed(s) {bad} diverged (non-finite MSE, or above "
+                f"{engine.DIVERGENCE_FACTOR:g}x the epoch-0 train MSE); {rest}"
+            )
         rec = results.make_record(
             config=p.cell_config(f, method),
             seeds=p.seeds,
@@ -294,6 +332,6 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
                     "members": [res.members[i] for i in idx],
                     "state": trainable_state(res.model, idx),
                 },
-                p.store.model_path(p.arch, f, method),
+                Store.model_of(p.record_path(f, method)),
             )
-        write_json(rec, p.store.record_path(p.arch, f, method))  # the record commits
+        write_json(rec, p.record_path(f, method))  # the record commits

@@ -14,10 +14,10 @@ Record layout (schema 1), in the spirit of huggingface peft's method_comparison:
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import platform
 import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 import qlbench
-from qlbench.store import Store, finite, stable_hash
+from qlbench.store import DamagedFile, Store, finite, read_json, stable_hash
 
 SCHEMA = 1
 
@@ -104,8 +104,11 @@ def make_record(
 
 
 def read_record(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """A record; DamagedFile (a one-line ValueError) if the file is empty, truncated or not a record."""
+    rec = read_json(path)
+    if not {"run_info", "train_info"} <= rec.keys():
+        raise DamagedFile(f"{path} is damaged (a JSON object without run_info and train_info)")
+    return rec
 
 
 def find_records(root: Path) -> list[Path]:
@@ -133,16 +136,28 @@ def _paths(paths_or_root) -> list[Path]:
     return [Path(p) for p in paths_or_root]
 
 
-def load(paths_or_root) -> pd.DataFrame:
+def _records(paths_or_root, on_damaged) -> list[tuple[Path, dict]]:
+    """(path, record) of every readable record of the current schema; a damaged one goes to on_damaged(message)
+    (default: a warning) and is skipped, never a traceback."""
+    out = []
+    for path in _paths(paths_or_root):
+        try:
+            rec = read_record(path)
+        except DamagedFile as err:
+            (on_damaged or (lambda m: warnings.warn(m, stacklevel=3)))(f"{err}; skipped")
+            continue
+        if rec.get("schema") == SCHEMA:
+            out.append((path, rec))
+    return out
+
+
+def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     """Tidy DataFrame, one row per (cell, seed): function, arch, method, budget, seed, cell_status, message,
     trainable_params, and the per-seed metrics. A failed cell (no per-seed results) gives one row per seed with
     status "failed" and no metrics, so it shows in every table. Accepts a results folder, one record path, or a
     list of record paths."""
     rows = []
-    for path in _paths(paths_or_root):
-        rec = read_record(path)
-        if rec.get("schema") != SCHEMA:
-            continue
+    for path, rec in _records(paths_or_root, on_damaged):
         run, train = rec["run_info"], rec["train_info"]
         cfg = run["config"]
         per_seed = train["per_seed"] or [{"seed": s, "status": "failed"} for s in run["seeds"]]
@@ -160,6 +175,7 @@ def load(paths_or_root) -> pd.DataFrame:
                     "total_params": train["total_params"],
                     "wall_time_s": train["wall_time_s"],
                     "record": str(path),
+                    "config_hash": run["config_hash"],
                     **{k: s.get(k) for k in PER_SEED_COLUMNS},
                 }
             )
@@ -170,19 +186,11 @@ def load(paths_or_root) -> pd.DataFrame:
     return frame
 
 
-def load_curves(paths_or_root) -> pd.DataFrame:
+def load_curves(paths_or_root, on_damaged=None) -> pd.DataFrame:
     """Tidy learning curves, one row per (cell, seed, evaluated epoch): function, arch, method, budget, seed, status,
     epoch, train_mse, test_mse (NaN after a divergence). Accepts what `load` accepts."""
-    if isinstance(paths_or_root, (str, Path)):
-        p = Path(paths_or_root)
-        paths = [p] if p.is_file() else find_records(p)
-    else:
-        paths = [Path(p) for p in paths_or_root]
     rows = []
-    for path in paths:
-        rec = read_record(path)
-        if rec.get("schema") != SCHEMA:
-            continue
+    for _, rec in _records(paths_or_root, on_damaged):
         run, train = rec["run_info"], rec["train_info"]
         cfg = run["config"]
         for s in train["per_seed"]:
@@ -204,3 +212,41 @@ def load_curves(paths_or_root) -> pd.DataFrame:
         rows, columns=["function", "arch", "method", "budget", "seed", "status", "epoch", "train_mse", "test_mse"]
     )
     return frame.astype({"train_mse": float, "test_mse": float})
+
+
+def index(root, on_damaged=None) -> pd.DataFrame:
+    """One row per record of a results folder: arch, function, method, budget, config_hash, status, seeds,
+    diverged (count), created_at, has_model, record. What `qlbench results` lists."""
+    rows = []
+    for path, rec in _records(Store(root).records(), on_damaged):
+        run, train = rec["run_info"], rec["train_info"]
+        cfg = run["config"]
+        rows.append(
+            {
+                "arch": cfg["arch"],
+                "function": cfg["function"],
+                "method": cfg["method"],
+                "budget": run["budget"],
+                "config_hash": run["config_hash"],
+                "status": train["status"],
+                "seeds": len(run["seeds"]),
+                "diverged": sum(s.get("status") == "diverged" for s in train["per_seed"]),
+                "created_at": run["created_at"],
+                "has_model": Store.model_of(path).exists(),
+                "record": str(path),
+            }
+        )
+    columns = [
+        "arch",
+        "function",
+        "method",
+        "budget",
+        "config_hash",
+        "status",
+        "seeds",
+        "diverged",
+        "created_at",
+        "has_model",
+        "record",
+    ]
+    return pd.DataFrame(rows, columns=columns)

@@ -1,12 +1,15 @@
 """The results folder: where every file of a run lives, one stable hash and one atomic writer.
 
-    <root>/records/<arch>/<function>/<method>.json          one record per cell (qlbench.results)
-    <root>/models/<arch>/<function>/<method>.pt             the cell's trained adapter weights
-    <root>/backbones/<arch>-<function>-seed<s>-<hash>.pt    source-pretrained backbones, one file per member
-    <root>/bench/bench.json, bench.md                       `qlbench bench`
+    <root>/records/<arch>/<function>/<method>/<budget>-<config hash>.json   one record per cell and config
+    <root>/records/<arch>/<function>/<method>/<budget>-<config hash>.pt     its trained adapter weights
+    <root>/backbones/<arch>-<function>-seed<s>-<hash>.pt                    source-pretrained backbones
+    <root>/bench/bench.json, bench.md                                       `qlbench bench`
 
-Every file is written to a temp file in its folder and renamed into place, so a reader never sees half a file and
-an interrupted write leaves the old file (or none) behind. Nothing else in qlbench builds these paths.
+A cell's files are keyed by its budget and the hash of its full resolved config, so runs of other budgets or
+hyper-parameters live side by side and nothing is overwritten (a finished cell of the same config is skipped, or
+re-run with an explicit --force). Every file is written to a temp file in its folder and renamed into place, so a
+reader never sees half a file. A damaged file is moved aside (`<name>.damaged-<n>`), never deleted. Nothing else
+in qlbench builds these paths.
 """
 
 from __future__ import annotations
@@ -74,17 +77,63 @@ def save_torch(obj, path: Path) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
+class DamagedFile(ValueError):
+    """A file that exists but cannot be read (truncated, empty, not what it should hold)."""
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged file to `<name>.damaged-<n>` next to it (the first free n) and return the new path."""
+    path = Path(path)
+    n = 1
+    while (aside := path.with_name(f"{path.name}.damaged-{n}")).exists():
+        n += 1
+    os.replace(path, aside)
+    return aside
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; DamagedFile (one line) if it is empty, truncated or not an object."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DamagedFile(f"{path} is damaged ({err.__class__.__name__}: {err})") from None
+    if not isinstance(obj, dict):
+        raise DamagedFile(f"{path} is damaged (a JSON {type(obj).__name__}, not an object)")
+    return obj
+
+
+def load_torch(path: Path, map_location="cpu"):
+    """torch.load, with DamagedFile (one line) for an empty or truncated file."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    try:
+        return torch.load(path, map_location=map_location)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
+        message = str(err).splitlines()[0] if str(err) else ""
+        raise DamagedFile(f"{path} is damaged ({err.__class__.__name__}: {message})") from None
+
+
 class Store:
     """The layout of one results folder."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    def record_path(self, arch: str, function: str, method: str) -> Path:
-        return self.root / "records" / arch / function / f"{method}.json"
+    def cell_stem(self, arch: str, function: str, method: str, budget: str, config_hash: str) -> Path:
+        """The path, without suffix, of one cell's record (.json) and model (.pt)."""
+        return self.root / "records" / arch / function / method / f"{budget}-{config_hash}"
 
-    def model_path(self, arch: str, function: str, method: str) -> Path:
-        return self.root / "models" / arch / function / f"{method}.pt"
+    def record_path(self, arch: str, function: str, method: str, budget: str, config_hash: str) -> Path:
+        return self.cell_stem(arch, function, method, budget, config_hash).with_suffix(".json")
+
+    @staticmethod
+    def model_of(record: Path) -> Path:
+        """The adapter weights saved with a record."""
+        return Path(record).with_suffix(".pt")
 
     @property
     def backbone_dir(self) -> Path:
@@ -98,21 +147,22 @@ class Store:
     def bench_dir(self) -> Path:
         return self.root / "bench"
 
-    def records(self, arch: str = "*", function: str = "*", method: str = "*") -> list[Path]:
+    def records(self, arch: str = "*", function: str = "*", method: str = "*", budget: str = "*") -> list[Path]:
         """Record files matching the pattern parts, sorted."""
-        return sorted(self.root.glob(f"records/{arch}/{function}/{method}.json"))
+        return sorted(self.root.glob(f"records/{arch}/{function}/{method}/{budget}-*.json"))
 
     @classmethod
     def of_record(cls, record: Path) -> Store:
         """The store a record file belongs to."""
         record = Path(record)
-        if record.parent.parent.parent.name != "records":
+        if len(record.parents) < 5 or record.parents[3].name != "records":
             raise ValueError(
-                f"{record} is not a record of a results folder (<root>/records/<arch>/<function>/<method>.json)"
+                f"{record} is not a record of a results folder "
+                "(<root>/records/<arch>/<function>/<method>/<budget>-<hash>.json)"
             )
-        return cls(record.parents[3])
+        return cls(record.parents[4])
 
-    def cell_of(self, record: Path) -> tuple[str, str, str]:
-        """(arch, function, method) of a record path in this store."""
+    def cell_of(self, record: Path) -> tuple[str, str, str, str]:
+        """(arch, function, method, budget) of a record path in this store."""
         rel = Path(record).relative_to(self.root / "records")
-        return rel.parts[0], rel.parts[1], rel.stem
+        return rel.parts[0], rel.parts[1], rel.parts[2], rel.stem.rsplit("-", 1)[0]

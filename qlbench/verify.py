@@ -28,8 +28,9 @@ METHOD = "queryable"
 DEFAULT_FUNCTION = "dropwave"
 
 
-def find_record(results: Path, arch: str | None, function: str | None) -> Path:
-    """records/<arch>/<function>/queryable.json under `results`; arch and function may be left out when unique."""
+def find_record(results: Path, arch: str | None, function: str | None, budget: str | None = None) -> Path:
+    """The queryable record under `results`; arch, function and budget may be left out when the record is
+    unique (several configs of one cell: the newest)."""
     from qlbench import zoo
     from qlbench.backbones import ARCHS
 
@@ -40,17 +41,18 @@ def find_record(results: Path, arch: str | None, function: str | None) -> Path:
     if not Path(results).is_dir():
         raise ValueError(f"results folder {results} does not exist")
     store = Store(results)
-    found = store.records(arch or "*", function or "*", METHOD)
+    found = store.records(arch or "*", function or "*", METHOD, budget or "*")
     if not found:
         have = sorted(str(p.relative_to(store.root)) for p in store.records(method=METHOD))
         raise ValueError(
             f"no {METHOD} record for arch={arch or 'any'}, function={function or 'any'} under "
             f"{store.root / 'records'}" + (f"; found: {', '.join(have)}" if have else "")
         )
-    if len(found) > 1:
-        cells = ", ".join("--arch {} --function {}".format(*store.cell_of(p)[:2]) for p in found)
-        raise ValueError(f"several {METHOD} cells under {store.root}: choose one of {cells}")
-    return found[0]
+    cells = sorted({store.cell_of(p) for p in found})
+    if len(cells) > 1:
+        choices = ", ".join(f"--arch {a} --function {f} --budget {b}" for a, f, _, b in cells)
+        raise ValueError(f"several {METHOD} cells under {store.root}: choose one of {choices}")
+    return max(found, key=lambda p: p.stat().st_mtime_ns)
 
 
 def smoke_plan(folder: Path, arch: str, function: str, device: str):

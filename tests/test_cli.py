@@ -79,12 +79,9 @@ def test_smoke_run_prints_the_table_and_writes_records(capsys, tmp_path):
     assert set(rows) >= {"lora", "queryable", "frozen", "mean"}
     assert "16,384" in rows["lora"] and "17,760" in rows["queryable"] and "1.084" in rows["queryable"]
     assert " ± " in rows["lora"]
-    assert sorted(p.name for p in (tmp_path / "records" / "deep-narrow" / "matyas").iterdir()) == [
-        "frozen.json",
-        "lora.json",
-        "mean.json",
-        "queryable.json",
-    ]
+    cells = tmp_path / "records" / "deep-narrow" / "matyas"
+    assert sorted(p.name for p in cells.iterdir()) == ["frozen", "lora", "mean", "queryable"]
+    assert [p.suffix for p in sorted((cells / "lora").iterdir())] == [".json", ".pt"]  # the model beside its record
 
 
 def test_console_script_error_has_no_traceback():
@@ -122,8 +119,9 @@ def test_smoke_sweep_stacks_functions_times_seeds(capsys, tmp_path):
     assert {(f, m) for f in ("matyas", "levy") for m in ("lora", "mean")} <= rows, out
     for function in ("matyas", "levy"):
         folder = tmp_path / "records" / "deep-narrow" / function
-        assert sorted(p.name for p in folder.iterdir()) == ["lora.json", "mean.json"]
-        info = json.loads((folder / "lora.json").read_text())["train_info"]
+        assert sorted(p.name for p in folder.iterdir()) == ["lora", "mean"]
+        (record,) = (folder / "lora").glob("smoke-*.json")
+        info = json.loads(record.read_text())["train_info"]
         assert info["status"] == "ok" and info["stacked_members"] == 4  # 2 functions x 2 seeds in one stack
 
 

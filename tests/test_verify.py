@@ -15,7 +15,7 @@ from helpers import one_line_error
 
 
 def fake_results(tmp_path, arch="deep-narrow", function="dropwave"):
-    path = tmp_path / "records" / arch / function / "queryable.json"
+    path = tmp_path / "records" / arch / function / "queryable" / "smoke-0123456789abcdef.json"
     path.parent.mkdir(parents=True)
     path.write_text("{}")
     return path
@@ -38,7 +38,7 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, expect):
 def test_no_queryable_record_is_exit_2(capsys, tmp_path):
     fake_results(tmp_path, function="matyas")
     line = one_line_error(capsys, ["verify", "--results", str(tmp_path), "--function", "dropwave"])
-    assert "no queryable record" in line and "records/deep-narrow/matyas/queryable.json" in line
+    assert "no queryable record" in line and "records/deep-narrow/matyas/queryable/smoke-0123456789abcdef.json" in line
     fake_results(tmp_path, function="levy")
     line = one_line_error(capsys, ["verify", "--results", str(tmp_path)])
     assert "several queryable cells" in line and "--function levy" in line
@@ -82,7 +82,7 @@ def test_smoke_trained_model_satisfies_every_bound(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out_json.read_text())
-    assert (tmp_path / "v" / "records" / "deep-narrow" / "matyas" / "queryable.json").exists()
+    assert len(list((tmp_path / "v" / "records" / "deep-narrow" / "matyas" / "queryable").glob("smoke-*.json"))) == 1
     labels = {r["label"] for r in report["statements"]}
     assert labels >= {
         "prop:app_convex_hull_bound",

@@ -73,6 +73,11 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="method hyper-parameter override, e.g. --hp top_k=3 --hp r=4 (applies to every method that has the field)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="re-run cells that already have a finished record of the same config (replacing it)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -96,6 +101,7 @@ def run(args, functions: list[str]) -> int:
             overrides=parse_overrides(args.hp),
             compile=args.compile,
             threads=args.threads,
+            force=args.force,
         )
     b = plan.budget
     print(
@@ -107,7 +113,7 @@ def run(args, functions: list[str]) -> int:
     t0 = time.perf_counter()
     log = lambda message: print(message, file=sys.stderr, flush=True)
     paths = experiment.run(plan, progress=not args.no_progress, log=log)
-    frame = results.load([p for p in paths if p.exists()])
+    frame = results.load([p for p in paths if p.exists()], on_damaged=log)
     print()
     if len(frame):
         print(report.markdown(report.method_table(frame)))

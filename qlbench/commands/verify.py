@@ -40,6 +40,7 @@ def register(subparsers) -> None:
         "--arch",
         help=f"one of: {', '.join(ARCHS)} (default: the only one with a queryable record; deep-narrow when training)",
     )
+    p.add_argument("--budget", help="the cell's budget (default: the only one with a queryable record)")
     p.add_argument("--out", type=Path, metavar="PATH", help="JSON report (default <results>/verify.json)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while training")
@@ -53,7 +54,7 @@ def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     if args.results is not None:
         with usage_errors():
-            record = verify.find_record(args.results, args.arch, args.function)
+            record = verify.find_record(args.results, args.arch, args.function, args.budget)
         out = args.out or args.results / "verify.json"
     else:
         arch, function = args.arch or "deep-narrow", args.function or verify.DEFAULT_FUNCTION

@@ -1,0 +1,117 @@
+"""The results store: nothing is overwritten or lost. Configs live side by side, a finished cell is re-run only
+with --force, damaged files are reported in one line, set aside and recomputed, files get the user's umask, and a
+run that blows up without a NaN is still marked diverged."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from qlbench import cli, engine, experiment, results
+from qlbench.store import Store
+
+from helpers import one_line_error
+
+SMOKE = ["--function", "matyas", "--arch", "deep-narrow", "--no-progress"]
+
+
+def run(tmp_path, *args) -> int:
+    return cli.main(["run", *SMOKE, "--out", str(tmp_path), *args])
+
+
+def records(tmp_path, method="lora") -> list:
+    return Store(tmp_path).records(method=method)
+
+
+def test_budgets_live_side_by_side_with_loadable_models(tmp_path, capsys):
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
+    assert run(tmp_path, "--budget", "quick", "--methods", "lora", "--seeds", "1") == 0
+    found = records(tmp_path)
+    assert sorted(Store(tmp_path).cell_of(p)[3] for p in found) == ["quick", "smoke"]
+    for record in found:
+        model, data, rec = experiment.load_adapted(record)
+        expected = torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]])
+        torch.testing.assert_close(engine.evaluate(model, data.x_test, data.y_test), expected, rtol=1e-5, atol=0)
+    capsys.readouterr()
+    assert cli.main(["results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| lora ") == 2 and "deep-narrow/quick: 1 record(s)" in out
+
+
+def test_same_config_is_skipped_and_force_reruns_it(tmp_path, capsys):
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
+    (record,) = records(tmp_path)
+    stamp = record.stat().st_mtime_ns
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
+    assert record.stat().st_mtime_ns == stamp and "--force re-runs them" in capsys.readouterr().err
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora", "--hp", "r=4") == 0  # another config: a new file
+    assert len(records(tmp_path)) == 2 and record.stat().st_mtime_ns == stamp
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora", "--force") == 0
+    assert record.stat().st_mtime_ns != stamp
+
+
+@pytest.mark.parametrize("content", ["", '{"run_info": {', "[1, 2]", '{"a": 1}'])
+def test_a_damaged_record_is_reported_set_aside_and_recomputed(tmp_path, capsys, content):
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
+    (record,) = records(tmp_path)
+    record.write_text(content)
+    capsys.readouterr()
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{record} is damaged" in err and "recomputed" in err
+    assert results.read_record(record)["train_info"]["status"] == "ok"
+    assert record.with_name(record.name + ".damaged-1").read_text() == content  # kept, never deleted
+
+
+def test_a_damaged_backbone_cache_is_set_aside_and_retrained(tmp_path, capsys):
+    assert run(tmp_path, "--budget", "smoke", "--methods", "mean") == 0
+    cache = sorted(Store(tmp_path).backbone_dir.glob("*.pt"))
+    cache[0].write_bytes(cache[0].read_bytes()[:100])  # truncated
+    for record in records(tmp_path, "mean"):
+        record.unlink()
+    capsys.readouterr()
+    assert run(tmp_path, "--budget", "smoke", "--methods", "mean") == 0
+    err = capsys.readouterr().err
+    assert f"{cache[0]} is damaged" in err and "retraining" in err and "Traceback" not in err
+    assert torch.load(cache[0])["state"] and cache[0].with_name(cache[0].name + ".damaged-1").exists()
+
+
+def test_a_damaged_model_file_is_one_line_in_verify(tmp_path, capsys):
+    assert run(tmp_path, "--budget", "smoke", "--methods", "queryable") == 0
+    (record,) = records(tmp_path, "queryable")
+    Store.model_of(record).write_bytes(b"")
+    line = one_line_error(capsys, ["verify", "--results", str(tmp_path)])
+    assert "is damaged" in line and str(Store.model_of(record)) in line
+
+
+def test_out_that_cannot_hold_results_fails_before_any_work(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert "is a file" in one_line_error(capsys, ["run", *SMOKE, "--budget", "smoke", "--out", str(afile)])
+    assert "cannot write" in one_line_error(capsys, ["run", *SMOKE, "--budget", "smoke", "--out", str(afile / "sub")])
+    assert "--out is empty" in one_line_error(capsys, ["run", *SMOKE, "--out", ""])
+    assert "--methods is empty" in one_line_error(capsys, ["run", *SMOKE, "--methods", " , "])
+
+
+def test_files_get_the_users_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
+    finally:
+        os.umask(old)
+    (record,) = records(tmp_path)
+    for path in (record, Store.model_of(record), *Store(tmp_path).backbone_dir.glob("*.pt")):
+        assert path.stat().st_mode & 0o777 == 0o644, path
+
+
+def test_a_blow_up_without_nan_is_diverged_and_every_seed_is_named(tmp_path, capsys):
+    """alpha = 1e4 makes LoRA's first steps explode to huge but finite MSEs (1e14 to 1e25): not "ok", and not hidden by a best
+    value taken before the blow-up."""
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora", "--hp", "alpha=1e4") == 0
+    err = capsys.readouterr().err
+    (record,) = records(tmp_path)
+    info = results.read_record(record)["train_info"]
+    assert info["status"] == "diverged" and all(s["status"] == "diverged" for s in info["per_seed"])
+    assert "every seed diverged" in err and "other seeds completed" not in err
