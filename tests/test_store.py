@@ -107,8 +107,8 @@ def test_files_get_the_users_umask(tmp_path):
 
 
 def test_a_blow_up_without_nan_is_diverged_and_every_seed_is_named(tmp_path, capsys):
-    """alpha = 1e4 makes LoRA's first steps explode to huge but finite MSEs (1e14 to 1e25): not "ok", and not hidden by a best
-    value taken before the blow-up."""
+    """alpha = 1e4 makes LoRA's first steps explode to huge but finite MSEs (1e14 to 1e25): not "ok", and not
+    hidden by a best value taken before the blow-up."""
     assert run(tmp_path, "--budget", "smoke", "--methods", "lora", "--hp", "alpha=1e4") == 0
     err = capsys.readouterr().err
     (record,) = records(tmp_path)

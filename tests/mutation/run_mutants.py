@@ -1,4 +1,5 @@
-"""Mutation check of the theorem suite: does `pytest tests/properties` catch deliberate router bugs?
+"""Mutation check of the theorem suite and the router oracle: do `pytest tests/properties tests/test_router_oracle.py`
+catch deliberate router bugs?
 
     python tests/mutation/run_mutants.py             # every mutant, one at a time, then the table and the kill rate
     python tests/mutation/run_mutants.py --jobs 2    # two mutants at once (one repo copy per worker)
@@ -7,10 +8,12 @@
 
 Each mutant is (name, file, exact original snippet, mutated snippet). The repository is copied to a temp folder, the
 copy is patched (one mutant at a time; the snippet must occur exactly once, so this list breaks loudly when the code
-moves on), and `python -m pytest tests/properties -x -q -p no:cacheprovider` runs in the copy with PYTHONPATH pointing
-at it (checked: the copy's qlbench, router and adapter are the ones imported, and the unpatched copy passes). A
-mutant is killed when the suite fails. Equivalent mutants (same function by one of the paper's lemmas) are run too,
-but left out of the kill rate. Not collected by pytest (tests/mutation/conftest.py).
+moves on), and `python -m pytest tests/properties tests/test_router_oracle.py -x -q -p no:cacheprovider` runs in the
+copy with PYTHONPATH pointing at it (checked: the copy's qlbench, router and adapter are the ones imported, and the
+unpatched copy passes). A mutant is killed when the suite fails. The theorem suite runs first, so a mutant whose first
+failing test is in test_router_oracle.py passed every theorem check (only the oracle sees it). Equivalent mutants
+(same function by one of the paper's lemmas) are run too, but left out of the kill rate. Not collected by pytest
+(tests/mutation/conftest.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 ROUTING = "qlbench/adapters/routing.py"
 QUERYABLE = "qlbench/adapters/queryable.py"
 TARGET_RATE = 0.9
+# the theorem checks, then the independent oracle of Algorithm 2 (whole-model outputs against a loop re-computation)
+SUITE = ["tests/properties", "tests/test_router_oracle.py"]
 TIMEOUT_S = 900
 
 
@@ -76,6 +81,9 @@ MUTANTS = [
            "alpha = topk_softmax(logits, top_k)", "alpha = logits.softmax(dim=-1)"),
     Mutant("topk_smallest", ROUTING,
            "top, idx = logits.topk(k, dim=-1)", "top, idx = logits.topk(k, dim=-1, largest=False)"),
+    # pre-query q0 = w + Q_cur s_entry + lambda_ctx Q_ctx e(c)
+    Mutant("block_prior_dropped", ROUTING,
+           "q0 = w.unsqueeze(1) + s_entry @ Q_cur.transpose(1, 2)", "q0 = s_entry @ Q_cur.transpose(1, 2)"),
     # depth summary and query
     Mutant("depth_temperature_multiplied", ROUTING,
            "/ (math.sqrt(d_k) * t_dep)", "* t_dep / math.sqrt(d_k)"),
@@ -85,6 +93,8 @@ MUTANTS = [
            "u, beta = depth_summary(q0, summaries,", "u, beta = depth_summary(w.unsqueeze(1).expand_as(q0), summaries,"),
     Mutant("depth_summary_through_Q_cur", ROUTING,
            "q = q0 + u @ Q_dep.transpose(1, 2)", "q = q0 + u @ Q_cur.transpose(1, 2)"),
+    Mutant("depth_summary_dropped", ROUTING,
+           "q = q0 + u @ Q_dep.transpose(1, 2)", "q = q0"),
     Mutant("instruction_ignores_lambda_ctx", ROUTING,
            "q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))",
            "q0 = q0 + (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))"),
@@ -132,7 +142,7 @@ def check_imports(root: Path) -> None:
 def run_suite(root: Path) -> tuple[bool, str, float]:
     """(passed, first failing test or error, seconds)."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "tests/properties", "-x", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", *SUITE, "-x", "-q", "-p", "no:cacheprovider"]
     try:
         proc = subprocess.run(cmd, cwd=root, env=env_for(root), capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
