@@ -50,69 +50,128 @@ class Mutant:
 
 MUTANTS = [
     # RMSNorm (paper Assumption 3: x / sqrt(mean(x^2) + eps))
-    Mutant("rmsnorm_dropped", ROUTING,
-           "return F.rms_norm(x, x.shape[-1:], eps=eps)", "return x"),
-    Mutant("rmsnorm_eps_outside_sqrt", ROUTING,
-           "return F.rms_norm(x, x.shape[-1:], eps=eps)",
-           "return x / (x.pow(2).mean(dim=-1, keepdim=True).sqrt() + eps)"),
-    Mutant("rmsnorm_sum_not_mean", ROUTING,
-           "return F.rms_norm(x, x.shape[-1:], eps=eps)",
-           "return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)"),
+    Mutant("rmsnorm_dropped", ROUTING, "return F.rms_norm(x, x.shape[-1:], eps=eps)", "return x"),
+    Mutant(
+        "rmsnorm_eps_outside_sqrt",
+        ROUTING,
+        "return F.rms_norm(x, x.shape[-1:], eps=eps)",
+        "return x / (x.pow(2).mean(dim=-1, keepdim=True).sqrt() + eps)",
+    ),
+    Mutant(
+        "rmsnorm_sum_not_mean",
+        ROUTING,
+        "return F.rms_norm(x, x.shape[-1:], eps=eps)",
+        "return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)",
+    ),
     # state / language logits <RMSNorm(a), RMSNorm(k_m)> / (sqrt(d_k) T)
-    Mutant("similarity_temperature_multiplied", ROUTING,
-           "rmsnorm(b, eps).transpose(-1, -2) / (math.sqrt(d_k) * temperature)",
-           "rmsnorm(b, eps).transpose(-1, -2) * temperature / math.sqrt(d_k)"),
-    Mutant("similarity_missing_sqrt_dk", ROUTING,
-           "rmsnorm(b, eps).transpose(-1, -2) / (math.sqrt(d_k) * temperature)",
-           "rmsnorm(b, eps).transpose(-1, -2) / temperature"),
-    Mutant("keys_not_normalised", ROUTING,
-           "rmsnorm(a, eps) @ rmsnorm(b, eps).transpose(-1, -2)", "rmsnorm(a, eps) @ b.transpose(-1, -2)"),
-    Mutant("language_prior_uses_t_attn", ROUTING,
-           "R_ctx.transpose(1, 2), keys, t_lang, eps)", "R_ctx.transpose(1, 2), keys, t_attn, eps)"),
+    Mutant(
+        "similarity_temperature_multiplied",
+        ROUTING,
+        "rmsnorm(b, eps).transpose(-1, -2) / (math.sqrt(d_k) * temperature)",
+        "rmsnorm(b, eps).transpose(-1, -2) * temperature / math.sqrt(d_k)",
+    ),
+    Mutant(
+        "similarity_missing_sqrt_dk",
+        ROUTING,
+        "rmsnorm(b, eps).transpose(-1, -2) / (math.sqrt(d_k) * temperature)",
+        "rmsnorm(b, eps).transpose(-1, -2) / temperature",
+    ),
+    Mutant(
+        "keys_not_normalised",
+        ROUTING,
+        "rmsnorm(a, eps) @ rmsnorm(b, eps).transpose(-1, -2)",
+        "rmsnorm(a, eps) @ b.transpose(-1, -2)",
+    ),
+    Mutant(
+        "language_prior_uses_t_attn",
+        ROUTING,
+        "R_ctx.transpose(1, 2), keys, t_lang, eps)",
+        "R_ctx.transpose(1, 2), keys, t_attn, eps)",
+    ),
     # fusion zeta + tau_lang log p
-    Mutant("prior_softmax_not_log_softmax", ROUTING,
-           "logits = zeta + tau_lang * rho.log_softmax(dim=-1)", "logits = zeta + tau_lang * rho.softmax(dim=-1)"),
-    Mutant("tau_lang_on_raw_rho", ROUTING,
-           "logits = zeta + tau_lang * rho.log_softmax(dim=-1)", "logits = zeta + tau_lang * rho",
-           equivalent="lem:app_equivalent_raw_logit_fusion: zeta + tau rho differs from zeta + tau log p by a "
-                      "constant per row, so top-k set, weights and gradients are unchanged"),
+    Mutant(
+        "prior_softmax_not_log_softmax",
+        ROUTING,
+        "logits = zeta + tau_lang * rho.log_softmax(dim=-1)",
+        "logits = zeta + tau_lang * rho.softmax(dim=-1)",
+    ),
+    Mutant(
+        "tau_lang_on_raw_rho",
+        ROUTING,
+        "logits = zeta + tau_lang * rho.log_softmax(dim=-1)",
+        "logits = zeta + tau_lang * rho",
+        equivalent="lem:app_equivalent_raw_logit_fusion: zeta + tau rho differs from zeta + tau log p by a "
+        "constant per row, so top-k set, weights and gradients are unchanged",
+    ),
     # top-k router
-    Mutant("softmax_over_all_atoms", ROUTING,
-           "alpha = topk_softmax(logits, top_k)", "alpha = logits.softmax(dim=-1)"),
-    Mutant("topk_smallest", ROUTING,
-           "top, idx = logits.topk(k, dim=-1)", "top, idx = logits.topk(k, dim=-1, largest=False)"),
+    Mutant("softmax_over_all_atoms", ROUTING, "alpha = topk_softmax(logits, top_k)", "alpha = logits.softmax(dim=-1)"),
+    Mutant(
+        "topk_smallest",
+        ROUTING,
+        "top, idx = logits.topk(k, dim=-1)",
+        "top, idx = logits.topk(k, dim=-1, largest=False)",
+    ),
     # pre-query q0 = w + Q_cur s_entry + lambda_ctx Q_ctx e(c)
-    Mutant("block_prior_dropped", ROUTING,
-           "q0 = w.unsqueeze(1) + s_entry @ Q_cur.transpose(1, 2)", "q0 = s_entry @ Q_cur.transpose(1, 2)"),
+    Mutant(
+        "block_prior_dropped",
+        ROUTING,
+        "q0 = w.unsqueeze(1) + s_entry @ Q_cur.transpose(1, 2)",
+        "q0 = s_entry @ Q_cur.transpose(1, 2)",
+    ),
     # depth summary and query
-    Mutant("depth_temperature_multiplied", ROUTING,
-           "/ (math.sqrt(d_k) * t_dep)", "* t_dep / math.sqrt(d_k)"),
-    Mutant("depth_query_not_normalised", ROUTING,
-           "q_hat = rmsnorm(q0 @ Q_dep_q.transpose(1, 2), eps)", "q_hat = q0 @ Q_dep_q.transpose(1, 2)"),
-    Mutant("beta_from_block_prior_only", ROUTING,
-           "u, beta = depth_summary(q0, summaries,", "u, beta = depth_summary(w.unsqueeze(1).expand_as(q0), summaries,"),
-    Mutant("depth_summary_through_Q_cur", ROUTING,
-           "q = q0 + u @ Q_dep.transpose(1, 2)", "q = q0 + u @ Q_cur.transpose(1, 2)"),
-    Mutant("depth_summary_dropped", ROUTING,
-           "q = q0 + u @ Q_dep.transpose(1, 2)", "q = q0"),
-    Mutant("instruction_ignores_lambda_ctx", ROUTING,
-           "q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))",
-           "q0 = q0 + (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))"),
-    Mutant("summary_only_last_block", QUERYABLE,
-           "for i in range(block)], dim=2)", "for i in range(block - 1, block)], dim=2)"),
-    Mutant("summary_sum_not_mean", QUERYABLE,
-           "torch.stack(self.states[i]).mean(0)", "torch.stack(self.states[i]).sum(0)"),
+    Mutant("depth_temperature_multiplied", ROUTING, "/ (math.sqrt(d_k) * t_dep)", "* t_dep / math.sqrt(d_k)"),
+    Mutant(
+        "depth_query_not_normalised",
+        ROUTING,
+        "q_hat = rmsnorm(q0 @ Q_dep_q.transpose(1, 2), eps)",
+        "q_hat = q0 @ Q_dep_q.transpose(1, 2)",
+    ),
+    Mutant(
+        "beta_from_block_prior_only",
+        ROUTING,
+        "u, beta = depth_summary(q0, summaries,",
+        "u, beta = depth_summary(w.unsqueeze(1).expand_as(q0), summaries,",
+    ),
+    Mutant(
+        "depth_summary_through_Q_cur",
+        ROUTING,
+        "q = q0 + u @ Q_dep.transpose(1, 2)",
+        "q = q0 + u @ Q_cur.transpose(1, 2)",
+    ),
+    Mutant("depth_summary_dropped", ROUTING, "q = q0 + u @ Q_dep.transpose(1, 2)", "q = q0"),
+    Mutant(
+        "instruction_ignores_lambda_ctx",
+        ROUTING,
+        "q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))",
+        "q0 = q0 + (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))",
+    ),
+    Mutant(
+        "summary_only_last_block",
+        QUERYABLE,
+        "for i in range(block)], dim=2)",
+        "for i in range(block - 1, block)], dim=2)",
+    ),
+    Mutant(
+        "summary_sum_not_mean", QUERYABLE, "torch.stack(self.states[i]).mean(0)", "torch.stack(self.states[i]).sum(0)"
+    ),
     # the adapted layer s B (I + g S_b) A
-    Mutant("gate_without_sigmoid", QUERYABLE,
-           "g = torch.sigmoid(self.queryable_eta)", "g = self.queryable_eta"),
-    Mutant("S_transposed", QUERYABLE,
-           "d = (S * s.unsqueeze(-2)).sum(-1)", "d = (S * s.unsqueeze(-1)).sum(-2)"),
-    Mutant("S_transposed_tokens", QUERYABLE,
-           "d = s @ S.transpose(-1, -2)", "d = s @ S"),
+    Mutant("gate_without_sigmoid", QUERYABLE, "g = torch.sigmoid(self.queryable_eta)", "g = self.queryable_eta"),
+    Mutant("S_transposed", QUERYABLE, "d = (S * s.unsqueeze(-2)).sum(-1)", "d = (S * s.unsqueeze(-1)).sum(-2)"),
+    Mutant("S_transposed_tokens", QUERYABLE, "d = s @ S.transpose(-1, -2)", "d = s @ S"),
 ]
 
-IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".hypothesis", ".pytest_cache", "results",
-                                "notebooks", "figures", ".venv", "*.pt")
+IGNORE = shutil.ignore_patterns(
+    ".git",
+    "__pycache__",
+    "*.egg-info",
+    ".hypothesis",
+    ".pytest_cache",
+    "results",
+    "notebooks",
+    "figures",
+    ".venv",
+    "*.pt",
+)
 
 
 def copy_repo(dest: Path) -> Path:
@@ -123,17 +182,24 @@ def copy_repo(dest: Path) -> Path:
 
 def env_for(root: Path) -> dict:
     env = dict(os.environ)
-    env.update(PYTHONPATH=str(root), HYPOTHESIS_PROFILE=env.get("HYPOTHESIS_PROFILE", "ci"), OMP_NUM_THREADS="1",
-               PYTHONDONTWRITEBYTECODE="1")
+    env.update(
+        PYTHONPATH=str(root),
+        HYPOTHESIS_PROFILE=env.get("HYPOTHESIS_PROFILE", "ci"),
+        OMP_NUM_THREADS="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     return env
 
 
 def check_imports(root: Path) -> None:
     """The copy's modules, not the editable install's, are the ones imported."""
-    code = ("import qlbench, qlbench.adapters.routing as r, qlbench.adapters.queryable as q, qlbench.theory as t; "
-            "print(qlbench.__file__); print(r.__file__); print(q.__file__); print(t.__file__)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env_for(root), capture_output=True, text=True,
-                         check=True).stdout.split()
+    code = (
+        "import qlbench, qlbench.adapters.routing as r, qlbench.adapters.queryable as q, qlbench.theory as t; "
+        "print(qlbench.__file__); print(r.__file__); print(q.__file__); print(t.__file__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env_for(root), capture_output=True, text=True, check=True
+    ).stdout.split()
     bad = [p for p in out if not Path(p).resolve().is_relative_to(root.resolve())]
     if bad:
         raise SystemExit(f"the copy is not what gets imported: {bad}")
@@ -191,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown mutant(s); valid: {', '.join(m.name for m in MUTANTS)}")
     if args.list:
         for m in MUTANTS:
-            print(f"{m.name:36s} {m.file:32s} {m.original!r} -> {m.mutated!r}" + (" [equivalent]" if m.equivalent else ""))
+            print(
+                f"{m.name:36s} {m.file:32s} {m.original!r} -> {m.mutated!r}" + (" [equivalent]" if m.equivalent else "")
+            )
         return 0
     log = lambda s: print(s, file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="qlbench-mutants-") as tmp:  # the unpatched copy must pass
@@ -210,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for m in mutants:
         killed, first, secs = results[m.name]
-        status = ("equivalent (killed!)" if killed else "equivalent") if m.equivalent else (
-            "killed" if killed else "SURVIVED")
+        status = (
+            ("equivalent (killed!)" if killed else "equivalent")
+            if m.equivalent
+            else ("killed" if killed else "SURVIVED")
+        )
         rows.append((m.name, m.file.rsplit("/", 1)[-1], status, first or "-", f"{secs:.0f}"))
     head = ("mutant", "file", "status", "first failing test", "s")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
@@ -222,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     counted = [m for m in mutants if not m.equivalent]
     killed = sum(results[m.name][0] for m in counted)
     rate = killed / len(counted) if counted else 1.0
-    print(f"\nkill rate: {killed}/{len(counted)} = {rate:.0%} of the non-equivalent mutants "
-          f"({len(mutants) - len(counted)} equivalent mutant(s) excluded)")
+    print(
+        f"\nkill rate: {killed}/{len(counted)} = {rate:.0%} of the non-equivalent mutants "
+        f"({len(mutants) - len(counted)} equivalent mutant(s) excluded)"
+    )
     for m in mutants:
         if m.equivalent:
             print(f"equivalent: {m.name}: {m.equivalent}")
