@@ -127,6 +127,7 @@ class Card:
     formula: str  # LaTeX
     source_url: str
     instruction: str  # one sentence describing the target surface (instruction routing)
+    adversarial_instruction: str  # a sentence describing a very different surface (the instruction ablation)
     bounds: tuple[tuple[float, float], ...]  # ((lo1, hi1), (lo2, hi2))
     coefficients: Mapping[str, Coefficient]  # source (default) coefficients
     target_coefficients: Mapping[str, Coefficient]  # only those that change
@@ -160,6 +161,7 @@ def _parse(name: str, text: str) -> Card:
         formula=d["formula"],
         source_url=d["source_url"],
         instruction=d["instruction"],
+        adversarial_instruction=d["adversarial_instruction"],
         bounds=tuple((float(lo), float(hi)) for lo, hi in d["domain"]["bounds"]),
         coefficients=coefficients,
         target_coefficients=changed,
