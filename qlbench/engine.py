@@ -123,8 +123,9 @@ def num_threads(n: int | None):
 Member = tuple[str, int]  # (function name, seed)
 
 # qlbench interpretation of the paper's "inf": a member diverged when an evaluated MSE is non-finite or grows past
-# this factor times its own epoch-0 train MSE (the frozen model's error, where every method starts). Relative, not
-# the paper's absolute 1e5: the zoo's labels are in raw units whose MSE scales differ by orders of magnitude.
+# this factor times the larger of its own epoch-0 train MSE (where every method starts) and the variance of its
+# training labels (what predicting the mean scores). Relative, not the paper's absolute 1e5: the zoo's labels are
+# in raw units whose MSE scales differ by orders of magnitude.
 DIVERGENCE_FACTOR = 100.0
 
 
@@ -233,8 +234,9 @@ def fit(
 
     Evaluates train and test MSE before training and every `eval_every` epochs (and after the last). A member is
     marked diverged at the first evaluation where its loss or metrics are non-finite or its train or test MSE
-    exceeds DIVERGENCE_FACTOR times its epoch-0 train MSE; it keeps its slot (the stack's shapes do not change)
-    but its metrics from then on are NaN, and no other member is affected (no op mixes members).
+    exceeds DIVERGENCE_FACTOR times the larger of its epoch-0 train MSE and its label variance; it keeps its slot
+    (the stack's shapes do not change) but its metrics from then on are NaN, and no other member is affected (no op
+    mixes members).
     """
     E, N = data.y_train.shape
     device = data.y_train.device
@@ -244,7 +246,9 @@ def fit(
     rows = torch.arange(E, device=device).unsqueeze(1)
     n_batches = -(-N // phase.batch_size)
 
-    initial: list[torch.Tensor] = []  # the epoch-0 train MSE (E,), the scale divergence is measured against
+    # the scale divergence is measured against (E,): the larger of the epoch-0 train MSE and what predicting the
+    # mean label scores (a model that starts near-perfect must not be called diverged for a small wobble)
+    initial: list[torch.Tensor] = []
 
     def record(epoch: int) -> None:
         model.eval()
@@ -252,7 +256,7 @@ def fit(
         te = evaluate(model, data.x_test, data.y_test, instruction)
         model.train()
         if not initial:
-            initial.append(tr.clone())
+            initial.append(torch.maximum(tr, data.y_train.var(dim=1, unbiased=False)))
         bad = ~(torch.isfinite(tr) & torch.isfinite(te) & torch.isfinite(running))
         bad |= (tr > DIVERGENCE_FACTOR * initial[0]) | (te > DIVERGENCE_FACTOR * initial[0])
         for e in torch.nonzero(bad).flatten().tolist():
@@ -401,11 +405,13 @@ class AdaptResult:
 
 def build_model(pretrained: Pretrained, method_name: str, config, *, device, dtype) -> tuple[nn.Module, StackedData]:
     """`method` built on a fresh copy of the pretrained stack (member e's new parameters seeded by its function
-    and seed), and the members' target data."""
+    and seed, its instruction bound when the method routes on one), and the members' target data."""
     arch, members = pretrained.arch, pretrained.members
     data = StackedData.build(members, "target", device=device, dtype=dtype)
     init = [generator("init", method_name, arch, f, s) for f, s in members]
-    model = adapters.get(method_name).build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
+    method = adapters.get(method_name)
+    model = method.build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
+    method.bind(model, members, config)
     return model, data
 
 

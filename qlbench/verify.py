@@ -1,6 +1,8 @@
-"""`qlbench verify`: check every norm and Lipschitz statement of the paper on a trained Queryable LoRA model.
+"""`qlbench verify`: check every norm and Lipschitz statement of the paper on a trained Queryable LoRA model
+(`queryable` or `instruct-queryable`).
 
-    qlbench verify --results results                      # a trained cell: records/<arch>/<function>/queryable.json
+    qlbench verify --results results                      # a trained cell: records/<arch>/<function>/queryable/...
+    qlbench verify --results results --method instruct-queryable
     qlbench verify                                        # trains a smoke cell first (in a temp folder, or --out's)
 
 Over the cell's target test set (every member, float64 recomputation of the trained weights) it reports, per
@@ -8,8 +10,10 @@ statement: the observed value and the bound at the worst item (largest observed 
 number of items (samples x blocks x layers ...) and holds / VIOLATED.
 
 The Lipschitz statements are about the instruction embedding e: they probe e' = e + delta per chunk of samples with
-each block's states held fixed (their premise; see tests/properties/THEOREMS.md). A model without instruction channels
-(lambda_ctx = tau_lang = 0) does not depend on e at all; its rows are reported as vacuous (0 <= 0).
+each block's states held fixed (their premise; see tests/properties/THEOREMS.md). They start from the model's own
+e(c) when it routes with one (instruct-queryable: each member's bound instruction embedding), else from a seeded
+probe. A model without instruction channels (lambda_ctx = tau_lang = 0) does not depend on e at all; its rows are
+reported as vacuous (0 <= 0).
 
 This module returns data and raises ValueError on bad input; `qlbench.commands.verify` prints and sets exit codes.
 """
@@ -24,15 +28,26 @@ import torch
 
 from qlbench.store import Store, finite
 
-METHOD = "queryable"
+METHODS = ("queryable", "instruct-queryable")
+METHOD = METHODS[0]  # the default, and what a smoke cell trains
 DEFAULT_FUNCTION = "dropwave"
 
 
-def find_record(results: Path, arch: str | None, function: str | None, budget: str | None = None) -> Path:
-    """The queryable record under `results`; arch, function and budget may be left out when the record is
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"verify checks {' or '.join(METHODS)} models, not {method!r}")
+    return method
+
+
+def find_record(
+    results: Path, arch: str | None, function: str | None, budget: str | None = None, method: str = METHOD
+) -> Path:
+    """The `method` record under `results`; arch, function and budget may be left out when the record is
     unique (several configs of one cell: the newest)."""
     from qlbench import zoo
     from qlbench.backbones import ARCHS
+
+    check_method(method)
 
     if arch is not None and arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
@@ -41,37 +56,43 @@ def find_record(results: Path, arch: str | None, function: str | None, budget: s
     if not Path(results).is_dir():
         raise ValueError(f"results folder {results} does not exist")
     store = Store(results)
-    found = store.records(arch or "*", function or "*", METHOD, budget or "*")
+    found = store.records(arch or "*", function or "*", method, budget or "*")
     if not found:
-        have = sorted(str(p.relative_to(store.root)) for p in store.records(method=METHOD))
+        have = sorted(str(p.relative_to(store.root)) for p in store.records(method=method))
         raise ValueError(
-            f"no {METHOD} record for arch={arch or 'any'}, function={function or 'any'} under "
+            f"no {method} record for arch={arch or 'any'}, function={function or 'any'} under "
             f"{store.root / 'records'}" + (f"; found: {', '.join(have)}" if have else "")
         )
     cells = sorted({store.cell_of(p) for p in found})
     if len(cells) > 1:
         choices = ", ".join(f"--arch {a} --function {f} --budget {b}" for a, f, _, b in cells)
-        raise ValueError(f"several {METHOD} cells under {store.root}: choose one of {choices}")
+        raise ValueError(f"several {method} cells under {store.root}: choose one of {choices}")
     return max(found, key=lambda p: p.stat().st_mtime_ns)
 
 
-def smoke_plan(folder: Path, arch: str, function: str, device: str):
-    """The plan of a smoke-budget queryable cell to verify when no trained one is given (ValueError on bad input)."""
+def smoke_plan(folder: Path, arch: str, function: str, device: str, method: str = METHOD):
+    """The plan of a smoke-budget cell of `method` to verify when no trained one is given (ValueError on bad
+    input)."""
     from qlbench import experiment
 
     return experiment.plan(
-        functions=[function], arch=arch, methods=[METHOD], budget="smoke", device=device, out_dir=folder
+        functions=[function], arch=arch, methods=[check_method(method)], budget="smoke", device=device, out_dir=folder
     )
 
 
-def base_instruction(model, members: int, device) -> torch.Tensor:
-    """The instruction embedding e the Lipschitz probes start from: a seeded N(0, I / d_c) per member (the engine
-    trains without instructions; a model without instruction channels ignores it)."""
+def base_instruction(model, members: int, device) -> tuple[torch.Tensor, str]:
+    """The instruction embedding e the Lipschitz probes start from, and what it is: the members' own e(c) when the
+    model routes with one (instruct-queryable binds it), else a seeded N(0, I / d_c) per member (a model without
+    instruction channels ignores it)."""
     from qlbench.theory import tracing
 
-    d_c = tracing.memory_of(model).config.instruction_dim or 1
+    memory = tracing.memory_of(model)
+    if memory.instruction is not None:
+        return memory.instruction.to(device, torch.float64), "the members' own e(c) (the model's bound instruction)"
+    d_c = memory.config.instruction_dim or 1
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(members, d_c, generator=g, dtype=torch.float64) / math.sqrt(d_c)).to(device)
+    e = torch.randn(members, d_c, generator=g, dtype=torch.float64) / math.sqrt(d_c)
+    return e.to(device), "seeded probe e ~ N(0, I/d_c) per member"
 
 
 def verify_record(record: Path, device: str = "cpu") -> dict:
@@ -84,11 +105,11 @@ def verify_record(record: Path, device: str = "cpu") -> dict:
     except (FileNotFoundError, ValueError, KeyError) as err:
         raise ValueError(f"cannot rebuild the trained cell from {record}: {err}") from None
     cfg = rec["run_info"]["config"]
-    if cfg["method"] != METHOD:
-        raise ValueError(f"{record} is a {cfg['method']} record, not {METHOD}")
+    if cfg["method"] not in METHODS:
+        raise ValueError(f"{record} is a {cfg['method']} record, not {' or '.join(METHODS)}")
     model.eval()
     x = data.x_test
-    e = base_instruction(model, x.shape[0], x.device)
+    e, e_source = base_instruction(model, x.shape[0], x.device)
     bounds = checks.check_model(model, x, e)
     config = tracing.memory_of(model).config
     if not (config.lambda_ctx or config.tau_lang):
@@ -109,7 +130,7 @@ def verify_record(record: Path, device: str = "cpu") -> dict:
         "test_samples": int(x.shape[1]),
         "members": int(x.shape[0]),
         "arithmetic": "float64 recomputation of the trained weights",
-        "instruction": "seeded probe e ~ N(0, I/d_c) per member, e' = e + delta (||delta|| = 1e-3 max(1, ||e||))",
+        "instruction": f"{e_source}, e' = e + delta (||delta|| = 1e-3 max(1, ||e||))",
         "tolerance": f"holds when observed <= bound + {checks.REL_TOL:.3g} (|bound| + |observed| + operand size)",
         "statements": rows,
         "violated": sum(r["status"] == "VIOLATED" for r in rows),

@@ -50,7 +50,13 @@ def build(name: str, bb: torch.nn.Module, members, targets=None, tag: str = "ini
     if targets:
         overrides["targets"] = targets
     config = method.make_config(**overrides)
-    return method.build(bb, config, gens(tag, members=members), torch.zeros(len(members), 1, dtype=F64)), method, config
+    model = method.build(bb, config, gens(tag, members=members), torch.zeros(len(members), 1, dtype=F64))
+    if getattr(config, "lambda_ctx", 0) or getattr(config, "tau_lang", 0):  # a seeded instruction per member
+        e = torch.stack(
+            [torch.randn(config.instruction_dim, generator=g, dtype=F64) for g in gens("e", members=members)]
+        )
+        model.shared[method.family].bind_instruction(e)
+    return model, method, config
 
 
 def data(members, n_train: int = 16, n_test: int = 16) -> engine.StackedData:
@@ -99,7 +105,7 @@ def test_steps_change_only_the_methods_trainable_parameters(name, arch):
     for n in before.keys() - trainable:
         assert torch.equal(after[n], before[n]), f"frozen parameter {n} changed"
     if isinstance(method, AdapterMethod):
-        p = method.name
+        p = method.family
         wrong = [n for n in trainable if not (n.rsplit(".", 1)[-1].startswith(f"{p}_") or n.startswith(f"shared.{p}."))]
         assert trainable and not wrong, f"trainable parameters without the {p!r} prefix: {wrong}"
     else:  # full fine-tuning: exactly the backbone's parameters
@@ -127,8 +133,11 @@ def test_a_stack_equals_separate_runs(name, arch):
         for n, p in alone.named_parameters():
             torch.testing.assert_close(stacked[n][e], p[0], rtol=1e-10, atol=1e-12, msg=n)
         torch.testing.assert_close(y_stack[e], alone(x[e : e + 1])[0], rtol=1e-10, atol=1e-12)
-        for key in ("train_mse", "test_mse"):
-            torch.testing.assert_close(getattr(stack_curves, key)[e], getattr(curves, key)[0], rtol=1e-10, atol=0)
+        for key in ("train_mse", "test_mse"):  # NaN after a divergence, in both or neither
+            torch.testing.assert_close(
+                getattr(stack_curves, key)[e], getattr(curves, key)[0], rtol=1e-10, atol=0, equal_nan=True
+            )
+        assert stack_curves.diverged_epoch[e] == curves.diverged_epoch[0]
     assert not torch.equal(stack_curves.train_mse[:, 0], stack_curves.train_mse[:, -1])  # it trained
 
 
@@ -213,6 +222,7 @@ FORMULAS = {
     "hyra": lambda arch, s: hyra_count(s),
     "doran": lambda arch, s: replora_count(s) + sum(d_out + 1 for *_, d_out, _ in s),
     "queryable": lambda arch, s: queryable_count(s),
+    "instruct-queryable": lambda arch, s: queryable_count(s) + 2 * D_K * 8,  # Q_ctx, R_ctx on the 8-d projection
 }
 
 
@@ -243,6 +253,7 @@ def test_every_trained_method_has_a_formula_and_the_registry_is_complete():
         "replora",
         "doran",
         "queryable",
+        "instruct-queryable",
         "frozen",
         "mean",
     )
@@ -294,7 +305,7 @@ def test_each_key_generates_its_layers_factors_in_one_call_per_forward(name, arc
     """The shared network of a (role, shape) key runs once per forward for all its layers (they slice its output,
     cached in ctx.scratch), not once per layer."""
     model, method, config = build(name, backbone(arch, (0, 1)), (0, 1), FFN if arch == "transformer" else None)
-    nets = model.shared[method.name]
+    nets = model.shared[method.family]
     calls = {key: 0 for key in nets}
     for key, net in nets.items():
         net.register_forward_hook(lambda module, args, out, key=key: calls.__setitem__(key, calls[key] + 1))

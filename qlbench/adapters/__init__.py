@@ -10,7 +10,7 @@ A new method is a file with a `Method` (or `AdapterMethod`) and one `register(..
 
 from __future__ import annotations
 
-from qlbench.adapters import dora, doran, full, hyra, lora, queryable, reference, replora
+from qlbench.adapters import dora, doran, full, hyra, instruct, lora, queryable, reference, replora
 from qlbench.adapters.base import (
     AdapterMethod,
     Method,
@@ -40,13 +40,25 @@ for _method in (
     hyra.METHOD,
     doran.METHOD,
     queryable.METHOD,
+    instruct.METHOD,
     reference.FROZEN,
     reference.MEAN,
 ):
     register(_method)
 
 # `qlbench run` default: the paper's comparison plus the honest reference rows.
-DEFAULT_METHODS = ("full-soap", "lora", "dora", "hyra", "replora", "doran", "queryable", "frozen", "mean")
+DEFAULT_METHODS = (
+    "full-soap",
+    "lora",
+    "dora",
+    "hyra",
+    "replora",
+    "doran",
+    "queryable",
+    "instruct-queryable",
+    "frozen",
+    "mean",
+)
 
 
 def names() -> list[str]:

@@ -90,6 +90,10 @@ class Method:
         """AdamW over the trainable parameters: element-wise, so exact on stacked leaves."""
         return adamw((p for p in model.parameters() if p.requires_grad), lr, weight_decay)
 
+    def bind(self, model: nn.Module, members: list[tuple[str, int]], config) -> None:
+        """Attach what depends on the members (function, seed) beyond their data, once the model is built: the
+        instruction embedding e(c) of each member for a method that routes on one. Nothing for most methods."""
+
     def make_config(self, **overrides) -> object:
         """The method's config with `overrides` applied to the fields it has (others are ignored)."""
         names = {f.name for f in dataclasses.fields(self.config_cls)}
@@ -99,13 +103,23 @@ class Method:
 class AdapterMethod(Method):
     """A low-rank adapter: wraps the backbone's target linears with `layer_cls` (see `inject`).
 
-    The method's name starts the names of every trainable parameter it adds (`<name>_A` in a layer,
-    `shared.<name>.` for its shared module), so freezing, counting and saving work by name.
+    Its `family` (the method's own name, unless it reuses another method's layers, as instruct-queryable reuses
+    queryable's) starts the names of every trainable parameter it adds (`<family>_A` in a layer,
+    `shared.<family>.` for its shared module) and keys its state in ctx.scratch, so freezing, counting and saving
+    work by name.
     """
 
-    def __init__(self, name: str, summary: str, config_cls: type, layer_cls: type, shared_cls: type | None = None):
+    def __init__(
+        self,
+        name: str,
+        summary: str,
+        config_cls: type,
+        layer_cls: type,
+        shared_cls: type | None = None,
+        family: str | None = None,
+    ):
         self.name, self.summary, self.config_cls = name, summary, config_cls
-        self.layer_cls, self.shared_cls = layer_cls, shared_cls
+        self.layer_cls, self.shared_cls, self.family = layer_cls, shared_cls, family or name
 
     def build(self, backbone, config, generators, y_train):
         return inject(backbone, self, config, generators)
@@ -115,7 +129,7 @@ def inject(model: nn.Module, method: AdapterMethod, config, generators: list[tor
     """Freeze `model`, then wrap each target linear with `method.layer_cls` (in place; returns `model`).
 
     Shared modules (routing memory, generator networks, hypernetworks) are built first and registered once under
-    `model.shared[method.name]`; layers reach them through the ForwardContext, never through hidden references.
+    `model.shared[method.family]`; layers reach them through the ForwardContext, never through hidden references.
     Randomness is drawn member by member from `generators`, shared module first, then layers in forward order.
     """
     for p in model.parameters():
@@ -124,7 +138,7 @@ def inject(model: nn.Module, method: AdapterMethod, config, generators: list[tor
     sites = [Site(t, i, model.n_layers) for i, t in enumerate(targets)]
     like = next(model.parameters())
     if method.shared_cls is not None:
-        model.shared[method.name] = method.shared_cls(model, sites, config, generators, like)
+        model.shared[method.family] = method.shared_cls(model, sites, config, generators, like)
     for site in sites:
         parent_path, _, child = site.target.path.rpartition(".")
         parent = model.get_submodule(parent_path)

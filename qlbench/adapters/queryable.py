@@ -122,11 +122,17 @@ class QueryableMemory(nn.Module):
             self.R_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
         else:
             self.Q_ctx = self.R_ctx = None
+        self.register_buffer("instruction", None)  # (E, d_c) frozen e(c) bound to the members, or None
+
+    def bind_instruction(self, e: torch.Tensor) -> None:
+        """Keep the members' frozen instruction embedding e (E, d_c), used when a forward is given none."""
+        self.instruction = e.to(self.keys)
 
     def route(
         self, block: int, s_entry: torch.Tensor, summaries: torch.Tensor | None, instruction: torch.Tensor | None
     ) -> Route:
         c = self.config
+        instruction = self.instruction if instruction is None else instruction
         if (c.tau_lang or c.lambda_ctx) and instruction is None:
             raise ValueError("this queryable adapter uses the instruction channels: pass an instruction embedding")
         return route(

@@ -22,6 +22,11 @@ def register(subparsers) -> None:
         "record per method and print a mean ± std table.",
     )
     p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
+    p.add_argument(
+        "--instruction",
+        metavar="TEXT",
+        help="the instruction sentence instruct-queryable routes with, instead of the function card's",
+    )
     add_experiment_options(p)
     p.set_defaults(func=lambda args: run(args, [args.function]))
 
@@ -88,6 +93,14 @@ def run(args, functions: list[str]) -> int:
         raise UsageError("--methods is empty; give a comma-separated list, or leave it out for the default set")
     if not args.out.strip():
         raise UsageError("--out is empty; give a results folder")
+    overrides = parse_overrides(args.hp)
+    instruction = getattr(args, "instruction", None)
+    if instruction is not None:
+        if not instruction.strip():
+            raise UsageError("--instruction is empty; give a sentence, or leave it out for the function card's")
+        if args.methods is not None and "instruct-queryable" not in split_list(args.methods):
+            raise UsageError("--instruction only changes instruct-queryable, which is not in --methods")
+        overrides["instruction"] = instruction
     with usage_errors():
         plan = experiment.plan(
             functions=functions,
@@ -98,7 +111,7 @@ def run(args, functions: list[str]) -> int:
             device=args.device,
             dtype=args.dtype,
             out_dir=Path(args.out),
-            overrides=parse_overrides(args.hp),
+            overrides=overrides,
             compile=args.compile,
             threads=args.threads,
             force=args.force,

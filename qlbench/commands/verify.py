@@ -27,7 +27,7 @@ def register(subparsers) -> None:
         "--results",
         type=Path,
         metavar="DIR",
-        help="results folder holding records/<arch>/<function>/queryable.json (default: train a smoke "
+        help="results folder holding records/<arch>/<function>/<method>/ (default: train a smoke "
         "cell into --out's folder, or a new temp folder)",
     )
     p.add_argument(
@@ -41,6 +41,11 @@ def register(subparsers) -> None:
         help=f"one of: {', '.join(ARCHS)} (default: the only one with a queryable record; deep-narrow when training)",
     )
     p.add_argument("--budget", help="the cell's budget (default: the only one with a queryable record)")
+    p.add_argument(
+        "--method",
+        default=verify.METHOD,
+        help=f"the routed method to check, one of: {', '.join(verify.METHODS)} (default {verify.METHOD})",
+    )
     p.add_argument("--out", type=Path, metavar="PATH", help="JSON report (default <results>/verify.json)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while training")
@@ -54,14 +59,14 @@ def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     if args.results is not None:
         with usage_errors():
-            record = verify.find_record(args.results, args.arch, args.function, args.budget)
+            record = verify.find_record(args.results, args.arch, args.function, args.budget, args.method)
         out = args.out or args.results / "verify.json"
     else:
         arch, function = args.arch or "deep-narrow", args.function or verify.DEFAULT_FUNCTION
         folder = args.out.parent if args.out is not None else Path(tempfile.mkdtemp(prefix="qlbench-verify-"))
         with usage_errors():
-            plan = verify.smoke_plan(folder, arch, function, args.device)
-        log(f"qlbench verify: training a smoke {verify.METHOD} cell ({function} on {arch}) in {folder}")
+            plan = verify.smoke_plan(folder, arch, function, args.device, args.method)
+        log(f"qlbench verify: training a smoke {args.method} cell ({function} on {arch}) in {folder}")
         (record,) = experiment.run(plan, progress=not args.no_progress, log=log)
         out = args.out or folder / "verify.json"
     with usage_errors():

@@ -1,0 +1,142 @@
+"""instruct-queryable end to end: each member routes with its own function's e(c), the instruction changes the
+output (queryable's does not), `run --instruction`, the ablation's variants, and `qlbench verify` on a trained
+instruct-queryable cell (its Lipschitz rows are no longer vacuous)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from qlbench import ablation, adapters, cli, experiment, instructions, results, zoo
+from qlbench.adapters import instruct
+
+from helpers import F64, TINY_DEEP_NARROW, gens, one_line_error
+
+METHOD = adapters.get("instruct-queryable")
+
+
+def e_of(members, **overrides) -> torch.Tensor:
+    return METHOD.instructions(members, METHOD.make_config(**overrides))  # (E, 8)
+
+
+def test_the_projection_has_orthonormal_rows_scaled_to_keep_norms():
+    P = instruct.projection(384, torch.zeros((), dtype=F64))  # (8, 384)
+    torch.testing.assert_close(P @ P.T, 48 * torch.eye(8, dtype=F64), rtol=0, atol=1e-10)
+
+
+def test_each_member_routes_with_its_own_functions_instruction():
+    members = [("dropwave", 0), ("levy", 0), ("dropwave", 1)]
+    e = e_of(members)
+    P = instruct.projection(384, e)
+    cards = instructions.embed([zoo.card(f).instruction for f, _ in members]).to(F64)  # (3, 384)
+    torch.testing.assert_close(e, cards @ P.T, rtol=0, atol=1e-6)
+    torch.testing.assert_close(e[0], e[2])  # same function, other seed: the same sentence
+    assert (e[0] - e[1]).norm() > 0.1 * e[0].norm()  # another function: another instruction
+
+
+def test_sources_pick_the_documented_sentences():
+    names = zoo.names()
+    shuffled = instruct.sentences(names, METHOD.make_config(instruction_source="shuffled"))
+    own = [zoo.card(f).instruction for f in names]
+    assert sorted(shuffled) == sorted(own) and all(s != o for s, o in zip(shuffled, own))  # a derangement
+    adversarial = instruct.sentences(names, METHOD.make_config(instruction_source="adversarial"))
+    assert all(a and a != o for a, o in zip(adversarial, own))
+    generic = instruct.sentences(names, METHOD.make_config(instruction_source="generic"))
+    assert set(generic) == {instructions.GENERIC_INSTRUCTION}
+    text = instruct.sentences(names[:2], METHOD.make_config(instruction="a bumpy bowl"))
+    assert text == ["a bumpy bowl", "a bumpy bowl"]
+
+
+def test_the_random_instruction_is_seeded_with_the_card_embeddings_norm():
+    members = [("ackley", 0), ("matyas", 0)]
+    a, b = e_of(members, instruction_source="random"), e_of(members, instruction_source="random")
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # seeded
+    card = e_of(members)
+    assert torch.all((a - card).norm(dim=1) > 0.1 * card.norm(dim=1))
+
+
+@pytest.mark.parametrize("name", ["queryable", "instruct-queryable"])
+def test_the_instruction_changes_the_output_only_with_the_channels_on(name):
+    from qlbench.backbones import DeepNarrowMLP
+
+    members = [0, 1]
+    method = adapters.get(name)
+    config = method.make_config(n_blocks=2, instruction_dim=8)
+    bb = DeepNarrowMLP(gens("bb", members=members), TINY_DEEP_NARROW, dtype=F64)
+    model = method.build(bb, config, gens("init", members=members), torch.zeros(2, 1, dtype=F64))
+    with torch.no_grad():  # move off the zero-update start so routing reaches the output
+        for n, p in model.named_parameters():
+            if p.requires_grad and n.endswith(("_B", "_eta", "atoms")):
+                p.normal_(0, 0.5, generator=gens("move", members=1)[0])
+    x = torch.rand(2, 32, 2, generator=gens("x", members=1)[0], dtype=F64)
+    outputs = []
+    for tag in ("e", "e2"):
+        e = torch.stack([torch.randn(8, generator=g, dtype=F64) for g in gens(tag, members=members)])
+        model.shared[method.family].bind_instruction(e)
+        with torch.no_grad():
+            outputs.append(model(x))
+    change = (outputs[0] - outputs[1]).abs().max().item()
+    if name == "queryable":
+        assert change == 0.0  # tau_lang = lambda_ctx = 0: routing ignores e
+    else:
+        assert change > 1e-6
+
+
+def test_every_ablation_variant_has_the_same_trainable_parameters(tmp_path):
+    plans = ablation.plans(function="matyas", arch="deep-narrow", budget="smoke", seeds=2, out_dir=tmp_path)
+    assert list(plans) == list(ablation.VARIANTS)
+    counts, hashes = set(), set()
+    for plan in plans.values():
+        config = plan.configs[ablation.METHOD]
+        bb = experiment.build_backbone("deep-narrow", [("matyas", 0)], device="meta")
+        model = METHOD.build(bb, config, gens("x", members=1), torch.zeros(1, 1, device="meta"))
+        counts.add(sum(p.numel() for p in model.parameters() if p.requires_grad))
+        hashes.add(plan.record_path("matyas", ablation.METHOD).name)
+    assert counts == {18_016} and len(hashes) == len(ablation.VARIANTS)  # one parameter count, eight cells
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["run", "--function", "dropwave", "--instruction", " "], ["--instruction", "empty"]),
+        (["run", "--function", "dropwave", "--instruction", "x", "--methods", "lora"], ["instruct-queryable"]),
+        (["verify", "--method", "lora"], ["queryable", "instruct-queryable", "'lora'"]),
+        (["ablate", "--function", "nope"], ["'nope'", "dropwave"]),
+        (["ablate", "--function", "matyas", "--budget", "huge"], ["'huge'", "smoke"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, expect):
+    line = one_line_error(capsys, argv)
+    for word in expect:
+        assert word in line, line
+
+
+def test_run_instruction_then_verify_the_trained_instruct_queryable_cell(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("QLBENCH_CACHE", str(tmp_path / "cache"))
+    sentence = "a surface with a single narrow spike"
+    args = ["run", "--function", "matyas", "--budget", "smoke", "--methods", "instruct-queryable", "--no-progress"]
+    assert cli.main([*args, "--out", str(tmp_path), "--instruction", sentence]) == 0
+    (record,) = results.find_records(tmp_path)
+    rec = json.loads(record.read_text())
+    assert rec["run_info"]["config"]["method_config"]["instruction"] == sentence
+    assert rec["run_info"]["config"]["method_config"]["instruction_source"] == "text"
+    capsys.readouterr()
+
+    out = tmp_path / "verify.json"
+    argv = ["verify", "--results", str(tmp_path), "--method", "instruct-queryable", "--out", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["method"] == "instruct-queryable" and "own e(c)" in report["instruction"]
+    assert report["violated"] == 0
+    lipschitz = [r for r in report["statements"] if r["label"] in ("prop:app_summary_lipschitz",)]
+    assert lipschitz and all(r["observed"] > 0 and "vacuous" not in (r.get("note") or "") for r in lipschitz)
+
+    # the trained model's bound e is the projected embedding of that sentence, not the card's
+    model, _, _ = experiment.load_adapted(record)
+    P = instruct.projection(384, torch.zeros((), dtype=F64))
+    want = instructions.embed([sentence]).to(F64) @ P.T  # (1, 8)
+    got = model.shared["queryable"].instruction.to(F64)  # (E, 8)
+    assert got.shape[0] == 2 and math.isclose((got - want).abs().max().item(), 0, abs_tol=1e-5)
