@@ -1,15 +1,25 @@
 """Tables and figures for qlbench. Figures are built on `matplotlib.figure.Figure` (no pyplot state), so they
-render under any backend, Agg included."""
+render under any backend, Agg included.
+
+Every number says how many seeds it stands on, and a diverged seed counts as MSE = inf in every "best" mark and
+test (see `qlbench.stats` for the conventions). Entry point: `write_report(frame, curves, out_dir)`.
+"""
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import seaborn as sns
 import torch
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Rectangle
 
-from qlbench import zoo
+from qlbench import stats, store, zoo
 
 # --------------------------------------------------------------------------------------------------------------
 # Function zoo: source vs target surfaces.
@@ -54,13 +64,16 @@ def function_zoo_figure(grid: int = 301) -> Figure:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Result tables: mean ± std over seeds, one row per method.
+# Numbers and cell text. A cell says how many seeds it stands on; a diverged seed makes the cell inf (see stats).
 
 METRICS = {
     "best_train_mse": "best train MSE",
     "best_test_mse": "best test MSE (test-selected)",
     "test_at_best_train": "test MSE @ best-train epoch",
 }
+FORMATS = ("md", "latex", "csv")
+_PM = {"md": " ± ", "latex": r" $\pm$ "}
+_DAGGER = {"md": "†", "latex": r"\textsuperscript{$\dagger$}"}
 
 
 def _num(v: float, sig: int) -> str:
@@ -71,34 +84,67 @@ def _num(v: float, sig: int) -> str:
     return f"{v:.{max(sig - 1 - e, 0)}f}" if -3 <= e < 5 else f"{v:.{sig - 1}e}"
 
 
-def _mean_std(values: pd.Series) -> str:
-    v = values.dropna()
-    if v.empty:
+def _mean_std(mean: float, std: float, n: int, fmt: str = "md") -> str:
+    """mean ± sample std; the mean alone for one seed; n/a for none."""
+    if n == 0 or math.isnan(mean):
         return "n/a"
-    if len(v) == 1:
-        return _num(v.iloc[0], 3)
-    return f"{_num(v.mean(), 3)} ± {_num(v.std(ddof=1), 2)}"
+    return _num(mean, 3) if n == 1 or math.isnan(std) else f"{_num(mean, 3)}{_PM[fmt]}{_num(std, 2)}"
+
+
+def _p(p: float) -> str:
+    return "n/a" if math.isnan(p) else f"{p:.1e}" if p < 1e-3 else f"{p:.3g}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The run table: one row per method, what `qlbench run` prints.
+
+
+def _run_cell(r) -> str:
+    """A `stats.summarize` row as run-table text: "failed", "mean ± std", or "inf (k ok: mean ± std)"."""
+    if r.n_ok + r.n_diverged == 0:
+        return "failed" if r.n_failed else "n/a"
+    ok = _mean_std(r.mean_ok, r.std_ok, r.n_ok)
+    if r.n_diverged:
+        return f"inf ({int(r.n_ok)} ok: {ok})" if r.n_ok else "inf"
+    return ok if r.n_ok == r.n else f"{ok} (n={int(r.n_ok)})"
+
+
+def _cell_status(g: pd.DataFrame) -> str:
+    if (g["status"] == "failed").any() or (g["cell_status"] == "failed").any():
+        return "failed"
+    return "diverged" if (g["status"] == "diverged").any() else "ok"
 
 
 def method_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (function, arch, budget, method): seeds, trainable parameters and their ratio to LoRA, and each
-    metric as mean ± std (sample std) over the seeds that did not diverge, plus the diverged count.
+    """One row per (function, arch, budget, method): status (ok | diverged: some seed diverged | failed), n seeds,
+    diverged k/n, trainable parameters and their ratio to LoRA, and each metric.
 
-    Budgets are never mixed: each budget gets its own rows (and a budget column when more than one is present).
+    A metric reads mean ± sample std over the n seeds when none diverged. With k diverged seeds it reads
+    "inf (n-k ok: mean ± std)": inf is the cell's value in every ranking and test (a diverged seed counts as
+    MSE = inf), and the survivors' mean is shown with the count it stands on, never alone. A failed cell is a row
+    with status failed. Budgets are never mixed: key columns that vary are kept.
     """
     keys = ["function", "arch", "budget"]
+    summaries = {col: stats.summarize(frame, col).set_index(stats.CELL + ["method"]) for col in METRICS}
     rows = []
     for (function, arch, budget), cell in frame.groupby(keys, sort=False):
         lora = cell.loc[cell["method"] == "lora", "trainable_params"]
         for method, g in cell.groupby("method", sort=False):
-            ok = g[g["status"] == "ok"]
             params = g["trainable_params"].iloc[0]
-            row = {"function": function, "arch": arch, "budget": budget, "method": method,
-                   "trainable": "-" if pd.isna(params) else f"{int(params):,}",
-                   "× LoRA": f"{params / lora.iloc[0]:.3f}" if len(lora) and not pd.isna(params) and params else "-"}
-            row |= {label: _mean_std(ok[col]) for col, label in METRICS.items()}
-            failed = (g["cell_status"] == "failed").any()
-            row["diverged"] = "failed" if failed else f"{int((g['status'] == 'diverged').sum())}/{len(g)}"
+            n_div = int((g["status"] == "diverged").sum())
+            row = {
+                "function": function,
+                "arch": arch,
+                "budget": budget,
+                "method": method,
+                "status": _cell_status(g),
+                "n": len(g),
+                "diverged": f"{n_div}/{len(g)}",
+                "trainable": "-" if pd.isna(params) else f"{int(params):,}",
+                "× LoRA": f"{params / lora.iloc[0]:.3f}" if len(lora) and not pd.isna(params) and params else "-",
+            }
+            key = (arch, budget, function, method)
+            row |= {label: _run_cell(summaries[col].loc[key]) for col, label in METRICS.items()}
             rows.append(row)
     table = pd.DataFrame(rows)
     drop = [k for k in keys if table[k].nunique() <= 1] if len(table) else []
@@ -112,3 +158,454 @@ def markdown(table: pd.DataFrame) -> str:
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"
     return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paper-layout tables: one row per function, one column per method, one table per (arch, budget) and metric.
+
+
+def table_data(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Long form of the paper tables, one row per (arch, budget, function, method): metric, the `stats.summarize`
+    columns, best_overall / best_adapter (lowest inf-aware mean among non-reference methods / adapters), p_vs_lora,
+    vs_lora (win | tie | loss) and sig_vs_lora (the table's † mark). This is what the CSV holds."""
+    data = stats.summarize(frame, stats.metric_column(metric))
+    data["best_overall"] = stats.best_mask(data, lambda m: m not in stats.REFERENCE)
+    data["best_adapter"] = stats.best_mask(data, stats.is_adapter)
+    vs = stats.compare(frame, metric, "lora")[stats.CELL + ["method", "p", "outcome"]]
+    data = data.merge(
+        vs.rename(columns={"p": "p_vs_lora", "outcome": "vs_lora"}), on=stats.CELL + ["method"], how="left"
+    )
+    data["sig_vs_lora"] = data["vs_lora"].isin(["win", "loss"]) & ~data["method"].isin(stats.REFERENCE)
+    return data.assign(metric=metric)[["metric", *data.columns]]
+
+
+def _one_slice(data: pd.DataFrame) -> tuple[str, str]:
+    """The (arch, budget) of a paper table's data; ValueError when it mixes several (tables never mix them)."""
+    slices = data[["arch", "budget"]].drop_duplicates()
+    if len(slices) != 1:
+        raise ValueError(f"a paper table holds one (arch, budget), got {len(slices)}: split the frame first")
+    return tuple(slices.iloc[0])
+
+
+def _seeds(data: pd.DataFrame) -> int:
+    """The seed count most cells stand on (others are marked n=k)."""
+    return int(data["n"].mode().iloc[0])
+
+
+def _cell_text(r, n_common: int, fmt: str) -> str:
+    """One paper-table cell: mean ± std, "inf (k/n div.)", "failed"; (n=k) when not n_common seeds; † when the
+    method differs significantly from LoRA."""
+    if r.n_diverged:
+        text = f"inf ({r.n_diverged}/{r.n} div.)"
+    elif r.n_ok == 0:
+        text = "failed" if r.n_failed else "n/a"
+    else:
+        text = _mean_std(r.mean_ok, r.std_ok, r.n_ok, fmt) + ("" if r.n_ok == n_common else f" (n={r.n_ok})")
+    return text + (_DAGGER[fmt] if r.sig_vs_lora else "")
+
+
+def _grid(data: pd.DataFrame, fmt: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(text, bold, italic), each function x method (methods in stats.method_order, "-" = not run)."""
+    n_common = _seeds(data)
+    data = data.assign(text=[_cell_text(r, n_common, fmt) for r in data.itertuples()])
+    functions, methods = sorted(data["function"].unique()), stats.method_order(data["method"])
+
+    def wide(col: str) -> pd.DataFrame:  # (functions, methods)
+        return data.pivot(index="function", columns="method", values=col).reindex(index=functions, columns=methods)
+
+    grid = wide("text").fillna("-")
+    grid.columns.name, grid.index.name = "function", None
+    return grid, wide("best_overall").eq(True), wide("best_adapter").eq(True)
+
+
+def _legend(data: pd.DataFrame, fmt: str) -> str:
+    """What the marks mean, the seed count, inf = diverged."""
+    b, i, dag, pm, lt = (
+        ("**bold**", "*italic*", "†", "±", "<")
+        if fmt == "md"
+        else (r"\textbf{bold}", r"\textit{italic}", r"\textsuperscript{$\dagger$}", r"$\pm$", "$<$")
+    )
+    return (
+        f"{b} = lowest mean overall; {i} = lowest mean among adapters (full fine-tuning excluded); {dag} = "
+        f"differs from LoRA, paired by seed, p {lt} 0.05 (paired t-test; Wilcoxon signed-rank when a seed "
+        f"diverged; at least 3 pairs); inf (k/n div.) = k of n seeds diverged, counted as MSE = inf in every mark "
+        f"and test; frozen and mean are reference columns, never marked; mean {pm} sample std over "
+        f"n = {_seeds(data)} seeds unless marked (n=k); - = not run."
+    )
+
+
+def _title(data: pd.DataFrame) -> str:
+    arch, budget = _one_slice(data)
+    return f"{METRICS[stats.metric_column(data['metric'].iloc[0])]}, {arch}, budget {budget}"
+
+
+def paper_markdown(data: pd.DataFrame) -> str:
+    """The Markdown paper table of one (arch, budget) slice of `table_data`, its legend below."""
+    _one_slice(data)
+    text, bold, italic = _grid(data, "md")
+    wrap = pd.DataFrame(
+        np.select([bold & italic, bold, italic], ["***", "**", "*"], ""), index=text.index, columns=text.columns
+    )
+    body = (wrap + text + wrap).reset_index().rename(columns={"index": "function"})
+    return f"{markdown(body)}\n\n{_legend(data, 'md')}"
+
+
+def paper_latex(data: pd.DataFrame, label: str = "") -> str:
+    """The LaTeX (booktabs) paper table of one (arch, budget) slice of `table_data`: a `table` float whose caption
+    is the title and legend; names escaped, compiles with only \\usepackage{booktabs}."""
+    text, bold, italic = _grid(data, "latex")
+    css = np.where(bold, "textbf: --rwrap;", "") + np.where(italic, "textit: --rwrap;", "")
+    css = pd.DataFrame(css, index=text.index, columns=text.columns)
+    return _styler_latex(
+        text.style.apply(lambda _: css, axis=None),
+        caption=f"{_latex_escape(_title(data))}. {_legend(data, 'latex')}",
+        label=label,
+    )
+
+
+_TEX = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+    "<": "$<$",
+    ">": "$>$",
+}
+
+
+def _latex_escape(s: str) -> str:
+    """Plain text -> LaTeX text (captions; Styler escapes the cells and labels)."""
+    return "".join(_TEX.get(ch, ch) for ch in s)
+
+
+def _styler_latex(sty, *, caption: str, label: str = "", index: bool = True) -> str:
+    """booktabs table float from a Styler whose cell values are LaTeX already; row/column labels get escaped."""
+    sty = sty.format_index(escape="latex", axis=1)
+    sty = sty.format_index(escape="latex", axis=0) if index else sty.hide(axis="index")
+    sty = sty.set_table_styles(
+        [{"selector": "scriptsize", "props": ":;"}, {"selector": "setlength", "props": r":{\tabcolsep}{3pt};"}],
+        overwrite=False,
+    )
+    ncols = sty.data.shape[1]
+    return sty.to_latex(
+        hrules=True,
+        column_format="l" + "r" * ncols if index else "l" * ncols,
+        caption=caption,
+        label=label or None,
+        position="htbp",
+        position_float="centering",
+        environment="table",
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paired statistics tables (stats.compare / stats.win_tie_loss rendered as text).
+
+
+def _diff_text(r) -> str:
+    """mean paired difference [95% CI]; the CI is n/a when a seed diverged (inf)."""
+    if math.isnan(r.mean_diff):
+        return "n/a"
+    if math.isinf(r.mean_diff):
+        return f"{r.mean_diff:+g}"
+    ci = "n/a" if math.isnan(r.ci_low) else f"{_num(r.ci_low, 2)}, {_num(r.ci_high, 2)}"
+    return f"{_num(r.mean_diff, 3)} [{ci}]"
+
+
+def comparison_table(comparison: pd.DataFrame) -> pd.DataFrame:
+    """`stats.compare` as text, one row per (function, method): baseline, n pairs, diverged seeds (method/baseline),
+    mean diff [95% CI] (method - baseline; negative = lower MSE), Wilcoxon p, t p, result."""
+    c = comparison.sort_values(["function", "method"], key=_method_key)
+    return pd.DataFrame(
+        {
+            "function": c["function"],
+            "method": c["method"],
+            "baseline": c["baseline"],
+            "n": c["n"],
+            "diverged": [f"{a}/{b}" for a, b in zip(c["n_div"], c["n_div_base"])],
+            "mean diff [95% CI]": [_diff_text(r) for r in c.itertuples()],
+            "Wilcoxon p": c["wilcoxon_p"].map(_p),
+            "t p": c["t_p"].map(_p),
+            "result": c["outcome"],
+        }
+    )
+
+
+def wtl_table(wtl: pd.DataFrame) -> pd.DataFrame:
+    """`stats.win_tie_loss` as text: method, functions, wins/ties/losses, sign-test p."""
+    w = wtl.sort_values("method", key=_method_key)
+    return pd.DataFrame(
+        {
+            "method": w["method"],
+            "functions": w["functions"],
+            "W/T/L": [f"{a}/{b}/{c}" for a, b, c in zip(w["wins"], w["ties"], w["losses"])],
+            "sign test p": w["sign_p"].map(_p),
+        }
+    )
+
+
+def _method_key(col: pd.Series) -> pd.Series:
+    """Sort key: methods in stats.method_order, anything else as is."""
+    if col.name != "method":
+        return col
+    order = {m: i for i, m in enumerate(stats.method_order(col))}
+    return col.map(order)
+
+
+STATS_LEGEND = (
+    "Paired by seed within the function; diff = method - baseline (negative = lower MSE). t p and the "
+    "CI are n/a when a seed diverged (inf); Wilcoxon ranks a diverged seed above every finite one. result:"
+    " win/loss when p < 0.05 (t-test, else Wilcoxon) with at least 3 pairs, else tie. An exact two-sided "
+    "Wilcoxon cannot go below 0.25 with 3 pairs and 0.0625 with 5. Sign test: wins vs losses across "
+    "functions, ties dropped."
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Figures (seaborn on matplotlib Figure objects).
+
+
+def _palette(methods) -> dict:
+    methods = stats.method_order(methods)
+    return dict(zip(methods, sns.color_palette("tab10" if len(methods) <= 10 else "husl", len(methods))))
+
+
+def curves_figure(curves: pd.DataFrame, split: str = "test") -> Figure:
+    """Learning curves of one (arch, budget) slice of `results.load_curves`: one panel per function, x = epoch,
+    y = {split} MSE on a log scale, mean ± std band over seeds per method (seaborn errorbar="sd"). A method with a
+    single evaluation (frozen, mean) is a dashed horizontal line. A diverged seed's curve stops at its divergence,
+    so the band after it stands on fewer seeds: each panel title names the diverged seeds."""
+    y = f"{split}_mse"
+    functions, palette = sorted(curves["function"].unique()), _palette(curves["method"])
+    cols = min(3, len(functions))
+    rows = -(-len(functions) // cols)
+    fig = Figure(figsize=(max(5.2 * cols, 9), 3.6 * rows + 1.2), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax in axes.flat[len(functions) :]:
+        ax.set_axis_off()
+    for ax, function in zip(axes.flat, functions):
+        c = curves[curves["function"] == function]
+        _curve_panel(ax, c, y, palette)
+        seeds = c.drop_duplicates(["method", "seed"])
+        div = seeds[seeds["status"] == "diverged"].groupby("method", sort=False).size()
+        n = seeds.groupby("method").size()
+        note = ", ".join(f"{m} {k}/{n[m]}" for m, k in div.items())
+        ax.set_title(function + (f" (diverged: {note})" if note else ""), fontsize=10)
+    one_shot = set(curves.groupby("method")["epoch"].nunique().loc[lambda n: n <= 1].index)
+    handles = [
+        Line2D([], [], color=col, label=m, linestyle="--" if m in one_shot else "-") for m, col in palette.items()
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), fontsize=9)
+    arch, budget = curves["arch"].iloc[0], curves["budget"].iloc[0]
+    fig.suptitle(f"{split} MSE during adaptation, {arch}, budget {budget}\nmean ± std over seeds")
+    return fig
+
+
+def _curve_panel(ax, c: pd.DataFrame, y: str, palette: dict) -> None:
+    """One function's curves on `ax`: trained methods as seaborn lines with sd bands, one-shot ones as lines."""
+    epochs = c.groupby("method")["epoch"].nunique()
+    trained = c[c["method"].map(epochs) > 1]
+    if len(trained):
+        sns.lineplot(
+            data=trained,
+            x="epoch",
+            y=y,
+            hue="method",
+            palette=palette,
+            errorbar="sd",
+            ax=ax,
+            legend=False,
+            linewidth=1.2,
+            err_kws={"alpha": 0.12},
+        )
+    for method, g in c[c["method"].map(epochs) <= 1].groupby("method"):
+        ax.axhline(g[y].mean(), color=palette[method], linestyle="--", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_ylabel(y.replace("_", " ").replace("mse", "MSE"))
+
+
+def log_ratio_figure(frame: pd.DataFrame, metric: str = "test-at-best-train") -> Figure:
+    """Function x method heatmap of one (arch, budget): mean over seeds of log10(MSE method / MSE LoRA), paired by
+    seed (`stats.log_ratios`), diverging colormap centred at 0 (blue = lower MSE than LoRA). ±inf cells (a seed
+    diverged on one side only) are hatched and labelled; * marks a finite cell where a seed diverged."""
+    lr = stats.log_ratios(frame, metric)
+    functions, methods = sorted(lr["function"].unique()), stats.method_order(lr["method"])
+    wide = lambda col: lr.pivot(index="function", columns="method", values=col).reindex(
+        index=functions, columns=methods
+    )
+    value = wide("log_ratio").astype(float)
+    diverged = (wide("n_div").fillna(0) + wide("n_div_base").fillna(0)) > 0
+    finite = np.isfinite(value)
+    annot = value.map(lambda v: f"{v:+.2g}" if math.isfinite(v) else "") + np.where(diverged, "*", "")
+    lim = float(np.abs(value[finite]).max().max()) if finite.values.any() else 1.0
+    fig = Figure(figsize=(1.0 * len(methods) + 3, 0.55 * len(functions) + 2), layout="constrained")
+    ax = fig.subplots()
+    sns.heatmap(
+        value.where(finite),
+        mask=~finite,
+        annot=annot,
+        fmt="",
+        cmap="RdBu_r",
+        center=0,
+        vmin=-(lim or 1),
+        vmax=lim or 1,
+        linewidths=0.5,
+        linecolor="white",
+        ax=ax,
+        cbar_kws={"label": "mean log10(MSE / MSE LoRA)"},
+    )
+    for i, j in zip(*np.nonzero(~finite.values & wide("n").notna().values)):
+        v = value.iat[i, j]
+        ax.add_patch(Rectangle((j, i), 1, 1, fill=False, hatch="//", edgecolor="0.4", linewidth=0))
+        ax.text(j + 0.5, i + 0.5, "undef." if math.isnan(v) else f"{v:+g}", ha="center", va="center", fontsize=9)
+    arch, budget = frame["arch"].iloc[0], frame["budget"].iloc[0]
+    ax.set_title(
+        f"{METRICS[stats.metric_column(metric)]} vs LoRA, {arch}, budget {budget}, paired by seed\n"
+        "+inf / -inf: only the method / only LoRA diverged on some seed; undef.: both, on different seeds; "
+        "* a seed diverged; blank = not run",
+        fontsize=10,
+    )
+    ax.set_xlabel("")
+    ax.set_ylabel("")
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The report: every table, statistic and figure of a results frame, one set per (arch, budget).
+
+
+def _validate(frame: pd.DataFrame, metric: str, formats) -> None:
+    """One-line ValueErrors for what the CLI turns into exit 2."""
+    if frame is None or len(frame) == 0:
+        raise ValueError("no results to report: the results frame is empty")
+    stats.metric_column(metric)
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise ValueError(f"unknown format {bad[0]!r}; valid: {', '.join(FORMATS)}")
+    missing = [c for c in ["function", "arch", "method", "budget", "seed", "status", *METRICS] if c not in frame]
+    if missing:
+        raise ValueError(f"results frame lacks column(s) {', '.join(missing)}")
+
+
+def _slug(s) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(s))
+
+
+def _write_table(files: list, stem: Path, formats, *, md: str, latex, csv: pd.DataFrame) -> None:
+    """Write one table as stem.md / .tex / .csv (those in `formats`); `latex` is a str or a callable making one."""
+    out = {
+        "md": lambda: md + "\n",
+        "latex": lambda: latex() if callable(latex) else latex,
+        "csv": lambda: csv.to_csv(index=False),
+    }
+    for fmt in formats:
+        path = stem.with_suffix(".tex" if fmt == "latex" else f".{fmt}")
+        store.write_text(out[fmt](), path)
+        files.append(path)
+
+
+def _save_figure(files: list, fig: Figure, stem: Path) -> None:
+    for ext in ("png", "pdf"):
+        store.atomic_write(stem.with_suffix(f".{ext}"), lambda tmp, ext=ext: fig.savefig(tmp, format=ext, dpi=150))
+        files.append(stem.with_suffix(f".{ext}"))
+
+
+def _stats_section(frame: pd.DataFrame, metric: str, folder: Path, formats, files: list) -> list[str]:
+    """Paired statistics of one slice on `metric`: per function vs LoRA and vs the best static adapter, and the
+    cross-function win/tie/loss; returns the Markdown parts and writes the files."""
+    parts = []
+    for baseline, name in (("lora", "LoRA"), (stats.BEST_STATIC, "the best static adapter")):
+        comp = stats.compare(frame, metric, baseline)
+        if comp.empty:
+            parts.append(f"No paired statistics against {name}: it is not in these results.")
+            continue
+        per_fn, wtl = comparison_table(comp), wtl_table(stats.win_tie_loss(comp))
+        cap = f"paired by seed vs {name} ({METRICS[stats.metric_column(metric)]})"
+        for stem, table, title in (
+            (f"stats-vs-{baseline}-{metric}", per_fn, f"Per function: {cap}"),
+            (f"wtl-vs-{baseline}-{metric}", wtl, f"Across functions: {cap}"),
+        ):
+            latex = lambda t=table, c=title: _styler_latex(
+                t.style.format(escape="latex"), index=False, caption=_latex_escape(f"{c}. {STATS_LEGEND}")
+            )
+            _write_table(
+                files,
+                folder / stem,
+                formats,
+                md=f"{markdown(table)}\n\n{STATS_LEGEND}",
+                latex=latex,
+                csv=comp if stem.startswith("stats") else stats.win_tie_loss(comp),
+            )
+            parts.append(f"#### {title}\n\n{markdown(table)}")
+        parts.append(STATS_LEGEND)
+    return parts
+
+
+def _slice_report(frame, curves, folder: Path, metric: str, formats, figures: bool, files: list) -> str:
+    """Tables, statistics and figures of one (arch, budget) into `folder`; returns its Markdown."""
+    arch, budget = frame["arch"].iloc[0], frame["budget"].iloc[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = [f"## {arch}, budget {budget}"]
+    for m in dict.fromkeys(["best-train", metric]):  # the train table, then the chosen test table
+        data = table_data(frame, m)
+        md = paper_markdown(data)
+        _write_table(
+            files,
+            folder / f"table-{m}",
+            formats,
+            md=f"### {_title(data)}\n\n{md}",
+            csv=data,
+            latex=lambda d=data, m=m: paper_latex(d, label=f"tab:{_slug(arch)}-{_slug(budget)}-{m}"),
+        )
+        parts.append(f"### {_title(data)}\n\n{md}")
+    parts.append(f"### Paired statistics ({METRICS[stats.metric_column(metric)]})")
+    parts += _stats_section(frame, metric, folder, formats, files)
+    if figures:
+        _slice_figures(frame, curves, folder, metric, files)
+    return "\n\n".join(parts)
+
+
+def _slice_figures(frame, curves, folder: Path, metric: str, files: list) -> None:
+    arch, budget = frame["arch"].iloc[0], frame["budget"].iloc[0]
+    if curves is not None and len(curves):
+        c = curves[(curves["arch"] == arch) & (curves["budget"] == budget)]
+        for split in ("train", "test") if len(c) else ():
+            _save_figure(files, curves_figure(c, split), folder / f"curves-{split}")
+    if "lora" in set(frame["method"]):
+        _save_figure(files, log_ratio_figure(frame, metric), folder / f"log-ratio-{metric}")
+
+
+def write_report(
+    frame: pd.DataFrame,
+    curves: pd.DataFrame | None,
+    out_dir: Path,
+    *,
+    metric: str = "test-at-best-train",
+    formats=FORMATS,
+    figures: bool = True,
+) -> dict:
+    """Write every table, paired statistic and figure of a results frame into out_dir, one set per (arch, budget)
+    in out_dir/<arch>/<budget>/ (never mixed), plus out_dir/report.md when "md" is in `formats`.
+
+    frame: `results.load`; curves: `results.load_curves` (or None: no curve figures); metric: the test metric
+    (best-train | best-test | test-at-best-train), shown after the best-train table and used by the statistics;
+    formats: any of md, latex, csv. Returns {"markdown": the report text, "files": [paths written]}.
+    ValueError (one line) for an empty frame, a bad metric or format.
+    """
+    _validate(frame, metric, formats)
+    out_dir, files, sections = Path(out_dir), [], []
+    for (arch, budget), group in frame.groupby(["arch", "budget"], sort=True):
+        folder = out_dir / _slug(arch) / _slug(budget)
+        sections.append(_slice_report(group, curves, folder, metric, formats, figures, files))
+    text = "\n\n".join(sections) + "\n"
+    if "md" in formats:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        store.write_text(text, out_dir / "report.md")
+        files.append(out_dir / "report.md")
+    return {"markdown": text, "files": files}

@@ -250,3 +250,23 @@ def index(root, on_damaged=None) -> pd.DataFrame:
         "record",
     ]
     return pd.DataFrame(rows, columns=columns)
+
+
+def newest_config(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """One config per (arch, budget, function, method): the newest record's rows, and one note per cell whose older
+    configs are left out (a table mixing hyper-parameters would be meaningless, so they are never averaged
+    together). `frame` is `load`'s."""
+    keys = ["arch", "budget", "function", "method"]
+    if frame.empty:
+        return frame, []
+    stamps = frame.assign(mtime=[Path(r).stat().st_mtime_ns for r in frame["record"]])
+    newest = stamps.sort_values("mtime").groupby(keys)["record"].last().rename("newest")
+    merged = stamps.join(newest, on=keys)
+    older = merged[merged["record"] != merged["newest"]]
+    notes = [
+        f"{arch}/{budget}/{function}/{method}: {g['record'].nunique()} older config(s) not shown "
+        f"({', '.join(sorted(set(g['config_hash'])))})"
+        for (arch, budget, function, method), g in older.groupby(keys)
+    ]
+    kept = merged[merged["record"] == merged["newest"]].drop(columns=["mtime", "newest"])
+    return kept.reset_index(drop=True), notes

@@ -10,6 +10,8 @@ import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 
+from qlbench import cli
+
 NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES_WRITTEN = {"01_function_zoo.ipynb": ["function_zoo.png"]}  # what each notebook must save
@@ -27,10 +29,19 @@ def this_python_kernel(tmp_path, monkeypatch):
     return "python3"
 
 
+def smoke_sweep(out: Path) -> Path:
+    argv = ["sweep", "--functions", "matyas,levy", "--budget", "smoke", "--seeds", "3", "--out", str(out)]
+    methods = "lora,queryable,instruct-queryable,frozen,mean"
+    assert cli.main([*argv, "--methods", methods, "--no-progress"]) == 0
+    return out
+
+
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
 def test_notebook_runs(path, this_python_kernel, tmp_path, monkeypatch):
     figures = tmp_path / "figures"
     monkeypatch.setenv("QLBENCH_FIGURES_DIR", str(figures))  # the kernel inherits this environment
+    if path.name == "02_results.ipynb":  # a results folder as a user has one: a smoke sweep
+        monkeypatch.setenv("QLBENCH_RESULTS", str(smoke_sweep(tmp_path / "results")))
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
     NotebookClient(

@@ -1,0 +1,76 @@
+"""`qlbench report RESULTS`: the paper's tables (one row per function, one column per method) with paired
+statistics against LoRA, in Markdown, LaTeX and CSV, and seaborn figures; one table set per (arch, budget)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from qlbench.commands import UsageError, usage_errors
+
+METRICS = ("best-train", "best-test", "test-at-best-train")
+FORMATS = ("md", "latex", "csv")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="paper-style tables, paired statistics and figures from a results folder",
+        description="Tables like the paper's (one row per function, one column per method, "
+        "mean ± std, best marked, significance against LoRA), paired statistics "
+        "and figures, for every (arch, budget) in a results folder.",
+    )
+    p.add_argument("folder", type=Path, metavar="RESULTS", help="a results folder (as given to run/sweep --out)")
+    p.add_argument("--arch", help="only this arch (default: every arch in the folder)")
+    p.add_argument("--budget", help="only this budget (default: every budget in the folder)")
+    p.add_argument(
+        "--metric",
+        default="test-at-best-train",
+        help=f"the test table's metric, one of: {', '.join(METRICS)} (default test-at-best-train; the "
+        "train table always shows best-train)",
+    )
+    p.add_argument("--format", default="md,latex,csv", help=f"comma-separated from: {', '.join(FORMATS)}")
+    p.add_argument("--out", type=Path, help="folder for the tables and figures (default <RESULTS>/report)")
+    p.add_argument("--no-figures", action="store_true", help="tables only")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from qlbench import report, results
+    from qlbench.backbones import ARCHS
+
+    if args.metric not in METRICS:
+        raise UsageError(f"unknown metric {args.metric!r}; valid: {', '.join(METRICS)}")
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    if not formats or (bad := [f for f in formats if f not in FORMATS]):
+        raise UsageError(
+            f"unknown format {', '.join(bad) if formats else repr(args.format)}; valid: {', '.join(FORMATS)}"
+        )
+    if args.arch is not None and args.arch not in ARCHS:
+        raise UsageError(f"unknown arch {args.arch!r}; valid: {', '.join(ARCHS)}")
+    if not args.folder.is_dir():
+        raise UsageError(f"results folder {args.folder} does not exist")
+    log = lambda message: print(f"qlbench report: {message}", file=sys.stderr)
+    frame = results.load(args.folder, on_damaged=log)
+    if frame.empty:
+        raise UsageError(f"no records under {args.folder / 'records'}; `qlbench sweep --out {args.folder}` writes some")
+    for key, value in (("arch", args.arch), ("budget", args.budget)):
+        if value is not None:
+            if value not in set(frame[key]):
+                raise UsageError(
+                    f"no records with {key} {value!r} under {args.folder}; present: "
+                    f"{', '.join(sorted(set(frame[key])))}"
+                )
+            frame = frame[frame[key] == value]
+    frame, notes = results.newest_config(frame)
+    for note in notes:
+        log(note)
+    curves = results.load_curves(sorted(set(frame["record"])), on_damaged=log)
+    out = args.out or args.folder / "report"
+    with usage_errors():
+        written = report.write_report(
+            frame, curves, out, metric=args.metric, formats=tuple(formats), figures=not args.no_figures
+        )
+    print(written["markdown"])
+    print(f"\nwritten to {out}: {', '.join(sorted(str(Path(p).relative_to(out)) for p in written['files']))}")
+    return 0

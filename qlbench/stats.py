@@ -1,0 +1,268 @@
+"""Seed-level statistics for qlbench results: per-cell summaries, paired tests against a baseline, win/tie/loss
+counts across functions, and paired log-ratios. Pure pandas/scipy on the tidy frame of `results.load`; no torch.
+
+Conventions (the README's "qlbench interpretation" section says the same in prose):
+
+- **Diverged = inf.** A seed whose status is "diverged" scores +inf in every ranking, "best" mark and test, whatever
+  finite value its metric column holds (that value is the best before it blew up). The paper writes "inf" for such
+  runs (its threshold is MSE > 1e5; qlbench goes by the engine's status: a non-finite loss or metric, or an MSE
+  above engine.DIVERGENCE_FACTOR times the larger of the member's initial MSE and its label variance).
+- **Failed = missing.** A seed of a failed cell (status "failed", no metrics), or an "ok" seed whose metric is NaN,
+  has no measurement: it is never best and drops out of the pairs of a paired test.
+- **Paired by seed.** Within one (arch, budget, function), seed s of every method shares data and backbone, so a
+  method is compared with a baseline on the differences d_s = metric(method, s) - metric(baseline, s) (negative =
+  the method has the lower MSE). Both seeds diverged: d_s = 0 (both worst, a tie).
+- **Tests.** Paired t-test and a 95 % t-interval of mean(d) when every pair is finite (n/a otherwise: inf has no
+  mean or variance); Wilcoxon signed-rank always (ranks of |d|, inf ranks above everything; zero differences are
+  dropped, scipy's "wilcox" convention; exact, by exhaustive sign flips when |d| has ties, up to 13 pairs).
+  The primary p is the t-test's when defined, else Wilcoxon's. Outcome: "win" / "loss" when p < ALPHA, there
+  are at least MIN_PAIRS pairs, and the method is lower / higher (sign of mean(d) for the t-test, of the
+  signed-rank sums for Wilcoxon); otherwise "tie".
+- **Minimum seeds.** An exact two-sided Wilcoxon (or sign) test on n pairs cannot go below 2 / 2**n: 0.25 for n = 3,
+  0.0625 for n = 5, 0.03125 for n = 6. With 5 seeds only the t-test can reach p < 0.05, so a comparison that
+  involves a diverged seed is always a tie below 6 seeds. Fewer than MIN_PAIRS = 3 pairs is always a tie.
+  (scipy >= 1.15's "auto" method; older scipy approximates when there are ties.)
+- **Best static adapter** (baseline "best-static"): per (arch, budget, function), the static adapter (STATIC) with
+  the lowest inf-aware mean, ties broken by STATIC order. It is chosen on the same seeds it is compared on, which
+  favours the baseline: comparisons against it are conservative.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+# Metric names of the CLI -> columns of `results.load`.
+METRICS = {"best-train": "best_train_mse", "best-test": "best_test_mse", "test-at-best-train": "test_at_best_train"}
+CELL = ["arch", "budget", "function"]  # one comparison unit: same data, backbone and protocol
+STATIC = ("lora", "dora", "hyra", "replora", "doran")  # static adapters, in tie-break order
+REFERENCE = ("frozen", "mean")  # no training: reference rows, never ranked
+ORDER = ("full-soap", "full-adamw", *STATIC, "queryable", "instruct-queryable", *REFERENCE)  # display order
+ALPHA = 0.05
+MIN_PAIRS = 3  # fewer pairs never give a win or loss (a 2-pair t-test has 1 degree of freedom)
+BEST_STATIC = "best-static"
+
+
+def is_full(method: str) -> bool:
+    """Full fine-tuning (every backbone weight trains): not an adapter."""
+    return method.startswith("full-")
+
+
+def is_adapter(method: str) -> bool:
+    """A PEFT adapter: neither full fine-tuning nor a reference row."""
+    return not is_full(method) and method not in REFERENCE
+
+
+def method_order(methods) -> list[str]:
+    """Known methods in ORDER (full fine-tuning, static, routed, reference), unknown ones alphabetically before
+    the reference rows, so frozen and mean always come last."""
+    methods = list(dict.fromkeys(methods))
+    known = [m for m in ORDER if m in methods and m not in REFERENCE]
+    rest = sorted(m for m in methods if m not in ORDER)
+    return known + rest + [m for m in REFERENCE if m in methods]
+
+
+def metric_column(metric: str) -> str:
+    """The frame column of a metric name (best-train | best-test | test-at-best-train); ValueError otherwise."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(METRICS)}")
+    return METRICS[metric]
+
+
+def scores(frame: pd.DataFrame, column: str) -> pd.Series:
+    """Per-seed value used by every ranking and test: the metric for an "ok" seed, +inf for a diverged seed (its
+    finite column value is ignored), NaN for a failed seed or a missing value. Aligned with `frame`'s index."""
+    value = frame[column].astype(float).where(frame["status"] == "ok")
+    return value.mask(frame["status"] == "diverged", math.inf)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-cell summary: what a table cell shows and what ranks it.
+
+
+def _summary_row(g: pd.DataFrame, column: str) -> dict:
+    s = scores(g, column)  # (seeds,)
+    ok = s[np.isfinite(s)]
+    measured = s.dropna()  # ok + diverged seeds
+    return {
+        "n": len(g),  # seeds the cell has
+        "n_ok": len(ok),  # seeds mean_ok / std_ok stand on
+        "n_diverged": int((g["status"] == "diverged").sum()),
+        "n_failed": int((g["status"] == "failed").sum()),
+        "mean_ok": ok.mean() if len(ok) else math.nan,
+        "std_ok": ok.std(ddof=1) if len(ok) > 1 else math.nan,
+        # inf-aware mean over every measured seed: inf when any diverged, NaN when nothing was measured
+        "value": measured.mean() if len(measured) else math.nan,
+    }
+
+
+def summarize(frame: pd.DataFrame, column: str) -> pd.DataFrame:
+    """One row per (arch, budget, function, method): n, n_ok, n_diverged, n_failed, mean_ok and std_ok (sample std)
+    over the finished seeds, and `value`, the inf-aware mean that rankings use."""
+    keys = CELL + ["method"]
+    rows = [{**dict(zip(keys, key)), **_summary_row(g, column)} for key, g in frame.groupby(keys, sort=False)]
+    return pd.DataFrame(rows, columns=keys + ["n", "n_ok", "n_diverged", "n_failed", "mean_ok", "std_ok", "value"])
+
+
+def best_mask(summary: pd.DataFrame, among) -> pd.Series:
+    """True where a row of `summary` has the lowest finite `value` of its (arch, budget, function) among the
+    methods for which `among(method)` holds (all of them on an exact tie). Diverged (inf) and failed (NaN) cells
+    are never best; a cell where every candidate diverged has no best."""
+    eligible = summary["method"].map(among).astype(bool) & np.isfinite(summary["value"])
+    v = summary["value"].where(eligible)
+    return eligible & (v == v.groupby([summary[k] for k in CELL]).transform("min"))
+
+
+def best_static(summary: pd.DataFrame) -> pd.DataFrame:
+    """Per (arch, budget, function) the static adapter with the lowest inf-aware mean (NaN-valued cells skipped,
+    ties by STATIC order): columns arch, budget, function, baseline."""
+    s = summary[summary["method"].isin(STATIC) & summary["value"].notna()].copy()
+    s["rank"] = s["method"].map(STATIC.index)
+    s = s.sort_values(["value", "rank"], kind="stable").drop_duplicates(CELL)
+    return s[CELL + ["method"]].rename(columns={"method": "baseline"}).reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paired comparisons.
+
+
+def pairs(frame: pd.DataFrame, column: str, baseline: str = "lora") -> pd.DataFrame:
+    """One row per (arch, budget, function, method, seed) where both the method and the baseline have a measurement:
+    columns CELL, method, baseline, seed, a (method score), b (baseline score); scores as `scores` (inf = diverged).
+    `baseline` is a method name or "best-static" (chosen per cell by `best_static`)."""
+    tidy = frame[CELL + ["method", "seed"]].assign(score=scores(frame, column)).dropna(subset=["score"])
+    if baseline == BEST_STATIC:
+        chosen = best_static(summarize(frame, column))
+    else:
+        chosen = tidy[CELL].drop_duplicates().assign(baseline=baseline)
+    base = tidy.merge(chosen, on=CELL).query("method == baseline")[CELL + ["baseline", "seed", "score"]]
+    out = tidy.merge(base, on=CELL + ["seed"], suffixes=("", "_b")).query("method != baseline")
+    return out.rename(columns={"score": "a", "score_b": "b"})[CELL + ["method", "baseline", "seed", "a", "b"]]
+
+
+def differences(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Paired differences a - b, with both-diverged pairs (inf - inf) counted as 0: equally worst."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    both = np.isinf(a) & np.isinf(b)
+    return np.where(both, 0.0, a - np.where(both, 0.0, b))  # no inf - inf is ever evaluated
+
+
+def _mean(d: np.ndarray) -> float:
+    """Mean with inf allowed: +inf and -inf together (or no values) give NaN, without a numpy warning."""
+    with np.errstate(invalid="ignore"):
+        return float(d.mean()) if len(d) else math.nan
+
+
+def _wilcoxon(d: np.ndarray) -> tuple[float, int]:
+    """Two-sided Wilcoxon signed-rank p on the nonzero differences (inf allowed) and the direction of the signed-rank
+    sums (+1: the method ranks higher = worse, -1: lower, 0: balanced or no nonzero pair)."""
+    d = d[d != 0]
+    if len(d) == 0:
+        return math.nan, 0
+    ranks = stats.rankdata(np.abs(d))
+    direction = int(np.sign(ranks[d > 0].sum() - ranks[d < 0].sum()))
+    return float(stats.wilcoxon(d).pvalue), direction
+
+
+def paired_test(a, b, alpha: float = ALPHA) -> dict:
+    """Compare paired scores a (method) and b (baseline), same seeds in the same order; inf = diverged.
+
+    Returns n, n_div (method), n_div_base, mean_diff (inf-aware mean of a - b), ci_low/ci_high (95 % t-interval,
+    finite pairs only), t_p (paired t, n/a = NaN unless all pairs are finite and n >= 2), wilcoxon_p, p (the
+    primary: t_p when defined, else wilcoxon_p) and outcome win | tie | loss ("win" = significantly lower MSE;
+    "tie" also when fewer than MIN_PAIRS pairs).
+    """
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    d = differences(a, b)  # (n,)
+    n, finite = len(d), bool(np.isfinite(a).all() and np.isfinite(b).all())
+    out = {
+        "n": n,
+        "n_div": int(np.isinf(a).sum()),
+        "n_div_base": int(np.isinf(b).sum()),
+        "mean_diff": _mean(d),
+        "ci_low": math.nan,
+        "ci_high": math.nan,
+        "t_p": math.nan,
+    }
+    if finite and n >= 2:
+        half = stats.t.ppf(1 - alpha / 2, n - 1) * d.std(ddof=1) / math.sqrt(n)
+        with warnings.catch_warnings():  # near-constant differences: scipy warns of precision loss, p is ~0 or NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            t_p = float(stats.ttest_rel(a, b).pvalue)
+        out |= {"ci_low": out["mean_diff"] - half, "ci_high": out["mean_diff"] + half, "t_p": t_p}
+    out["wilcoxon_p"], direction = _wilcoxon(d)
+    use_t = not math.isnan(out["t_p"])
+    out["p"] = out["t_p"] if use_t else out["wilcoxon_p"]
+    if use_t:
+        direction = int(np.sign(out["mean_diff"]))
+    significant = n >= MIN_PAIRS and out["p"] < alpha  # NaN compares False: no evidence is a tie
+    out["outcome"] = ("win" if direction < 0 else "loss") if significant and direction else "tie"
+    return out
+
+
+def compare(frame: pd.DataFrame, metric: str, baseline: str = "lora") -> pd.DataFrame:
+    """Every method against `baseline` (a method name or "best-static") in every (arch, budget, function): one row
+    with CELL, method, baseline and the fields of `paired_test`. Empty when the baseline is absent."""
+    p = pairs(frame, metric_column(metric), baseline)
+    rows = [
+        {**dict(zip(CELL + ["method", "baseline"], key)), **paired_test(g["a"], g["b"])}
+        for key, g in p.groupby(CELL + ["method", "baseline"], sort=False)
+    ]
+    cols = CELL + [
+        "method",
+        "baseline",
+        "n",
+        "n_div",
+        "n_div_base",
+        "mean_diff",
+        "ci_low",
+        "ci_high",
+        "t_p",
+        "wilcoxon_p",
+        "p",
+        "outcome",
+    ]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def win_tie_loss(comparison: pd.DataFrame) -> pd.DataFrame:
+    """Across functions, per (arch, budget, method): wins, ties, losses from `compare` and the two-sided sign test
+    on wins vs losses (ties dropped; NaN when there is no win or loss). With f decided functions its p cannot go
+    below 2 / 2**f."""
+    rows = []
+    for (arch, budget, method), g in comparison.groupby(["arch", "budget", "method"], sort=False):
+        wins, ties, losses = (int((g["outcome"] == o).sum()) for o in ("win", "tie", "loss"))
+        rows.append(
+            {
+                "arch": arch,
+                "budget": budget,
+                "method": method,
+                "functions": len(g),
+                "wins": wins,
+                "ties": ties,
+                "losses": losses,
+                "sign_p": stats.binomtest(wins, wins + losses).pvalue if wins + losses else math.nan,
+            }
+        )
+    return pd.DataFrame(rows, columns=["arch", "budget", "method", "functions", "wins", "ties", "losses", "sign_p"])
+
+
+def log_ratios(frame: pd.DataFrame, metric: str, baseline: str = "lora") -> pd.DataFrame:
+    """Per (arch, budget, function, method): mean over paired seeds of log10(metric_method / metric_baseline).
+    A seed where only the method diverged gives +inf, only the baseline -inf, both 0; +inf and -inf together give
+    NaN (undefined). Columns CELL, method, log_ratio, n, n_div, n_div_base."""
+    p = pairs(frame, metric_column(metric), baseline)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p["r"] = np.where(np.isinf(p["a"]) & np.isinf(p["b"]), 0.0, np.log10(p["a"] / p["b"]))
+        g = p.groupby(CELL + ["method"], sort=False)
+        out = g.agg(
+            log_ratio=("r", "mean"),
+            n=("r", "size"),
+            n_div=("a", lambda s: int(np.isinf(s).sum())),
+            n_div_base=("b", lambda s: int(np.isinf(s).sum())),
+        )  # mean(+inf, -inf) = NaN
+    return out.reset_index()
