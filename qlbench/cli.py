@@ -1,4 +1,4 @@
-"""`qlbench` command line: functions | run | sweep | results | verify | bench.
+"""`qlbench` command line: functions | run | sweep | results | report | ablate | verify | bench.
 
 Bad input (unknown function, arch, method, budget, device, hyper-parameter, or a value out of range) prints one
 line naming the problem and the valid choices, and exits with code 2; no traceback. The subcommands live in
@@ -11,14 +11,24 @@ import sys
 
 from qlbench import __version__
 from qlbench.commands import Parser, UsageError
+from qlbench.commands import ablate as ablate_command
 from qlbench.commands import bench as bench_command
 from qlbench.commands import functions as functions_command
+from qlbench.commands import report as report_command
 from qlbench.commands import results as results_command
 from qlbench.commands import run as run_command
 from qlbench.commands import verify as verify_command
 
 # run registers run and sweep
-COMMANDS = (functions_command, run_command, results_command, verify_command, bench_command)
+COMMANDS = (
+    functions_command,
+    run_command,
+    results_command,
+    report_command,
+    ablate_command,
+    verify_command,
+    bench_command,
+)
 
 
 def build_parser() -> Parser:

@@ -76,7 +76,7 @@ _PM = {"md": " ± ", "latex": r" $\pm$ "}
 _DAGGER = {"md": "†", "latex": r"\textsuperscript{$\dagger$}"}
 
 
-def _num(v: float, sig: int) -> str:
+def num(v: float, sig: int) -> str:
     """`sig` significant digits, positional between 1e-3 and 1e5, scientific outside."""
     if v == 0 or not math.isfinite(v):
         return f"{v:g}"
@@ -88,7 +88,7 @@ def _mean_std(mean: float, std: float, n: int, fmt: str = "md") -> str:
     """mean ± sample std; the mean alone for one seed; n/a for none."""
     if n == 0 or math.isnan(mean):
         return "n/a"
-    return _num(mean, 3) if n == 1 or math.isnan(std) else f"{_num(mean, 3)}{_PM[fmt]}{_num(std, 2)}"
+    return num(mean, 3) if n == 1 or math.isnan(std) else f"{num(mean, 3)}{_PM[fmt]}{num(std, 2)}"
 
 
 def _p(p: float) -> str:
@@ -99,7 +99,7 @@ def _p(p: float) -> str:
 # The run table: one row per method, what `qlbench run` prints.
 
 
-def _run_cell(r) -> str:
+def run_cell(r) -> str:
     """A `stats.summarize` row as run-table text: "failed", "mean ± std", or "inf (k ok: mean ± std)"."""
     if r.n_ok + r.n_diverged == 0:
         return "failed" if r.n_failed else "n/a"
@@ -144,7 +144,7 @@ def method_table(frame: pd.DataFrame) -> pd.DataFrame:
                 "× LoRA": f"{params / lora.iloc[0]:.3f}" if len(lora) and not pd.isna(params) and params else "-",
             }
             key = (arch, budget, function, method)
-            row |= {label: _run_cell(summaries[col].loc[key]) for col, label in METRICS.items()}
+            row |= {label: run_cell(summaries[col].loc[key]) for col, label in METRICS.items()}
             rows.append(row)
     table = pd.DataFrame(rows)
     drop = [k for k in keys if table[k].nunique() <= 1] if len(table) else []
@@ -314,8 +314,8 @@ def _diff_text(r) -> str:
         return "n/a"
     if math.isinf(r.mean_diff):
         return f"{r.mean_diff:+g}"
-    ci = "n/a" if math.isnan(r.ci_low) else f"{_num(r.ci_low, 2)}, {_num(r.ci_high, 2)}"
-    return f"{_num(r.mean_diff, 3)} [{ci}]"
+    ci = "n/a" if math.isnan(r.ci_low) else f"{num(r.ci_low, 2)}, {num(r.ci_high, 2)}"
+    return f"{num(r.mean_diff, 3)} [{ci}]"
 
 
 def comparison_table(comparison: pd.DataFrame) -> pd.DataFrame:

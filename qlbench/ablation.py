@@ -1,0 +1,112 @@
+"""The paper's instruction-router ablation on a synthetic task: instruct-queryable trained with eight instruction
+variants, every one with the same trainable parameters, each a normal cell of the results store.
+
+    no-instruction     tau_lang = lambda_ctx = 0: state-only routing (the instruction channels exist, unused)
+    generic            "a smooth two-dimensional function" for every task
+    correct            the function card's sentence (the method's default)
+    shuffled           another card's sentence (a fixed derangement: the next card in name order)
+    adversarial        the card's sentence describing a very different surface
+    random             a seeded random embedding with the norm of the card's
+    no-prior           tau_lang = 0: the instruction enters the query only, no language prior
+    instruction-only   the query is w_b + lambda_ctx Q_ctx e: no state and no depth term (input-independent routes)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from qlbench import engine, experiment, results, stats
+
+METHOD = "instruct-queryable"
+REFERENCE = "correct"
+VARIANTS: dict[str, dict] = {
+    "no-instruction": dict(tau_lang=0.0, lambda_ctx=0.0),
+    "generic": dict(instruction_source="generic"),
+    "correct": dict(),
+    "shuffled": dict(instruction_source="shuffled"),
+    "adversarial": dict(instruction_source="adversarial"),
+    "random": dict(instruction_source="random"),
+    "no-prior": dict(tau_lang=0.0),
+    "instruction-only": dict(query="instruction-only"),
+}
+
+
+def plans(
+    *,
+    function: str,
+    arch: str,
+    budget: str,
+    seeds: int | None,
+    out_dir: Path,
+    device: str = "auto",
+    compile: str = "auto",
+) -> dict[str, experiment.Plan]:
+    """One validated plan per variant (ValueError on bad input, before any work)."""
+    return {
+        name: experiment.plan(
+            functions=[function],
+            arch=arch,
+            methods=[METHOD],
+            seeds=seeds,
+            budget=budget,
+            device=device,
+            out_dir=out_dir,
+            overrides=overrides,
+            compile=compile,
+        )
+        for name, overrides in VARIANTS.items()
+    }
+
+
+def evaluation_time(record: Path, repeats: int = 3) -> tuple[float, float]:
+    """(seconds to evaluate the cell's whole target test set, all members, best of `repeats`; seconds per sample
+    and member) for the trained model of a record."""
+    model, data, _ = experiment.load_adapted(record)
+    model.eval()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.evaluate(model, data.x_test, data.y_test)
+        best = min(best, time.perf_counter() - t0)
+    return best, best / data.x_test.shape[0] / data.x_test.shape[1]
+
+
+def table(records: dict[str, Path]) -> pd.DataFrame:
+    """One row per variant: the three metrics (mean ± std over seeds, diverged seeds as inf), evaluation time and
+    latency per sample, and the paired difference to the correct instruction on test MSE at the best-train epoch."""
+    from qlbench.report import num, run_cell  # the tables' number and cell formats
+
+    frame = results.load(list(records.values()))
+    variant_of = {str(path): name for name, path in records.items()}
+    frame["variant"] = frame["record"].map(variant_of)
+    column = stats.metric_column("test-at-best-train")
+    by_seed = lambda g, col: stats.scores(g, col).set_axis(g["seed"]).sort_index()  # (seeds,), paired by seed
+    reference = by_seed(frame[frame["variant"] == REFERENCE], column)
+    rows = []
+    for name, path in records.items():
+        g = frame[frame["variant"] == name]
+        if (g["status"] == "failed").all():  # a failed cell: a row that says so, never a missing one
+            rows.append({"variant": name, "trainable": "-", "diverged": "-", **{m: "failed" for m in stats.METRICS}})
+            continue
+        n_div = int((g["status"] == "diverged").sum())
+        row = {"variant": name, "trainable": f"{int(g['trainable_params'].iloc[0]):,}", "diverged": f"{n_div}/{len(g)}"}
+        for metric in stats.METRICS:  # mean ± std over the n seeds; "inf (k ok: ...)" when a seed diverged
+            (summary,) = stats.summarize(g, stats.metric_column(metric)).itertuples()
+            row[metric] = run_cell(summary)
+        seconds, latency = evaluation_time(path)
+        row["eval s"] = f"{seconds:.3f}"
+        row["µs / sample"] = f"{1e6 * latency:.2f}"
+        if name == REFERENCE:
+            row["diff vs correct [95% CI], p"] = "-"
+        else:
+            mine = by_seed(g, column)
+            test = stats.paired_test(mine.to_numpy(), reference.to_numpy())
+            row["diff vs correct [95% CI], p"] = (
+                f"{num(test['mean_diff'], 3)} [{num(test['ci_low'], 2)}, {num(test['ci_high'], 2)}], "
+                f"p = {test['p']:.2g}"
+            )
+        rows.append(row)
+    return pd.DataFrame(rows)
