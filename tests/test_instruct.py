@@ -154,3 +154,16 @@ def test_ablate_prints_a_row_per_variant_and_stores_every_cell(capsys, tmp_path,
     assert all("p = " in r for r in rows if "| correct" not in r)  # paired difference to the correct instruction
     frame = results.load(tmp_path)
     assert len(set(frame["config_hash"])) == len(variants) and set(frame["status"]) == {"ok"}
+
+
+def test_a_stack_of_functions_binds_each_members_own_instruction():
+    from qlbench import engine
+
+    members = [("matyas", 0), ("levy", 0), ("matyas", 1), ("dropwave", 0)]
+    pre = engine.pretrain("deep-narrow", members, engine.Phase(1, 1e-3), device="cpu", dtype=F64)
+    model, _ = engine.build_model(pre, METHOD.name, METHOD.make_config(), device="cpu", dtype=F64)
+    bound = model.shared["queryable"].instruction  # (4, 8)
+    P = instruct.projection(384, bound)
+    for row, (function, _) in zip(bound, members):
+        want = instructions.embed([zoo.card(function).instruction]).to(F64)[0] @ P.T
+        torch.testing.assert_close(row, want, rtol=0, atol=1e-6)
