@@ -4,13 +4,14 @@
 #   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run)
+#   make results-snapshot  the quick deep-narrow sweep (9 functions, every method) and its report in docs/results
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow lint format figures bench clean
+.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +50,10 @@ figures: setup-dev
 
 bench: setup
 	$(BIN)/qlbench bench
+
+results-snapshot: setup
+	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --out results
+	$(BIN)/qlbench report results --arch deep-narrow --budget quick --out docs/results
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .hypothesis

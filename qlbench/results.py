@@ -151,6 +151,12 @@ def _records(paths_or_root, on_damaged) -> list[tuple[Path, dict]]:
     return out
 
 
+def _cell(rec: dict) -> dict:
+    """The key columns of a record's cell: function, arch, method, budget."""
+    cfg, budget = rec["run_info"]["config"], rec["run_info"]["budget"]
+    return {"function": cfg["function"], "arch": cfg["arch"], "method": cfg["method"], "budget": budget}
+
+
 def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     """Tidy DataFrame, one row per (cell, seed): function, arch, method, budget, seed, cell_status, message,
     trainable_params, and the per-seed metrics. A failed cell (no per-seed results) gives one row per seed with
@@ -159,15 +165,11 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     rows = []
     for path, rec in _records(paths_or_root, on_damaged):
         run, train = rec["run_info"], rec["train_info"]
-        cfg = run["config"]
         per_seed = train["per_seed"] or [{"seed": s, "status": "failed"} for s in run["seeds"]]
         for s in per_seed:
             rows.append(
                 {
-                    "function": cfg["function"],
-                    "arch": cfg["arch"],
-                    "method": cfg["method"],
-                    "budget": run["budget"],
+                    **_cell(rec),
                     "seed": s["seed"],
                     "cell_status": train["status"],
                     "message": train["message"],
@@ -191,16 +193,12 @@ def load_curves(paths_or_root, on_damaged=None) -> pd.DataFrame:
     epoch, train_mse, test_mse (NaN after a divergence). Accepts what `load` accepts."""
     rows = []
     for _, rec in _records(paths_or_root, on_damaged):
-        run, train = rec["run_info"], rec["train_info"]
-        cfg = run["config"]
+        train = rec["train_info"]
         for s in train["per_seed"]:
             for epoch, tr, te in zip(train["eval_epochs"], s.get("train_curve", []), s.get("test_curve", [])):
                 rows.append(
                     {
-                        "function": cfg["function"],
-                        "arch": cfg["arch"],
-                        "method": cfg["method"],
-                        "budget": run["budget"],
+                        **_cell(rec),
                         "seed": s["seed"],
                         "status": s["status"],
                         "epoch": epoch,
