@@ -385,6 +385,51 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
     return rows
 
 
+def soap_row(arch: str, E: int, s: Settings, device) -> dict:
+    """`full-soap`'s optimizer step alone: the batched StackedSoap against pytorch_optimizer.SOAP stepped once per
+    member over aliases of the member's slices (what full-soap did before), on the backbone's parameters with
+    fixed random gradients, alternating; optimizer steps per second of the whole stack."""
+    from pytorch_optimizer import SOAP
+
+    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    model, batched = stacked_model(arch, "full-soap", E, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator(device=device).manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 1e-3
+    aliases = [[nn.Parameter(p.data[e]) for p in params] for e in range(E)]  # views: SOAP updates in place
+    per_member = [SOAP(a, lr=5e-4, weight_decay=0.01) for a in aliases]
+
+    def loop():  # as full-soap stepped before StackedSoap: each member's gradient slices, then its own SOAP
+        for e, (opt, members) in enumerate(zip(per_member, aliases)):
+            for alias, p in zip(members, params):
+                alias.grad = p.grad[e]
+            opt.step()
+
+    n = max(2, s.steps[arch] // 4)
+
+    def timed(step):
+        def run():
+            with engine.num_threads(threads):
+                for _ in range(n):
+                    step()
+
+        return run
+
+    for _ in range(2):  # past SOAP's initialising first step
+        batched.step()
+        loop()
+    r = alternate({"batched": (timed(batched.step), n), "per-member": (timed(loop), n)}, s.rounds, device)
+    return dict(
+        arch=arch,
+        members=E,
+        threads=threads or torch.get_num_threads(),
+        batched_ms=1e3 / statistics.median(r["batched"]),
+        per_member_ms=1e3 / statistics.median(r["per-member"]),
+        speedup=median_ratio(r["batched"], r["per-member"]),
+    )
+
+
 def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dict) -> list[tuple[str, Callable]]:
     """The measurements of a run, in order, as (label, fn) pairs; each fn adds its rows to `report`."""
     out = []
@@ -411,6 +456,11 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                         add("profile", lambda a=arch, m=m, E=E: profile_row(a, m, E, s, device)),
                     )
                 )
+        if "full-soap" in methods:
+            for E in s.members:
+                if arch == "transformer" and E > 5:
+                    continue  # 45 per-member SOAP states of a 6.3M-parameter model
+                out.append((f"{arch} SOAP E={E}", add("soap", lambda a=arch, E=E: soap_row(a, E, s, device))))
         if s.compile and arch == "deep-narrow":
             for m in pair:
                 out.append((f"{arch} compile {m}", add("compile", lambda a=arch, m=m: compile_row(a, m, 5, s, device))))
@@ -429,6 +479,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
         compile=[],
         inference=[],
         profile=[],
+        soap=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
     todo = tasks(archs, methods, s, device, report)
@@ -516,6 +567,24 @@ def markdown(report: dict) -> str:
         ]
         out += [
             "\n### Profile of one training step (torch.profiler; ops include nested calls)\n",
+            table(pd.DataFrame(rows)),
+        ]
+    if report.get("soap"):
+        rows = [
+            dict(
+                arch=r["arch"],
+                E=r["members"],
+                threads=r["threads"],
+                **{
+                    "batched StackedSoap ms/step": _f(r["batched_ms"], 1),
+                    "pytorch_optimizer.SOAP per member ms/step": _f(r["per_member_ms"], 1),
+                    "speed-up": f"x{r['speedup']:.1f}",
+                },
+            )
+            for r in report["soap"]
+        ]
+        out += [
+            "\n### full-soap's optimizer step: batched vs one SOAP per member (paired)\n",
             table(pd.DataFrame(rows)),
         ]
     if report["compile"]:

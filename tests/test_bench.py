@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qlbench import cli
+from qlbench import bench, cli
 
 
 def test_quick_bench_writes_consistent_report(tmp_path, capsys):
@@ -73,3 +73,11 @@ def test_markdown_renders_every_section(tmp_path):
     text = bench.markdown(report)
     for needle in ("(9 for inference)", "x7.1 the plain loop", "| x5.0", "+50%", "x1.33", "64,000", "2,100", "28%"):
         assert needle in text, needle
+
+
+def test_soap_row_times_both_optimizers_on_the_same_parameters():
+    import torch
+
+    row = bench.soap_row("deep-narrow", 2, bench.Settings.make(quick=True), torch.device("cpu"))
+    assert row["members"] == 2 and row["batched_ms"] > 0 and row["per_member_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["per_member_ms"] / row["batched_ms"], rel=1.0)  # paired median

@@ -1,0 +1,195 @@
+"""SOAP (Vyas et al. 2024, arXiv 2409.11321) for stacked parameters: one step updates every member at once.
+
+A stacked parameter has a leading member dimension E (qlbench/stacked.py); SOAP preconditions each member's weight
+matrix with the eigenbases of its own gradient statistics, so member e's Kronecker factors GG (E, d, d) and
+eigenbases Q (E, d, d) are held as batched tensors and every op (outer products, projections, `eigh`, `qr`) is
+batched over E. No op mixes members: `StackedSoap` on a stack equals `pytorch_optimizer.SOAP` run once per member
+(tests/test_soap.py, float64, over refreshes of the eigenbases).
+
+It follows pytorch_optimizer.SOAP's algorithm with the options qlbench uses (its defaults: no dimension merging, no
+preconditioning of 1-D parameters, bias correction, decoupled weight decay scaled by lr, eps = 1e-8):
+
+    first step       GG_i = (1 - beta_s) G_(i) G_(i)^T for every dimension i of the member tensor G;
+                     Q_i = eigenvectors of GG_i, eigenvalues descending; no parameter update
+    every step t>=1  G' = G x_i Q_i^T (projected),  m = lerp(m, G, 1 - beta1),  v = lerp(v, G'^2, 1 - beta2)
+                     p -= lr sqrt(1 - beta2^t) / (1 - beta1^t) * ((m x_i Q_i^T) / (sqrt(v) + eps)) x_i Q_i
+                     p *= 1 - lr weight_decay;  GG_i = lerp(GG_i, G_(i) G_(i)^T, 1 - beta_s)
+                     every `precondition_frequency` steps: Q_i = qr(GG_i Q_i sorted by its estimated eigenvalues)
+                     (one power iteration, QR in float32 as pytorch_optimizer does), v permuted to the new order
+
+Parameters with the same member shape (the deep-narrow MLP's 32 hidden weights, say) are processed as one batch of
+P x E matrices, so a step costs a few dozen batched ops whatever the depth. A member whose gradient turns non-finite
+stops updating from that step on (it is diverged; the others go on), as with one optimizer per member.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class StackedSoap:
+    """SOAP over stacked parameters (each of shape (E, *member_shape)); the interface the engine uses of an
+    optimizer: step(), zero_grad(), state_dict()."""
+
+    def __init__(
+        self,
+        params,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.95, 0.95),
+        weight_decay: float = 1e-2,
+        precondition_frequency: int = 10,
+        eps: float = 1e-8,
+        shampoo_beta: float | None = None,
+        max_precondition_dim: int = 10000,
+    ):
+        params = list(params)
+        if not params:
+            raise ValueError("StackedSoap needs at least one parameter")
+        self.members = params[0].shape[0]
+        if any(p.dim() < 2 or p.shape[0] != self.members for p in params):
+            raise ValueError(f"every parameter must be stacked as (E={self.members}, ...)")
+        self.lr, self.betas, self.weight_decay, self.eps = lr, tuple(betas), weight_decay, eps
+        self.frequency = precondition_frequency
+        self.shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
+        self.max_dim = max_precondition_dim
+        self.steps = 0  # pytorch_optimizer's group["step"]: the first call only initialises
+        groups: dict[tuple, list] = {}  # same member shape, dtype and device: one batch of P x E members
+        for p in params:
+            groups.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
+        self.groups = [{"params": ps, "state": {}} for ps in groups.values()]
+        self.live = torch.ones(self.members, dtype=torch.bool, device=params[0].device)  # (E,)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Batched pieces. X is (B, s_0, ..., s_{k-1}) with B = P x E; Q[i] is (B, s_i, s_i) or None (identity).
+
+    def _factor_dims(self, member_shape) -> list[bool]:
+        """Which member dimensions get a preconditioner (1-D members get none, like precondition_1d=False)."""
+        return [len(member_shape) > 1 and s <= self.max_dim for s in member_shape]
+
+    @staticmethod
+    def _outer(g: torch.Tensor, i: int) -> torch.Tensor:
+        """G_(i) G_(i)^T per member: g contracted with itself over every member dimension but i; (B, s_i, s_i)."""
+        gi = g.movedim(i + 1, 1).reshape(g.shape[0], g.shape[i + 1], -1)  # (B, s_i, rest)
+        return gi @ gi.transpose(1, 2)
+
+    @staticmethod
+    def _project(x: torch.Tensor, Q: list, backward: bool = False) -> torch.Tensor:
+        """x x_i Q_i^T (forward: into the eigenbases) or x x_i Q_i (backward), dimension by dimension; like
+        pytorch_optimizer's tensordot over the first dimension, which rotates the dimensions back into place."""
+        B = x.shape[0]
+        for q in Q:
+            x = x.movedim(1, -1)  # (B, s_1, ..., s_0): the contracted dimension last
+            if q is not None:
+                rest = x.shape[1:-1]
+                m = q.transpose(1, 2) if backward else q  # contract with Q's rows (forward) or columns (backward)
+                x = (x.reshape(B, -1, x.shape[-1]) @ m).reshape(B, *rest, m.shape[-1])
+        return x
+
+    @staticmethod
+    def _eigenbases(GG: list) -> list:
+        """Eigenvectors of each GG_i, eigenvalues descending (pytorch_optimizer: eigh of GG + 1e-30 I, flipped)."""
+        out = []
+        for m in GG:
+            if m is None:
+                out.append(None)
+                continue
+            eye = torch.eye(m.shape[-1], device=m.device, dtype=m.dtype)
+            _, q = torch.linalg.eigh(m + 1e-30 * eye)
+            out.append(torch.flip(q, dims=[-1]))
+        return out
+
+    @staticmethod
+    def _refresh(state: dict) -> None:
+        """One power iteration and QR per factor, columns sorted by estimated eigenvalue; v permuted alike."""
+        v = state["exp_avg_sq"]  # (B, *member_shape)
+        new = []
+        for i, (m, o) in enumerate(zip(state["GG"], state["Q"])):
+            if m is None:
+                new.append(None)
+                continue
+            product = m @ o  # (B, s, s)
+            estimate = (o * product).sum(dim=1)  # (B, s): o_j^T GG o_j per column j
+            order = torch.argsort(estimate, dim=-1, descending=True)  # (B, s)
+            shape = [v.shape[0]] + [1] * (v.dim() - 1)
+            shape[i + 1] = v.shape[i + 1]
+            v = torch.gather(v, i + 1, order.view(shape).expand_as(v))
+            power = torch.gather(product, 2, order.unsqueeze(1).expand_as(product))  # columns in that order
+            q, _ = torch.linalg.qr(power.to(torch.float32))
+            new.append(q.to(power.dtype))
+        state["exp_avg_sq"] = v
+        state["Q"] = new
+
+    def _precondition(self, state: dict, g: torch.Tensor, step: int) -> None:
+        for i, m in enumerate(state["GG"]):
+            if m is not None:
+                m.lerp_(self._outer(g, i).to(m.dtype), 1.0 - self.shampoo_beta)
+        if state["Q"] is None:
+            state["Q"] = self._eigenbases(state["GG"])
+        if step > 0 and step % self.frequency == 0:
+            self._refresh(state)
+
+    # ----------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One SOAP step of every live member. Every trainable parameter must have a gradient."""
+        for group in self.groups:
+            if any(p.grad is None for p in group["params"]):
+                raise ValueError("StackedSoap: a parameter has no gradient (full fine-tuning trains every weight)")
+        stacked = [torch.stack([p.grad for p in group["params"]]) for group in self.groups]  # (P, E, *member_shape)
+        for g in stacked:
+            self.live &= torch.isfinite(g).transpose(0, 1).flatten(1).all(dim=1)  # (E,)
+        zero = torch.zeros((), dtype=stacked[0].dtype, device=stacked[0].device)
+        batches = [torch.where(_expand(self.live, g, at=1), g, zero).flatten(0, 1) for g in stacked]  # (B, ...)
+        for group, g in zip(self.groups, batches):  # pytorch_optimizer's init_group
+            state = group["state"]
+            if not state:
+                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(g), torch.zeros_like(g)
+                state["GG"] = [
+                    torch.zeros(g.shape[0], s, s, device=g.device, dtype=g.dtype) if use else None
+                    for s, use in zip(g.shape[1:], self._factor_dims(g.shape[1:]))
+                ]
+                state["Q"] = None
+                self._precondition(state, g, self.steps)
+        self.steps += 1
+        if self.steps == 1:
+            return
+
+        beta1, beta2 = self.betas
+        step = self.steps - 1
+        step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        all_live = bool(self.live.all())
+        for group, g in zip(self.groups, batches):
+            state, params = group["state"], group["params"]
+            m, v, Q = state["exp_avg"], state["exp_avg_sq"], state["Q"]
+            m.lerp_(g, 1.0 - beta1)
+            v.lerp_(self._project(g, Q).square(), 1.0 - beta2)
+            update = self._project(self._project(m, Q) / (v.sqrt() + self.eps), Q, backward=True)  # (B, ...)
+            update = update.unflatten(0, (len(params), self.members))  # (P, E, *member_shape)
+            decay = 1.0 - self.lr * self.weight_decay
+            if not all_live:  # a diverged member neither moves nor decays
+                keep = _expand(self.live, update, at=1).to(update.dtype)
+                update = update * keep
+                decay = 1.0 - self.lr * self.weight_decay * keep[0]
+            torch._foreach_add_(params, list(update.unbind(0)), alpha=-step_size)
+            if self.weight_decay and all_live:
+                torch._foreach_mul_(params, decay)
+            elif self.weight_decay:
+                torch._foreach_mul_(params, [decay] * len(params))
+            self._precondition(state, g, step)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "live": self.live.tolist(), "state": [g["state"] for g in self.groups]}
+
+
+def _expand(mask: torch.Tensor, like: torch.Tensor, at: int = 0) -> torch.Tensor:
+    """(E,) -> shape broadcastable against `like` whose dimension `at` is the member dimension."""
+    return mask.view(*([1] * at), -1, *([1] * (like.dim() - at - 1)))

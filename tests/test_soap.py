@@ -1,0 +1,108 @@
+"""StackedSoap (one batched step for every member) against pytorch_optimizer.SOAP run once per member: float64, the
+parameter shapes of both backbones, 60 steps with six eigenbasis refreshes; members never mix; a member whose
+gradient turns non-finite stops, the others go on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pytorch_optimizer import SOAP
+
+from qlbench.soap import StackedSoap
+
+from helpers import F64, gens
+
+# member shapes of the two backbones' parameters: deep-narrow (input, hidden, head and biases), Transformer (token
+# and position vectors, q/k/v/o, FFN, LayerNorm)
+DEEP_NARROW = [(32, 2), (32,), (32, 32), (1, 32), (1,)]
+TRANSFORMER = [(2, 256), (256, 256), (256,)]  # the default suite's subset (seconds)
+TRANSFORMER_FULL = [(2, 256), (256, 256), (1024, 256), (256, 1024), (256,)]  # -m slow (minutes)
+LR, WD, FREQ = 3e-3, 1e-2, 10
+
+
+def gradient(p: torch.Tensor, target: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A quadratic pull towards `target` plus seeded noise with some structure (rank-deficient rows), so the
+    Kronecker factors change from step to step."""
+    noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    if p.dim() >= 3:
+        noise[:, ::3] *= 0.1
+    return (p - target) + 0.3 * noise
+
+
+def run_both(shapes, members: int, steps: int, nan_at: tuple[int, int] | None = None):
+    """(stacked params, per-member reference params) after `steps` steps from the same start and gradients."""
+    start = [torch.randn(members, *s, generator=gens("soap-p", s, members=1)[0], dtype=F64) for s in shapes]
+    targets = [torch.randn(members, *s, generator=gens("soap-t", s, members=1)[0], dtype=F64) for s in shapes]
+    stacked = [torch.nn.Parameter(x.clone()) for x in start]
+    opt = StackedSoap(stacked, lr=LR, weight_decay=WD, precondition_frequency=FREQ)
+    reference = [[torch.nn.Parameter(x[e].clone()) for x in start] for e in range(members)]
+    ref_opts = [SOAP(ps, lr=LR, weight_decay=WD, precondition_frequency=FREQ) for ps in reference]
+    dead = [False] * members
+    for t in range(steps):
+        noise = gens("soap-noise", t, members=1)[0]
+        grads = [gradient(p.detach(), tgt, noise) for p, tgt in zip(stacked, targets)]
+        if nan_at is not None and t >= nan_at[0]:
+            grads[0][nan_at[1]] = float("nan")
+        for p, grad in zip(stacked, grads):
+            p.grad = grad.clone()
+        opt.step()
+        for e in range(members):
+            member_grads = [grad[e] for grad in grads]
+            if dead[e] or not all(torch.isfinite(x).all() for x in member_grads):
+                dead[e] = True  # one optimizer per member: a diverged member is skipped from then on
+                continue
+            for p, grad in zip(reference[e], member_grads):
+                p.grad = grad.clone()
+            ref_opts[e].step()
+    return stacked, reference
+
+
+def max_relative_error(stacked, reference, members) -> float:
+    worst = 0.0
+    for i, p in enumerate(stacked):
+        want = torch.stack([reference[e][i].detach() for e in members])
+        got = p.detach()[list(members)]
+        worst = max(worst, ((got - want).norm() / want.norm()).item())
+    return worst
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        DEEP_NARROW,
+        TRANSFORMER,
+        pytest.param(TRANSFORMER_FULL, marks=pytest.mark.slow),
+    ],
+    ids=["deep-narrow", "transformer", "transformer-full"],
+)
+def test_one_batched_step_equals_soap_per_member(shapes):
+    members = 3 if shapes is DEEP_NARROW else 2
+    stacked, reference = run_both(shapes, members, steps=6 * FREQ)
+    assert max_relative_error(stacked, reference, range(members)) < 1e-6
+    moved = [(p.detach() - torch.stack([r[i] for r in reference]).detach()).abs().max() for i, p in enumerate(stacked)]
+    assert all(m < 1e-6 for m in moved)
+
+
+def test_members_never_mix_and_a_diverged_member_stops():
+    members = 3
+    stacked, reference = run_both(DEEP_NARROW, members, steps=3 * FREQ, nan_at=(15, 1))
+    assert max_relative_error(stacked, reference, [0, 2]) < 1e-6  # the others equal their own SOAP
+    frozen, _ = run_both(DEEP_NARROW, members, steps=15)  # member 1 as it was before its gradient turned NaN
+    for p, q in zip(stacked, frozen):
+        assert torch.equal(p.detach()[1], q.detach()[1])
+
+
+def test_the_parameters_change_and_the_first_step_only_initialises():
+    p = torch.nn.Parameter(torch.ones(2, 4, 3, dtype=F64))
+    opt = StackedSoap([p], lr=LR)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones_like(p))  # pytorch_optimizer's SOAP skips the update on step 1
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert (p.detach() < 1).all()
+
+
+def test_rejects_unstacked_parameters():
+    with pytest.raises(ValueError, match="stacked"):
+        StackedSoap([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 3))], lr=1e-3)
