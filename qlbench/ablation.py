@@ -63,14 +63,15 @@ def plans(
 
 def evaluation_time(record: Path, repeats: int = 3) -> tuple[float, float]:
     """(seconds to evaluate the cell's whole target test set, all members, best of `repeats`; seconds per sample
-    and member) for the trained model of a record."""
-    model, data, _ = experiment.load_adapted(record)
+    and member) for the trained model of a record, with the engine's thread setting for the stack."""
+    model, data, rec = experiment.load_adapted(record)
     model.eval()
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        engine.evaluate(model, data.x_test, data.y_test)
-        best = min(best, time.perf_counter() - t0)
+    with engine.num_threads(engine.auto_threads(rec["run_info"]["config"]["arch"], data.x_test.shape[0])):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.evaluate(model, data.x_test, data.y_test)
+            best = min(best, time.perf_counter() - t0)
     return best, best / data.x_test.shape[0] / data.x_test.shape[1]
 
 
