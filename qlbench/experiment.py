@@ -188,7 +188,10 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     path = Store.model_of(record)
     if not path.exists():
         raise FileNotFoundError(f"no saved weights for {method_name} at {path}")
-    saved = load_torch(path, map_location=dev)  # DamagedFile (a ValueError) names the file
+    try:
+        saved = load_torch(path, map_location=dev)
+    except DamagedFile as err:
+        raise ValueError(f"{err}; moved to {set_aside(path).name}: `qlbench run` recomputes the cell") from None
     if saved["config_hash"] != rec["run_info"]["config_hash"]:
         raise ValueError(f"{path} belongs to another run than {record}")
     params = dict(model.named_parameters())
@@ -208,7 +211,27 @@ def _finished(path: Path, config: dict, log) -> bool:
     except DamagedFile as err:
         log(f"{err}; moved to {set_aside(path).name}, the cell is recomputed")
         return False
-    return rec["run_info"]["config_hash"] == stable_hash(config) and rec["train_info"]["status"] != "failed"
+    if rec["run_info"]["config_hash"] != stable_hash(config) or rec["train_info"]["status"] == "failed":
+        return False
+    return _model_intact(path, rec, log)
+
+
+def _model_intact(record: Path, rec: dict, log) -> bool:
+    """Whether the trained weights saved with a finished record (adapter methods) are there and readable; a damaged
+    file is reported and set aside, and the cell counts as unfinished (recomputed)."""
+    train, method = rec["train_info"], adapters.get(rec["run_info"]["config"]["method"])
+    if not method.trains or train["trainable_params"] >= train["total_params"]:
+        return True  # no weights are saved for reference rows and full fine-tuning
+    path = Store.model_of(record)
+    if not path.exists():
+        log(f"{path} is missing; the cell is recomputed")
+        return False
+    try:
+        load_torch(path)
+    except DamagedFile as err:
+        log(f"{err}; moved to {set_aside(path).name}, the cell is recomputed")
+        return False
+    return True
 
 
 def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:

@@ -83,7 +83,24 @@ def test_a_damaged_model_file_is_one_line_in_verify(tmp_path, capsys):
     (record,) = records(tmp_path, "queryable")
     Store.model_of(record).write_bytes(b"")
     line = one_line_error(capsys, ["verify", "--results", str(tmp_path)])
-    assert "is damaged" in line and str(Store.model_of(record)) in line
+    assert "is damaged" in line and str(Store.model_of(record)) in line and "moved to" in line
+    assert Store.model_of(record).with_name(Store.model_of(record).name + ".damaged-1").exists()
+    # the next run sees the cell has no readable weights and recomputes it; verify then works
+    assert run(tmp_path, "--budget", "smoke", "--methods", "queryable") == 0
+    assert "is missing; the cell is recomputed" in capsys.readouterr().err
+    assert cli.main(["verify", "--results", str(tmp_path), "--out", str(tmp_path / "v.json")]) == 0
+
+
+def test_a_damaged_model_file_makes_run_recompute_the_cell(tmp_path, capsys):
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
+    (record,) = records(tmp_path)
+    model = Store.model_of(record)
+    model.write_bytes(model.read_bytes()[:50])
+    capsys.readouterr()
+    assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
+    err = capsys.readouterr().err
+    assert f"{model} is damaged" in err and "recomputed" in err and "Traceback" not in err
+    assert torch.load(model)["state"] and model.with_name(model.name + ".damaged-1").exists()
 
 
 def test_out_that_cannot_hold_results_fails_before_any_work(tmp_path, capsys):
