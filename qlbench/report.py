@@ -378,7 +378,8 @@ def _palette(methods) -> dict:
 
 def curves_figure(curves: pd.DataFrame, split: str = "test") -> Figure:
     """Learning curves of one (arch, budget) slice of `results.load_curves`: one panel per function, x = epoch,
-    y = {split} MSE on a log scale, mean ± std band over seeds per method (seaborn errorbar="sd"). A method with a
+    y = {split} MSE on a log scale, mean ± sample std band over seeds per method (`_sd_band`: where mean - std <= 0,
+    which a log axis cannot draw, the lower edge is the lowest seed's value instead). A method with a
     single evaluation (frozen, mean) is a dashed horizontal line. A diverged seed's curve stops at its divergence,
     so the band after it stands on fewer seeds: each panel title names the diverged seeds."""
     y = f"{split}_mse"
@@ -403,8 +404,18 @@ def curves_figure(curves: pd.DataFrame, split: str = "test") -> Figure:
     ]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), fontsize=9)
     arch, budget = curves["arch"].iloc[0], curves["budget"].iloc[0]
-    fig.suptitle(f"{split} MSE during adaptation, {arch}, budget {budget}\nmean ± std over seeds")
+    fig.suptitle(
+        f"{split} MSE during adaptation, {arch}, budget {budget}\n"
+        "mean ± std over seeds (lower edge: the lowest seed where mean - std <= 0)"
+    )
     return fig
+
+
+def _sd_band(values) -> tuple[float, float]:
+    """mean ± sample std of one epoch's seeds; the lower edge clipped to the lowest seed when it is not positive."""
+    v = np.asarray(values, dtype=float)
+    mean, std = v.mean(), (v.std(ddof=1) if len(v) > 1 else 0.0)
+    return (mean - std if mean - std > 0 else v.min()), mean + std
 
 
 def _curve_panel(ax, c: pd.DataFrame, y: str, palette: dict) -> None:
@@ -418,7 +429,7 @@ def _curve_panel(ax, c: pd.DataFrame, y: str, palette: dict) -> None:
             y=y,
             hue="method",
             palette=palette,
-            errorbar="sd",
+            errorbar=_sd_band,
             ax=ax,
             legend=False,
             linewidth=1.2,
