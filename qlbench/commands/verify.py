@@ -1,4 +1,4 @@
-"""`qlbench verify`: the paper's norm and Lipschitz bounds on a trained queryable cell (table + JSON report).
+"""`qlbench verify`: the paper's norm and Lipschitz bounds on a trained queryable or instruct-queryable cell.
 
 Exit 0 when every statement holds, 1 when one is violated (named on stderr), 2 on bad input.
 """
