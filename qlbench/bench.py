@@ -204,10 +204,59 @@ def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
         members=E,
         threads=threads or torch.get_num_threads(),
         stacked=stacked,
+        eval_s=evaluation_seconds(model, E, threads, s.rounds, device),
         naive=statistics.median(r["naive"]),
         speedup=median_ratio(r["stacked"], r["naive"]),
         step_gflop=flops / 1e9,
         gflops=flops / 1e9 * stacked / E,
+    )
+
+
+def evaluation_seconds(model, E: int, threads, rounds: int, device) -> float:
+    """Median seconds of one evaluation as the engine runs it every `eval_every` epochs: train and test MSE of all
+    E members on the target's 400 + 800 samples (zoo.TARGET_TRAIN of zoo.TARGET_SIZE)."""
+    from qlbench import zoo
+
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(rounds):
+        x = torch.rand(E, zoo.TARGET_SIZE, 2, generator=g).to(device)
+        y = torch.rand(E, x.shape[1], generator=g).to(device)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad(), engine.num_threads(threads):
+            engine.evaluate(model, x[:, : zoo.TARGET_TRAIN], y[:, : zoo.TARGET_TRAIN])
+            engine.evaluate(model, x[:, zoo.TARGET_TRAIN :], y[:, zoo.TARGET_TRAIN :])
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def paper_estimate(report: dict, arch: str = "deep-narrow") -> dict | None:
+    """Wall time of the full paper table of `arch` (nine functions x five seeds = 45 members per method) predicted
+    from the measured rates at the largest E of the run: per method, the adaptation steps (5,000 epochs of the
+    400-sample target at batch 64 per member) at the stacked rate plus its evaluations (every 10 epochs and at 0) at
+    the measured evaluation time, scaled linearly from E to 45 members. Pretraining is not included (it is cached
+    and shared by the methods). None when the run has no throughput row of `arch`."""
+    from qlbench import zoo
+
+    rows = [r for r in report["throughput"] if r["arch"] == arch]
+    if not rows:
+        return None
+    E = max(r["members"] for r in rows)
+    budget = engine.BUDGETS[arch]["paper"]
+    members = 9 * budget.seeds
+    steps = engine.steps(budget.adapt, zoo.TARGET_TRAIN)  # per member
+    evaluations = budget.adapt.epochs // budget.eval_every + 1
+    methods = {}
+    for r in rows:
+        if r["members"] != E:
+            continue
+        train = members * steps / r["stacked"]  # model-steps / (model-steps/s)
+        evaluation = evaluations * r["eval_s"] * members / E
+        methods[r["method"]] = dict(train_s=train, eval_s=evaluation, total_s=train + evaluation)
+    return dict(
+        arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
     )
 
 
@@ -491,6 +540,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
     report["peak_gflops"] = max(report["peak_gflops_start"], report["peak_gflops_end"])
     for row in report["throughput"]:
         row["peak_share"] = row["gflops"] / report["peak_gflops"]
+    report["paper_estimate"] = paper_estimate(report)
     return report
 
 
@@ -535,6 +585,25 @@ def markdown(report: dict) -> str:
         for r in report["throughput"]
     ]
     out += ["\n### Adaptation throughput: stacked engine vs naive per-seed loop\n", table(pd.DataFrame(rows))]
+    if report.get("paper_estimate"):
+        est = report["paper_estimate"]
+        rows = [
+            dict(
+                method=m,
+                **{
+                    "adaptation h": f"{v['train_s'] / 3600:.2f}",
+                    "evaluation h": f"{v['eval_s'] / 3600:.2f}",
+                    "total h": f"{v['total_s'] / 3600:.2f}",
+                },
+            )
+            for m, v in est["methods"].items()
+        ]
+        out += [
+            f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
+            f"from the rates at E = {est['measured_at']}, linear in members; pretraining not included): "
+            f"{est['total_s'] / 3600:.2f} h for the methods measured\n",
+            table(pd.DataFrame(rows)),
+        ]
     if report["overhead"]:
         rows = [
             dict(

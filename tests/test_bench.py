@@ -35,6 +35,10 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert profile["queryable"]["aten_ops"] > profile["lora"]["aten_ops"] > 32  # at least one op per hidden layer
     for r in profile.values():
         assert 0 < r["matmul_share"] < 1 and 0 < r["gelu_share"] < 1
+    assert all(r["eval_s"] > 0 for r in rows.values())
+    est = report["paper_estimate"]
+    assert set(est["methods"]) == {"lora", "queryable"} and est["measured_at"] == 5
+    assert "Estimate: the full deep-narrow paper table" in (tmp_path / "bench.md").read_text()
 
 
 @pytest.mark.parametrize("argv, word", [(["--archs", "cnn"], "cnn"), (["--methods", "lora,bogus"], "bogus")])
@@ -81,3 +85,17 @@ def test_soap_row_times_both_optimizers_on_the_same_parameters():
     row = bench.soap_row("deep-narrow", 2, bench.Settings.make(quick=True), torch.device("cpu"))
     assert row["members"] == 2 and row["batched_ms"] > 0 and row["per_member_ms"] > 0
     assert row["speedup"] == pytest.approx(row["per_member_ms"] / row["batched_ms"], rel=1.0)  # paired median
+
+
+def test_paper_estimate_by_hand():
+    rows = [
+        dict(arch="deep-narrow", method="lora", members=45, stacked=1000.0, eval_s=0.5),
+        dict(arch="deep-narrow", method="lora", members=5, stacked=400.0, eval_s=0.1),  # not the largest E: unused
+        dict(arch="transformer", method="lora", members=45, stacked=10.0, eval_s=9.0),  # another arch: unused
+    ]
+    est = bench.paper_estimate({"throughput": rows})
+    lora = est["methods"]["lora"]
+    # 45 members x 5,000 epochs x ceil(400 / 64) = 7 steps, at 1,000 model-steps/s; 501 evaluations of 0.5 s at E = 45
+    assert lora["train_s"] == pytest.approx(45 * 35_000 / 1000) and lora["eval_s"] == pytest.approx(501 * 0.5)
+    assert est["total_s"] == pytest.approx(1575 + 250.5) and est["measured_at"] == 45
+    assert bench.paper_estimate({"throughput": rows[2:]}) is None
