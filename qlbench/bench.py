@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from qlbench import adapters, engine, results
+from qlbench import adapters, engine, results, zoo
 from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
 
@@ -48,6 +48,9 @@ def stacked_model(arch: str, method_name: str, members: int, device) -> tuple[nn
     model = method.build(
         build_backbone(arch, keys, device=device), config, [generator("init", "bench", method_name, k) for k in keys], y
     )
+    # what depends on the members beyond their data (instruct-queryable's e(c)): a real function's, member by member
+    functions = [zoo.names()[e % len(zoo.names())] for e in range(members)]
+    method.bind(model, [(f, e) for f, (_, e) in zip(functions, keys)], config)
     opt = method.optimizer(model, config, 5e-4, 0.01) if method.trains else None
     return model, opt
 
@@ -215,7 +218,6 @@ def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
 def evaluation_seconds(model, E: int, threads, rounds: int, device) -> float:
     """Median seconds of one evaluation as the engine runs it every `eval_every` epochs: train and test MSE of all
     E members on the target's 400 + 800 samples (zoo.TARGET_TRAIN of zoo.TARGET_SIZE)."""
-    from qlbench import zoo
 
     g = torch.Generator().manual_seed(1)
     times = []
@@ -238,7 +240,6 @@ def paper_estimate(report: dict, arch: str = "deep-narrow") -> dict | None:
     400-sample target at batch 64 per member) at the stacked rate plus its evaluations (every 10 epochs and at 0) at
     the measured evaluation time, scaled linearly from E to 45 members. Pretraining is not included (it is cached
     and shared by the methods). None when the run has no throughput row of `arch`."""
-    from qlbench import zoo
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
     if not rows:

@@ -13,7 +13,16 @@ from qlbench import bench, cli
 def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert (
         cli.main(
-            ["bench", "--quick", "--archs", "deep-narrow", "--methods", "lora,queryable,mean", "--out", str(tmp_path)]
+            [
+                "bench",
+                "--quick",
+                "--archs",
+                "deep-narrow",
+                "--methods",
+                "lora,queryable,instruct-queryable,mean",
+                "--out",
+                str(tmp_path),
+            ]
         )
         == 0
     )
@@ -21,7 +30,7 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert (tmp_path / "bench.md").read_text() in capsys.readouterr().out
     assert report["peak_gflops"] > 0
     rows = {(r["method"], r["members"]): r for r in report["throughput"]}
-    assert set(rows) == {("lora", 5), ("queryable", 5)}  # `mean` does not train
+    assert set(rows) == {("lora", 5), ("queryable", 5), ("instruct-queryable", 5)}  # `mean` does not train
     for r in rows.values():
         assert r["stacked"] > 0 and r["naive"] > 0 and r["step_gflop"] > 0
         assert r["gflops"] == pytest.approx(r["step_gflop"] * r["stacked"] / 5)
@@ -37,7 +46,7 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
         assert 0 < r["matmul_share"] < 1 and 0 < r["gelu_share"] < 1
     assert all(r["eval_s"] > 0 for r in rows.values())
     est = report["paper_estimate"]
-    assert set(est["methods"]) == {"lora", "queryable"} and est["measured_at"] == 5
+    assert set(est["methods"]) == {"lora", "queryable", "instruct-queryable"} and est["measured_at"] == 5
     assert "Estimate: the full deep-narrow paper table" in (tmp_path / "bench.md").read_text()
 
 
