@@ -457,19 +457,15 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
             opt.step()
 
     n = max(2, s.steps[arch] // 4)
-
-    def timed(step):
-        def run():
-            with engine.num_threads(threads):
-                for _ in range(n):
-                    step()
-
-        return run
-
     for _ in range(2):  # past SOAP's initialising first step
         batched.step()
         loop()
-    r = alternate({"batched": (timed(batched.step), n), "per-member": (timed(loop), n)}, s.rounds, device)
+    no_data = [()]  # the optimizer steps take no batch
+    r = alternate(
+        {"batched": (chunk(batched.step, no_data, n, threads), n), "per-member": (chunk(loop, no_data, n, threads), n)},
+        s.rounds,
+        device,
+    )
     return dict(
         arch=arch,
         members=E,

@@ -257,7 +257,8 @@ def newest_config(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     keys = ["arch", "budget", "function", "method"]
     if frame.empty:
         return frame, []
-    stamps = frame.assign(mtime=[Path(r).stat().st_mtime_ns for r in frame["record"]])
+    mtimes = {r: Path(r).stat().st_mtime_ns for r in set(frame["record"])}  # one stat per record, not per seed
+    stamps = frame.assign(mtime=frame["record"].map(mtimes))
     newest = stamps.sort_values("mtime").groupby(keys)["record"].last().rename("newest")
     merged = stamps.join(newest, on=keys)
     older = merged[merged["record"] != merged["newest"]]
