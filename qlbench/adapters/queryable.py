@@ -200,14 +200,16 @@ class QueryableLinear(nn.Module):
 
     def routed_update(self, x: torch.Tensor, s: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
         """W0 x + b0 + scale B t with t = s + g S s, for s = A x and the block's S (E, N, r, r)."""
-        if s.dim() == 3:  # (E, N, r): one rank state per sample
-            # element-wise: as a batched matmul of r x r by r x 1, S s and its outer-product gradient were the
-            # slowest kernels of the step on CPU
-            d = (S * s.unsqueeze(-2)).sum(-1)  # (E, N, r)
-        else:  # (E, N, T, r): every token of a sequence uses the sequence's S_b
-            d = s @ S.transpose(-1, -2)  # (E, N, T, r)
         g = torch.sigmoid(self.queryable_eta).view(-1, *([1] * (s.dim() - 1)))  # (E, 1, ...)
-        t = s + g * d
+        if s.dim() == 3:  # (E, N, r): one rank state per sample
+            # element-wise in a samples-last layout: route() stores S as (E, r, r, N) in memory, so the product and
+            # its gradients run over N-long contiguous rows (about 5x faster on CPU than r-long rows, and faster
+            # than a batched matmul of N r x r by r x 1 blocks)
+            s_t = s.transpose(1, 2).contiguous()  # (E, r, N)
+            t = s_t + g * (S.permute(0, 2, 3, 1) * s_t.unsqueeze(1)).sum(2)  # (E, r, N): s + g S s
+            t = t.transpose(1, 2)  # (E, N, r) view
+        else:  # (E, N, T, r): every token of a sequence uses the sequence's S_b
+            t = s + g * (s @ S.transpose(-1, -2))  # (E, N, T, r)
         return low_rank_update(self.base(x), t, self.queryable_B, self.scale)
 
 

@@ -110,5 +110,7 @@ def route(
         rho = scaled_similarity(instruction.unsqueeze(1) @ R_ctx.transpose(1, 2), keys, t_lang, eps)  # (E, 1, M)
         logits = zeta + tau_lang * rho.log_softmax(dim=-1)
     alpha = topk_softmax(logits, top_k)  # (E, N, M)
-    S = (alpha @ atoms.flatten(2)).view(E, N, r, r)  # (E, N, r, r)
+    # S (E, N, r, r) as a view of samples-last storage (E, r, r, N): the layers' per-sample products S s then run
+    # over N-long contiguous rows instead of r-long ones (QueryableLinear.routed_update)
+    S = torch.bmm(atoms.flatten(2).transpose(1, 2), alpha.transpose(1, 2)).view(E, r, r, N).permute(0, 3, 1, 2)
     return Route(q0, u, beta, q, zeta, rho, logits, alpha, S)
