@@ -120,9 +120,7 @@ def resources(p: experiment.Plan, threads: int | None, cluster: Cluster) -> tupl
         return {"num_gpus": 1, "num_cpus": n}, n
     n = threads or cluster.cpus
     if not 1 <= n <= cluster.cpus:
-        raise ValueError(
-            f"threads {n} exceeds the CPUs of the largest Ray node ({cluster.cpus}); valid: 1..{cluster.cpus}"
-        )
+        raise ValueError(f"threads {n} exceed the largest Ray node's {cluster.cpus} CPU(s); valid: 1..{cluster.cpus}")
     return {"num_gpus": 0, "num_cpus": n}, n
 
 
