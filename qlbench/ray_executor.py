@@ -175,59 +175,64 @@ def _pretrain(ray, p, functions, request, threads, retries, reporter, progress, 
     total = engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) if needed else 0
     task = ray.remote(_pretrain_task).options(**request, max_retries=retries, name=f"qlbench pretrain {p.arch}")
     t0 = time.perf_counter()
-    ref = task.remote(p, members, threads, reporter, "pretrain")
-    with tqdm(total=total, desc=f"pretrain {p.arch} x{len(members)}", unit="step", disable=not progress) as bar:
-        try:
-            for message in _wait(ray, {ref: "pretrain"}, {"pretrain": total}, reporter, bar)[ref]:
-                log(message)
-            return True
-        except ray.exceptions.RayError as err:
-            message = f"pretraining failed: {_describe(err)}"
-            log(f"{p.arch}: {message}")
-            todo = experiment.pending(p, lambda _: None)
-            for m, fs in todo.items():
-                experiment.write_failed(p, m, fs, message, time.perf_counter() - t0)
-            return False
+    outcome = {}
+    keep = lambda key, result: outcome.update(result=result)
+    desc = f"pretrain {p.arch} x{len(members)}"
+    with tqdm(total=total, desc=desc, unit="step", disable=not progress, leave=False) as bar:
+        ref = task.remote(p, members, threads, reporter, "pretrain")
+        _wait(ray, {ref: "pretrain"}, {"pretrain": total}, reporter, bar, keep)
+    if isinstance(outcome["result"], ray.exceptions.RayError):
+        message = f"pretraining failed: {_describe(outcome['result'])}"
+        log(f"{p.arch}: {message}")
+        for m, fs in experiment.pending(p, lambda _: None).items():
+            experiment.write_failed(p, m, fs, message, time.perf_counter() - t0)
+        return False
+    for message in outcome["result"]:
+        log(message)
+    return True
 
 
 def _adapt(ray, p, work, plans, retries, reporter, progress, log) -> None:
-    """One task per unit, collected as they finish."""
+    """One task per unit; each outcome is handled as its task ends."""
     steps = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN)
     totals = {i: steps if adapters.get(u.method).trains else 0 for i, u in enumerate(work)}
     task = ray.remote(_adapt_task)
-    refs, started = {}, {}
-    for i, (unit, (request, threads)) in enumerate(zip(work, plans)):
-        options = dict(**request, max_retries=retries, name=f"qlbench adapt {unit}")
-        refs[task.options(**options).remote(p, unit, threads, reporter, i)] = i
-        started[i] = time.perf_counter()
+    started = {}
+
+    def done(i: int, outcome) -> None:
+        unit = work[i]
+        if isinstance(outcome, ray.exceptions.RayError):
+            message = _describe(outcome)
+            log(f"{unit}: failed: {message}")
+            experiment.write_failed(p, unit.method, list(unit.functions), message, time.perf_counter() - started[i])
+            return
+        host, messages = outcome
+        for message in messages:
+            log(message)
+        if missing := [f for f in unit.functions if not p.record_path(f, unit.method).exists()]:
+            message = (
+                f"records not found: the task ran on {host} but its records are not in {p.store.root} as this "
+                "machine sees it; the results folder must be on a file system every node shares"
+            )
+            log(f"{unit}: failed: {message}")
+            experiment.write_failed(p, unit.method, missing, message, 0.0)
+
     desc = f"adapt {len(work)} task(s) x{len(p.seeds)} seeds"
     with tqdm(total=sum(totals.values()), desc=desc, unit="step", disable=not progress) as bar:
-        for ref, outcome in _wait(ray, refs, totals, reporter, bar, catch=True).items():
-            unit = work[refs[ref]]
-            if isinstance(outcome, ray.exceptions.RayError):
-                message = _describe(outcome)
-                log(f"{unit}: failed: {message}")
-                experiment.write_failed(
-                    p, unit.method, list(unit.functions), message, time.perf_counter() - started[refs[ref]]
-                )
-                continue
-            host, messages = outcome
-            for message in messages:
-                log(message)
-            if missing := [f for f in unit.functions if not p.record_path(f, unit.method).exists()]:
-                message = (
-                    f"RuntimeError: the task ran on {host} but its records are not in {p.store.root} as this machine "
-                    "sees it: the results folder must be on a file system every node shares"
-                )
-                log(f"{unit}: failed: {message}")
-                experiment.write_failed(p, unit.method, missing, message, 0.0)
+        refs = {}
+        for i, (unit, (request, threads)) in enumerate(zip(work, plans)):
+            options = dict(**request, max_retries=retries, name=f"qlbench adapt {unit}")
+            refs[task.options(**options).remote(p, unit, threads, reporter, i)] = i
+            started[i] = time.perf_counter()
+        _wait(ray, refs, totals, reporter, bar, done)
 
 
-def _wait(ray, refs: dict, totals: dict, reporter, bar, *, catch: bool = False) -> dict:
-    """Wait for every task, moving the bar as tasks report steps (to the unit's total when it ends); the result of
-    each ref, or (catch) its RayError. Ctrl-C cancels the tasks still running, then propagates."""
+def _wait(ray, refs: dict, totals: dict, reporter, bar, done) -> None:
+    """Wait for every task (ref -> key), moving the bar as tasks report steps (to the key's total when its task
+    ends), and call done(key, result or the task's RayError) as each ends. Ctrl-C cancels the tasks still running,
+    then propagates."""
     done_steps = dict.fromkeys(totals, 0)
-    out, left = {}, list(refs)
+    left = list(refs)
 
     def advance(key, n):
         n = min(n, totals[key] - done_steps[key])
@@ -242,17 +247,15 @@ def _wait(ray, refs: dict, totals: dict, reporter, bar, *, catch: bool = False) 
                     advance(key, n)
             for ref in ready:
                 try:
-                    out[ref] = ray.get(ref)
+                    result = ray.get(ref)
                 except ray.exceptions.RayError as err:
-                    if not catch:
-                        raise
-                    out[ref] = err
+                    result = err
                 advance(refs[ref], totals[refs[ref]])
+                done(refs[ref], result)
     except KeyboardInterrupt:
         for ref in left:
             ray.cancel(ref, force=True)
         raise
-    return out
 
 
 def _first_line(err: BaseException) -> str:
