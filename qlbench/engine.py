@@ -67,11 +67,13 @@ def budget(name: str, arch: str) -> Budget:
     return BUDGETS[arch][name]
 
 
-def resolve_device(device: str) -> torch.device:
-    """'auto' -> CUDA when present, else CPU; 'cpu' and 'cuda[:i]' as given."""
+def resolve_device(device: str, cuda: bool | None = None) -> torch.device:
+    """'auto' -> CUDA when present, else CPU; 'cpu' and 'cuda[:i]' as given. `cuda`: whether the machines that
+    train have CUDA (None: this one; the Ray executor passes whether its cluster has GPUs)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+        return torch.device("cuda" if cuda else "cpu")
+    if device.startswith("cuda") and not cuda:
         raise ValueError(f"device {device!r} requested but CUDA is not available; valid: auto, cpu")
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda")

@@ -80,8 +80,10 @@ def plan(
     compile: str = "auto",
     threads: int | None = None,
     force: bool = False,
+    cuda: bool | None = None,
 ) -> Plan:
-    """Validate every choice (ValueError with the valid options on bad input) and resolve defaults."""
+    """Validate every choice (ValueError with the valid options on bad input) and resolve defaults. `cuda`: whether
+    the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     if not functions:
@@ -118,7 +120,7 @@ def plan(
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
     if threads is not None and not (isinstance(threads, int) and threads >= 1):
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
-    dev = engine.resolve_device(device)
+    dev = engine.resolve_device(device, cuda)
     use_compile = compile == "on" or (compile == "auto" and dev.type == "cuda")
     return Plan(
         list(dict.fromkeys(functions)),
@@ -234,10 +236,9 @@ def _model_intact(record: Path, rec: dict, log) -> bool:
     return True
 
 
-def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
-    """Run every unfinished cell of the plan (every cell with `p.force`); returns the record paths of all cells
-    (finished before or now)."""
-    dtype = DTYPES[p.dtype]
+def pending(p: Plan, log) -> dict[str, list[str]]:
+    """method -> the functions whose cell has no finished record of the plan's config (every function with
+    `p.force`); logs how many cells are skipped. Every executor starts here."""
     todo = {
         m: [f for f in p.functions if p.force or not _finished(p.record_path(f, m), p.cell_config(f, m), log)]
         for m in p.methods
@@ -245,11 +246,28 @@ def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
     skipped = sum(len(p.functions) - len(fs) for fs in todo.values())
     if skipped:
         log(f"{skipped} cell(s) already have a finished record of the same config: skipped (--force re-runs them)")
-    functions = [f for f in p.functions if any(f in fs for fs in todo.values())]
-    threads = p.threads or engine.auto_threads(p.arch, len(functions) * len(p.seeds))
-    with engine.num_threads(threads):
-        _run(p, todo, functions, dtype, progress, log)
+    return todo
+
+
+def threads(p: Plan, members: int) -> int | None:
+    """Intra-op threads for a stack of `members`: the plan's, else `engine.auto_threads`."""
+    return p.threads or engine.auto_threads(p.arch, members)
+
+
+def record_paths(p: Plan) -> list[Path]:
+    """The record path of every cell of the plan, method by method."""
     return [p.record_path(f, m) for m in p.methods for f in p.functions]
+
+
+def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
+    """Run every unfinished cell of the plan (every cell with `p.force`) in this process; returns the record paths
+    of all cells (finished before or now). `qlbench.ray_executor.run` does the same on Ray."""
+    dtype = DTYPES[p.dtype]
+    todo = pending(p, log)
+    functions = [f for f in p.functions if any(f in fs for fs in todo.values())]
+    with engine.num_threads(threads(p, len(functions) * len(p.seeds))):
+        _run(p, todo, functions, dtype, progress, log)
+    return record_paths(p)
 
 
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
@@ -284,10 +302,28 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
                     continue
                 bar.set_description(f"adapt {m} x{len(todo[m]) * len(p.seeds)}")
                 sub = pre.select([(f, s) for f in todo[m] for s in p.seeds])
-                _run_method(p, m, sub, dtype, bar.update if adapters.get(m).trains else None, log)
+                run_method(p, m, sub, dtype, bar.update if adapters.get(m).trains else None, log)
 
 
-def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:
+def write_failed(p: Plan, method: str, functions: list[str], message: str, wall_time_s: float) -> None:
+    """A `failed` record (no measurement, the message) for each of the method's cells on `functions`: the table
+    shows it as a row, the command reports it and exits 1, and the next run retries it (`_finished`)."""
+    for f in functions:
+        rec = results.make_record(
+            config=p.cell_config(f, method),
+            seeds=p.seeds,
+            device=p.device,
+            compile=p.compile,
+            status="failed",
+            message=message,
+            wall_time_s=wall_time_s,
+        )
+        write_json(rec, p.record_path(f, method))
+
+
+def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:
+    """Adapt `method` on the stack `pre` (its members: functions x the plan's seeds) and commit one record per
+    function, its adapter weights first; a failure is recorded as failed cells. Both executors call this."""
     functions = list(dict.fromkeys(f for f, _ in pre.members))
     t0 = time.perf_counter()
     try:
@@ -296,17 +332,7 @@ def _run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, l
         )
     except Exception as err:  # record the failure and go on with the other methods
         log(f"{method}: failed: {type(err).__name__}: {err}")
-        for f in functions:
-            rec = results.make_record(
-                config=p.cell_config(f, method),
-                seeds=p.seeds,
-                device=p.device,
-                compile=p.compile,
-                status="failed",
-                message=f"{type(err).__name__}: {err}",
-                wall_time_s=time.perf_counter() - t0,
-            )
-            write_json(rec, p.record_path(f, method))
+        write_failed(p, method, functions, f"{type(err).__name__}: {err}", time.perf_counter() - t0)
         return
     c = res.curves
     for f in functions:

@@ -50,7 +50,8 @@ def meta_info(device: torch.device) -> dict:
         "numpy": np.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        # None where this process has no CUDA (a Ray driver recording a failed GPU task)
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else None,
         "threads": torch.get_num_threads(),
     }
 

@@ -32,6 +32,13 @@ from helpers import one_line_error
         (["run", "--function", "dropwave", "--threads", "0"], ["threads", ">= 1"]),
         (["run", "--function", "dropwave", "--compile", "maybe"], ["'maybe'", "auto", "on", "off"]),
         (["frobnicate"], ["frobnicate", "run"]),
+        (["sweep", "--executor", "foo"], ["--executor", "'foo'", "'local'", "'ray'"]),
+        (["sweep", "--ray-address", "auto"], ["--ray-address only applies to --executor ray", "local, ray"]),
+        (["sweep", "--group-size", "2"], ["--group-size only applies to --executor ray", "local, ray"]),
+        (["sweep", "--executor", "local", "--ray-retries", "0"], ["--ray-retries only applies", "local, ray"]),
+        (["sweep", "--executor", "ray", "--group-size", "0"], ["--group-size must be >= 1"]),
+        (["sweep", "--executor", "ray", "--ray-retries", "-1"], ["--ray-retries must be >= 0"]),
+        (["run", "--function", "dropwave", "--executor", "ray"], ["unrecognized arguments: --executor ray"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, expect):
@@ -193,3 +200,13 @@ def test_a_failed_cell_is_one_line_per_cell_and_exit_1(capsys, tmp_path, monkeyp
     ]
     rows = [line for line in out.splitlines() if line.startswith("| ") and "lora" in line]
     assert len(rows) == 2 and all("failed" in row for row in rows)  # a failed cell stays a row of the table
+
+
+def test_executor_ray_without_ray_is_one_line_before_any_work(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as on a machine without Ray
+    line = one_line_error(capsys, ["sweep", "--functions", "matyas", "--executor", "ray", "--out", str(tmp_path)])
+    assert line == (
+        "qlbench sweep: error: --executor ray needs Ray, which is not installed: pip install 'qlbench[ray]'; "
+        "valid executors: local, ray"
+    )
+    assert not any(tmp_path.iterdir())

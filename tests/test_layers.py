@@ -1,5 +1,6 @@
-"""Imports go one way: no cycle among qlbench's modules (function-local imports included), and library modules never
-import the command-line layer (qlbench.cli, qlbench.commands)."""
+"""Imports go one way: no cycle among qlbench's modules (function-local imports included), library modules never
+import the command-line layer (qlbench.cli, qlbench.commands), and only qlbench.ray_executor imports Ray, inside its
+functions (Ray is an optional extra: `import qlbench` and the local executor never need it)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,28 @@ def test_library_modules_do_not_import_the_command_line_layer():
         m: sorted(deps & cli_layer) for m, deps in import_graph().items() if m not in cli_layer and deps & cli_layer
     }
     assert not offenders
+
+
+def ray_imports() -> dict[str, set[str]]:
+    """qlbench module -> where it imports ray: 'top' (module level, including under if/try) or 'function'."""
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        functions = (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef))
+        inside = {id(node) for f in functions for node in ast.walk(f)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                found.setdefault(module_name(path), set()).add("function" if id(node) in inside else "top")
+    return found
+
+
+def test_only_the_ray_executor_imports_ray_and_only_inside_functions():
+    found = ray_imports()
+    assert found == {"qlbench.ray_executor": {"function"}}, found
+    assert "qlbench.ray_executor" in import_graph()["qlbench.commands.run"]  # the layer above it

@@ -1,9 +1,11 @@
-"""`qlbench run` (one function) and `qlbench sweep` (several, stacked functions x seeds): plan, train, print the
-method table, exit 0 when every cell trained (diverged seeds included), 1 when a cell failed."""
+"""`qlbench run` (one function) and `qlbench sweep` (several, stacked functions x seeds; in this process or, with
+`--executor ray`, as Ray tasks): plan, train, print the method table, exit 0 when every cell trained (diverged seeds
+included), 1 when a cell failed."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -44,7 +46,61 @@ def register(subparsers) -> None:
         help=f"comma-separated, or all (default): {', '.join(zoo.names())}",
     )
     add_experiment_options(p)
+    p.add_argument(
+        "--executor",
+        default="local",
+        choices=EXECUTORS,
+        help="local: this process (default); ray: one Ray task per method stack, on a local Ray runtime or the "
+        f"cluster at --ray-address (needs {INSTALL_RAY})",
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="attach to this Ray cluster (host:port, or auto for the one `ray start` runs here) instead of starting "
+        "a local runtime; --executor ray only",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        metavar="N",
+        help="functions per Ray task (default: all of a method's, the local executor's stack); smaller stacks fit one "
+        "device but change float32 results at rounding level; --executor ray only",
+    )
+    p.add_argument(
+        "--ray-retries",
+        type=int,
+        metavar="N",
+        help="times Ray re-runs a task whose worker or node died (default 1; a task that raises is never retried); "
+        "--executor ray only",
+    )
     p.set_defaults(func=lambda args: run(args, zoo.names() if args.functions == "all" else split_list(args.functions)))
+
+
+EXECUTORS = ("local", "ray")
+INSTALL_RAY = "pip install 'qlbench[ray]'"
+RAY_OPTIONS = ("ray_address", "group_size", "ray_retries")
+
+
+def check_executor(args) -> str:
+    """The executor, after its options are checked (UsageError naming the problem and the valid choices)."""
+    executor = getattr(args, "executor", "local")
+    valid = f"valid executors: {', '.join(EXECUTORS)}"
+    if executor != "ray":
+        for name in RAY_OPTIONS:
+            if getattr(args, name, None) is not None:
+                raise UsageError(f"--{name.replace('_', '-')} only applies to --executor ray; {valid}")
+        return executor
+    if args.group_size is not None and args.group_size < 1:
+        raise UsageError(f"--group-size must be >= 1 (functions per Ray task), got {args.group_size}")
+    if args.ray_retries is not None and args.ray_retries < 0:
+        raise UsageError(f"--ray-retries must be >= 0, got {args.ray_retries}")
+    from qlbench import ray_executor
+
+    try:
+        ray_executor.require()
+    except ValueError:
+        raise UsageError(f"--executor ray needs Ray, which is not installed: {INSTALL_RAY}; {valid}") from None
+    return executor
 
 
 def add_experiment_options(p: argparse.ArgumentParser) -> None:
@@ -93,6 +149,7 @@ def run(args, functions: list[str]) -> int:
         raise UsageError("--methods is empty; give a comma-separated list, or leave it out for the default set")
     if not args.out.strip():
         raise UsageError("--out is empty; give a results folder")
+    executor = check_executor(args)
     overrides = parse_overrides(args.hp)
     instruction = getattr(args, "instruction", None)
     if instruction is not None:
@@ -101,31 +158,51 @@ def run(args, functions: list[str]) -> int:
         if args.methods is not None and "instruct-queryable" not in split_list(args.methods):
             raise UsageError("--instruction only changes instruct-queryable, which is not in --methods")
         overrides["instruction"] = instruction
-    with usage_errors():
-        plan = experiment.plan(
-            functions=functions,
-            arch=args.arch,
-            methods=split_list(args.methods) if args.methods else None,
-            seeds=args.seeds,
-            budget=args.budget,
-            device=args.device,
-            dtype=args.dtype,
-            out_dir=Path(args.out),
-            overrides=overrides,
-            compile=args.compile,
-            threads=args.threads,
-            force=args.force,
-        )
-    b = plan.budget
-    print(
-        f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}, budget {b.name} (pretrain "
-        f"{b.pretrain.epochs} epochs, adapt {b.adapt.epochs} epochs), seeds {plan.seeds}, methods "
-        f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}",
-        flush=True,
+    kwargs = dict(
+        functions=functions,
+        arch=args.arch,
+        methods=split_list(args.methods) if args.methods else None,
+        seeds=args.seeds,
+        budget=args.budget,
+        device=args.device,
+        dtype=args.dtype,
+        out_dir=Path(args.out),
+        overrides=overrides,
+        compile=args.compile,
+        threads=args.threads,
+        force=args.force,
     )
-    t0 = time.perf_counter()
     log = lambda message: print(message, file=sys.stderr, flush=True)
-    paths = experiment.run(plan, progress=not args.no_progress, log=log)
+    t0 = time.perf_counter()  # the wall time printed includes starting (or reaching) Ray
+    with contextlib.ExitStack() as stack:
+        with usage_errors():
+            # every choice is checked before Ray starts; the device is resolved by the cluster's GPUs once it runs
+            plan = experiment.plan(**kwargs, cuda=None if executor == "local" else True)
+            if executor == "ray":
+                from qlbench import ray_executor
+
+                cluster = stack.enter_context(ray_executor.connect(args.ray_address))
+                plan = experiment.plan(**kwargs, cuda=cluster.gpus > 0)
+                ray_executor.check(plan, cluster)
+        b = plan.budget
+        where = (
+            f"; executor ray ({cluster.cpus} CPU(s) on the largest node, {cluster.gpus} GPU(s))"
+            if executor == "ray"
+            else ""
+        )
+        print(
+            f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}, budget {b.name} (pretrain "
+            f"{b.pretrain.epochs} epochs, adapt {b.adapt.epochs} epochs), seeds {plan.seeds}, methods "
+            f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}{where}",
+            flush=True,
+        )
+        if executor == "ray":
+            retries = ray_executor.RETRIES if args.ray_retries is None else args.ray_retries
+            paths = ray_executor.run(
+                plan, group_size=args.group_size, retries=retries, progress=not args.no_progress, log=log
+            )
+        else:
+            paths = experiment.run(plan, progress=not args.no_progress, log=log)
     frame = results.load([p for p in paths if p.exists()], on_damaged=log)
     print()
     if len(frame):

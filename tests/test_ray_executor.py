@@ -1,0 +1,180 @@
+"""The Ray executor (`qlbench sweep --executor ray`) on one local Ray runtime (2 CPUs) shared by this module: a smoke
+sweep gives records identical to the local executor's; a task that raises or whose worker dies leaves the other
+cells' records intact, is reported per cell with exit code 1, and a rerun completes only the missing cells.
+
+Faults are planted from here, not from the library: every Ray worker of this runtime starts with a setup hook that
+wraps `experiment.run_method` and fails a stack holding (method, function) when the file `<faults>/<method>-<function>`
+exists ("raise": the task raises; "exit": the worker process dies)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from qlbench import cli, results
+from qlbench.store import Store
+
+from helpers import one_line_error
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'qlbench[ray]'): Ray executor untested")
+
+SWEEP = ["sweep", "--functions", "matyas,levy", "--budget", "smoke", "--seeds", "2", "--no-progress"]
+RAY = ["--executor", "ray", "--ray-retries", "0"]
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """The module's Ray runtime; yields the folder where a test drops fault markers."""
+    folder = str(tmp_path_factory.mktemp("faults"))
+
+    def install():  # runs in every Ray worker at start-up (pickled by value: a local function)
+        import os
+
+        from qlbench import experiment
+
+        run_method = experiment.run_method
+
+        def faulty(p, method, pre, *args, **kwargs):
+            for function in dict.fromkeys(f for f, _ in pre.members):
+                marker = os.path.join(folder, f"{method}-{function}")
+                if os.path.exists(marker):
+                    with open(marker) as f:
+                        if f.read() == "exit":
+                            os._exit(1)
+                    raise RuntimeError(f"planted failure in {method} on {function}")
+            return run_method(p, method, pre, *args, **kwargs)
+
+        experiment.run_method = faulty
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        runtime_env={"worker_process_setup_hook": install},
+    )
+    yield Path(folder)
+    ray.shutdown()
+
+
+@pytest.fixture
+def plant(faults):
+    """plant(method, function, 'raise' | 'exit'); every marker is removed after the test."""
+    planted = []
+
+    def put(method: str, function: str, mode: str) -> Path:
+        marker = faults / f"{method}-{function}"
+        marker.write_text(mode)
+        planted.append(marker)
+        return marker
+
+    yield put
+    for marker in planted:
+        marker.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """The local executor's records of the smoke sweep (lora, queryable), the reference for the Ray executor."""
+    out = tmp_path_factory.mktemp("local")
+    assert cli.main([*SWEEP, "--methods", "lora,queryable", "--out", str(out)]) == 0
+    return out
+
+
+def measured(record: Path) -> dict:
+    """Everything a record measured: train_info without its wall time, and the config hash."""
+    rec = results.read_record(record)
+    info = {k: v for k, v in rec["train_info"].items() if k != "wall_time_s"}
+    return {"config_hash": rec["run_info"]["config_hash"], **info}
+
+
+def assert_same_cells(ours: Path, reference: Path, method: str) -> None:
+    """The method's records and adapter weights in `ours` equal those in `reference`, bit for bit."""
+    cells = Store(reference).records(method=method)
+    assert len(cells) == 2
+    for record in cells:
+        mine = ours / record.relative_to(reference)
+        assert measured(mine) == measured(record), mine
+        a, b = torch.load(Store.model_of(mine)), torch.load(Store.model_of(record))
+        assert a["members"] == b["members"] and a["state"].keys() == b["state"].keys()
+        for name in a["state"]:
+            assert torch.equal(a["state"][name], b["state"][name]), (mine, name)
+
+
+def statuses(out: Path) -> dict[tuple[str, str], str]:
+    return {Store(out).cell_of(r)[1:3]: results.read_record(r)["train_info"]["status"] for r in Store(out).records()}
+
+
+def stamps(out: Path) -> dict[Path, tuple[bytes, int]]:
+    """Bytes and modification time of every record and weights file."""
+    files = [f for r in Store(out).records() for f in (r, Store.model_of(r)) if f.exists()]
+    return {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
+
+
+def test_a_ray_sweep_equals_the_local_executor(faults, local, tmp_path, capsys):
+    assert cli.main([*SWEEP, "--methods", "lora,queryable", *RAY, "--out", str(tmp_path)]) == 0
+    assert "executor ray (2 CPU(s) on the largest node" in capsys.readouterr().out
+    for method in ("lora", "queryable"):
+        assert_same_cells(tmp_path, local, method)
+    (record,) = Store(tmp_path).records(function="levy", method="queryable")
+    assert results.read_record(record)["train_info"]["stacked_members"] == 4  # the local executor's stack
+
+
+def test_a_task_that_raises_fails_its_cells_only_and_a_rerun_completes_them(faults, plant, tmp_path, capsys):
+    plant("lora", "levy", "raise")
+    argv = [*SWEEP, "--methods", "lora,mean", *RAY, "--group-size", "1", "--out", str(tmp_path)]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    failed = [line for line in err.splitlines() if line.startswith("qlbench sweep: ")]
+    assert failed == ["qlbench sweep: levy/lora failed: RuntimeError: planted failure in lora on levy"], err
+    assert statuses(tmp_path) == {
+        ("matyas", "lora"): "ok",
+        ("levy", "lora"): "failed",
+        ("matyas", "mean"): "ok",
+        ("levy", "mean"): "ok",
+    }
+    (record,) = Store(tmp_path).records(function="matyas", method="lora")
+    assert results.read_record(record)["train_info"]["stacked_members"] == 2  # --group-size 1: one function a task
+    before = stamps(tmp_path)
+
+    plant("lora", "levy", "raise").unlink()
+    assert cli.main(argv) == 0
+    assert "3 cell(s) already have a finished record" in capsys.readouterr().err
+    assert set(statuses(tmp_path).values()) == {"ok"}
+    after = stamps(tmp_path)
+    changed = {f.name for f in after if before.get(f) != after[f]}
+    (redone,) = Store(tmp_path).records(function="levy", method="lora")
+    assert changed == {redone.name, Store.model_of(redone).name}  # only the failed cell was run again
+
+
+def test_a_killed_worker_fails_its_cells_only_and_a_rerun_completes_them(faults, plant, local, tmp_path, capsys):
+    plant("queryable", "matyas", "exit")  # the queryable stack holds matyas and levy: both cells fail
+    argv = [*SWEEP, "--methods", "lora,queryable", *RAY, "--out", str(tmp_path)]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    failed = sorted(line for line in err.splitlines() if line.startswith("qlbench sweep: "))
+    assert [line.split(" failed: ")[0] for line in failed] == [
+        "qlbench sweep: levy/queryable",
+        "qlbench sweep: matyas/queryable",
+    ], err
+    assert all("WorkerCrashedError" in line for line in failed), err
+    assert statuses(tmp_path)[("levy", "lora")] == "ok"
+    assert_same_cells(tmp_path, local, "lora")  # the other task's cells: intact and identical
+    before = stamps(tmp_path)
+
+    os.unlink(faults / "queryable-matyas")
+    assert cli.main(argv) == 0
+    assert "2 cell(s) already have a finished record" in capsys.readouterr().err
+    assert_same_cells(tmp_path, local, "queryable")  # resumed: now every cell equals the local executor's
+    assert {f: s for f, s in stamps(tmp_path).items() if f in before and "/lora/" in str(f)} == {
+        f: s for f, s in before.items() if "/lora/" in str(f)
+    }
+
+
+def test_more_threads_than_a_node_has_is_one_line_before_any_work(faults, tmp_path, capsys):
+    line = one_line_error(capsys, [*SWEEP, *RAY, "--threads", "3", "--out", str(tmp_path)])
+    assert "threads 3 exceed the largest Ray node's 2 CPU(s); valid: 1..2" in line
+    assert not Store(tmp_path).records() and not Store(tmp_path).backbone_dir.exists()
