@@ -193,11 +193,28 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=Non
 def compiled(model: nn.Module) -> nn.Module:
     """torch.compile for the training forward: CUDA graphs ("reduce-overhead") on a GPU, Inductor's default on CPU.
 
-    It shares the model's parameters; evaluation keeps calling the eager model (its batch shapes vary). On a CPU
-    it is opt-in (`qlbench bench` measures its warm-up and speed-up; README, Speed).
+    It shares the model's parameters; evaluation keeps calling the eager model (its batch shapes vary). Whether
+    `--compile auto` uses it depends on the device and budget (`compile_by_default`).
     """
     on_cuda = next(model.parameters()).device.type == "cuda"
+    # a fresh in-process cache per training run: every method's model re-enters the same forward code, and past
+    # torch._dynamo's recompile limit (8 per code object) a sweep's later methods would silently run eager. The
+    # on-disk Inductor cache survives the reset, so a model seen before still compiles in seconds.
+    torch._dynamo.reset()
     return torch.compile(model, mode="reduce-overhead" if on_cuda else None, dynamic=False)
+
+
+# Budgets whose training step `--compile auto` compiles, per device type. On CPU the measured cold warm-up (about 16 s
+# for LoRA, 57 s for Queryable LoRA on the deep-narrow stack; seconds when Inductor's cache is warm) is repaid only by
+# the paper budget's 35,000 steps per member, not by a quick run's 2,800 (README, Speed). On CUDA, where CUDA graphs
+# remove per-kernel launch cost, every budget but smoke (seconds long, where the warm-up would dominate); not
+# measured on this project's machines, which have no GPU.
+COMPILE_BUDGETS = {"cpu": ("paper",), "cuda": ("paper", "quick")}
+
+
+def compile_by_default(device: torch.device, budget_name: str) -> bool:
+    """Whether `--compile auto` compiles the training step for this device and budget (COMPILE_BUDGETS)."""
+    return budget_name in COMPILE_BUDGETS.get(torch.device(device).type, ())
 
 
 def make_step(

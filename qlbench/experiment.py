@@ -121,7 +121,7 @@ def plan(
     if threads is not None and not (isinstance(threads, int) and threads >= 1):
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
     dev = engine.resolve_device(device, cuda)
-    use_compile = compile == "on" or (compile == "auto" and dev.type == "cuda")
+    use_compile = compile == "on" or (compile == "auto" and engine.compile_by_default(dev, b.name))
     return Plan(
         list(dict.fromkeys(functions)),
         arch,

@@ -119,7 +119,11 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         "--budget", default="quick", help=f"one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default quick)"
     )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda (default auto)")
-    p.add_argument("--compile", default="auto", help="torch.compile the training step: auto (on CUDA only), on, off")
+    p.add_argument(
+        "--compile",
+        default="auto",
+        help="torch.compile the training step: auto (CPU: paper budget; CUDA: paper and quick), on, off",
+    )
     p.add_argument(
         "--threads",
         type=int,
