@@ -540,9 +540,10 @@ def _gradient_section(grads: pd.DataFrame, folder: Path, formats, figures: bool,
         latex="",
         csv=comparison,
     )
-    if figures:
-        _save_figure(files, gradient_profile_figure(grads), folder / "gradient-profile")
-        _save_figure(files, concentration_figure(grads), folder / "gradient-concentration")
+    if figures:  # the paper's comparison (LoRA, queryable, instruct-queryable) where present; the table has all
+        shown = [m for m in diagnostics.GRADIENT_METHODS if m in set(grads["method"])] or None
+        _save_figure(files, gradient_profile_figure(grads, shown), folder / "gradient-profile", dpi=100)
+        _save_figure(files, concentration_figure(grads, shown), folder / "gradient-concentration", dpi=100)
     return f"### {title}\n\n{markdown(table)}\n\n{CONCENTRATION_LEGEND}"
 
 
@@ -776,9 +777,9 @@ def _write_table(files: list, stem: Path, formats, *, md: str, latex, csv: pd.Da
         files.append(path)
 
 
-def _save_figure(files: list, fig: Figure, stem: Path) -> None:
+def _save_figure(files: list, fig: Figure, stem: Path, dpi: int = 150) -> None:
     for ext in ("png", "pdf"):
-        store.atomic_write(stem.with_suffix(f".{ext}"), lambda tmp, ext=ext: fig.savefig(tmp, format=ext, dpi=150))
+        store.atomic_write(stem.with_suffix(f".{ext}"), lambda tmp, ext=ext: fig.savefig(tmp, format=ext, dpi=dpi))
         files.append(stem.with_suffix(f".{ext}"))
 
 
