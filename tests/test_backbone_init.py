@@ -116,3 +116,11 @@ def test_bad_inits_are_one_line_errors(capsys, tmp_path):
     argv = ["run", "--function", "dropwave", "--arch", "transformer", "--backbone-init", "kaiming"]
     assert "deep-narrow only" in one_line_error(capsys, [*argv, "--out", str(tmp_path)])
     assert "valid: default, kaiming" in one_line_error(capsys, ["signal", "--function", "levy", "--backbone-init", "x"])
+
+
+def test_transformer_features_feed_the_signal_profile():
+    """The Transformer lists its token embedding and every encoder layer's output (default init only)."""
+    profile = diagnostics.signal_profile("transformer", "levy", ["default"], "smoke", seeds=1, pretrained=False)
+    assert sorted(profile["layer"]) == list(range(9)) and (profile["spread"] > 0).all()
+    with pytest.raises(ValueError, match="deep-narrow only"):
+        diagnostics.signal_profile("transformer", "levy", ["orthogonal"], "smoke", seeds=1, pretrained=False)
