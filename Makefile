@@ -5,13 +5,14 @@
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run)
 #   make results-snapshot  the quick deep-narrow sweep (9 functions, every method) and its report in docs/results
+#   make diag-snapshot     the "Why does it win?" measurements: both backbone inits, 3 functions, into $(DIAG)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot clean
+.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot diag-snapshot clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +55,25 @@ bench: setup
 results-snapshot: setup
 	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --out results
 	$(BIN)/qlbench report results --arch deep-narrow --budget quick --out docs/results
+
+DIAG ?= diag-results
+DIAG_FUNCTIONS ?= dropwave,levy,ackley
+diag-snapshot: setup
+	for init in default kaiming; do \
+	  $(BIN)/qlbench sweep --functions $(DIAG_FUNCTIONS) --arch deep-narrow --budget quick --threads 1 \
+	    --backbone-init $$init --out $(DIAG) --no-progress || exit 1; done
+	$(BIN)/qlbench report $(DIAG) --arch deep-narrow --budget quick --format md,csv --out $(DIAG)/report
+	mkdir -p docs/results/diagnostics
+	for d in deep-narrow deep-narrow-kaiming; do mkdir -p docs/results/diagnostics/$$d; \
+	  cp $(DIAG)/report/$$d/quick/*.md docs/results/diagnostics/$$d/; \
+	  cp $(DIAG)/report/$$d/quick/gradient-profile.png figures/gradient-profile-$$d.png; \
+	  cp $(DIAG)/report/$$d/quick/gradient-concentration.png figures/gradient-concentration-$$d.png; done
+	$(BIN)/qlbench signal --function dropwave --backbone-init default,kaiming,orthogonal --threads 1 --out $(DIAG) \
+	  --figure figures/signal-deep-narrow-dropwave.png --no-progress
+	for init in default kaiming; do for m in queryable instruct-queryable; do \
+	  $(BIN)/qlbench diagnose $(DIAG) --function dropwave --method $$m --backbone-init $$init \
+	    --out $(DIAG)/diagnose-$$init || exit 1; \
+	  cp $(DIAG)/diagnose-$$init/$$m-route-map.png figures/route-map-dropwave-$$m-$$init.png; done; done
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .hypothesis

@@ -5,18 +5,52 @@
 
 Both take x (E, N, 2) and return predictions (E, N), and list the linears an adapter may wrap (`adapter_targets`).
 Target linears are called as `layer(x, ctx)` so an adapter can read and write the per-forward ForwardContext.
+
+Backbone initialisation (`build_backbone(..., init=...)`, `qlbench run --backbone-init`): "default" is PyTorch's
+default (the paper's), under which the deep-narrow MLP is a constant function of its input (README). "kaiming" and
+"orthogonal" re-draw the deep-narrow's 32 hidden layers variance-preserving for GELU (see `GELU_GAIN`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param
+
+
+def _gelu_gain() -> float:
+    """1 / sqrt(E[gelu(z)^2]) for z ~ N(0, 1), by 80-point Gauss-Hermite quadrature (about 1.5323)."""
+    z, w = np.polynomial.hermite_e.hermegauss(80)  # nodes and weights for the weight exp(-z^2 / 2)
+    gelu = torch.nn.functional.gelu(torch.from_numpy(z)).numpy()
+    return float(1.0 / math.sqrt((w * gelu**2).sum() / math.sqrt(2 * math.pi)))
+
+
+# Kaiming's variance-preserving gain, derived for GELU as He et al. derive sqrt(2) for ReLU: a layer
+# y = W gelu(x) with W_ij ~ N(0, g^2 / fan_in) keeps Var(y_i) = g^2 E[gelu(x)^2] equal to Var(x_i) = 1 when
+# g^2 = 1 / E[gelu(z)^2], z ~ N(0, 1). (ReLU's sqrt(2) is too small for GELU: near zero GELU is x / 2, so a sqrt(2)
+# network shrinks small activations by up to 2x in variance per layer, and with it the signal collapses on four of
+# five zoo functions in tests/test_backbone_init.py.) GELU is not homogeneous, so unit variance is an unstable fixed
+# point of the zero-bias map: for the zoo's input boxes (first-layer pre-activations O(1) or larger) the spread of
+# the hidden features across inputs after layer 32 is 0.15x to 55x that after layer 1 at init (nine functions x
+# 5 seeds), against about 1e-9x with the default init.
+GELU_GAIN = _gelu_gain()
+INITS = ("default", "kaiming", "orthogonal")  # backbone initialisations (`qlbench run --backbone-init`)
+
+
+def check_init(arch: str, init: str) -> str:
+    """The init if `arch` supports it, else a ValueError naming the valid choices."""
+    if init not in INITS:
+        raise ValueError(f"unknown backbone init {init!r}; valid: {', '.join(INITS)}")
+    if init != "default" and arch != "deep-narrow":
+        raise ValueError(f"backbone init {init!r} is implemented for deep-narrow only; valid for {arch}: default")
+    return init
 
 
 @dataclass(frozen=True)
@@ -65,6 +99,37 @@ class DeepNarrowMLP(nn.Module):
         self.hidden = nn.ModuleList(StackedLinear(c.width, c.width, generators, **kw) for _ in range(c.depth))
         self.head = StackedLinear(c.width, 1, generators, **kw)
         self.shared = nn.ModuleDict()  # shared adapter modules live here (see adapters.inject)
+
+    def reinit_hidden(self, init: str, generators: list[torch.Generator]) -> None:
+        """Re-draw the 32 hidden layers variance-preserving for GELU (biases zero), member e from generators[e]:
+        "kaiming": W ~ N(0, GELU_GAIN^2 / fan_in); "orthogonal": W = GELU_GAIN Q, Q Haar-orthogonal (the QR of a
+        Gaussian matrix, signs fixed by R's diagonal). Input layer and head keep PyTorch's default."""
+        width = self.config.width
+        for layer in self.hidden:
+            if init == "kaiming":
+                w = normal_members((width, width), GELU_GAIN / math.sqrt(width), generators)  # (E, 32, 32) float64
+            elif init == "orthogonal":
+                qs = []
+                for g in generators:
+                    q, r = torch.linalg.qr(torch.randn(width, width, generator=g, dtype=torch.float64))
+                    qs.append(q * torch.sign(torch.diagonal(r)))  # Haar measure (Mezzadri 2007)
+                w = GELU_GAIN * torch.stack(qs)  # (E, 32, 32)
+            else:
+                raise ValueError(f"unknown hidden-layer init {init!r}; valid: kaiming, orthogonal")
+            with torch.no_grad():
+                layer.weight.copy_(w)
+                layer.bias.zero_()
+
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The hidden features of the plain backbone, [gelu(inp(x)), then after each hidden layer]: depth + 1
+        tensors (E, N, 32) (signal propagation, `qlbench signal`)."""
+        ctx = ForwardContext(self.shared)
+        h = F.gelu(self.inp(x))
+        out = [h]
+        for layer in self.hidden:
+            h = F.gelu(layer(h, ctx))
+            out.append(h)
+        return out
 
     def adapter_targets(self, roles: tuple[str, ...] | None = None) -> list[Target]:
         roles = roles or ("hidden",)
@@ -155,6 +220,17 @@ class RegressionTransformer(nn.Module):
         self.head = StackedLinear(c.d_model, 1, generators, **kw)
         self.shared = nn.ModuleDict()
 
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The hidden features of the plain backbone: the token embedding, then after each encoder layer, each
+        (E, N, 2 d) (the two tokens' features side by side; signal propagation, `qlbench signal`)."""
+        ctx = ForwardContext(self.shared)
+        h = x.unsqueeze(-1) * self.token.unsqueeze(1) + self.position.unsqueeze(1)  # (E, N, 2, d)
+        out = [h.flatten(2)]
+        for layer in self.layers:
+            h = layer(h, ctx)
+            out.append(h.flatten(2))
+        return out
+
     def adapter_targets(self, roles: tuple[str, ...] | None = None) -> list[Target]:
         roles = roles or ("q", "k", "v", "o")
         valid = ("q", "k", "v", "o", "fc1", "fc2")
@@ -185,12 +261,20 @@ def project_group(layers, x: torch.Tensor, ctx: ForwardContext) -> list[torch.Te
     return [layer(x, ctx) for layer in layers]
 
 
-def build_backbone(arch: str, seeds: list, *, device=None, dtype=torch.float32) -> nn.Module:
-    """A freshly initialised stack, member e seeded from `seeds[e]` (any hashable member key)."""
+def build_backbone(arch: str, seeds: list, *, device=None, dtype=torch.float32, init: str = "default") -> nn.Module:
+    """A freshly initialised stack, member e seeded from `seeds[e]` (any hashable member key).
+
+    init "default": PyTorch's default everywhere (the paper's). "kaiming" / "orthogonal" (deep-narrow only): the same
+    default draws, then the hidden layers re-drawn from a generator of their own (`DeepNarrowMLP.reinit_hidden`),
+    so the input layer and head equal the default init's."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    check_init(arch, init)
     generators = [generator("init", arch, "backbone", s) for s in seeds]
-    return ARCHS[arch](generators, device=device, dtype=dtype)
+    model = ARCHS[arch](generators, device=device, dtype=dtype)
+    if init != "default":
+        model.reinit_hidden(init, [generator("init", arch, "backbone", init, s) for s in seeds])
+    return model
 
 
 ARCHS = {"deep-narrow": DeepNarrowMLP, "transformer": RegressionTransformer}

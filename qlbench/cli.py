@@ -1,4 +1,4 @@
-"""`qlbench` command line: functions | run | sweep | results | report | ablate | verify | bench.
+"""`qlbench` command line: functions | run | sweep | results | report | ablate | verify | diagnose | signal | bench.
 
 Bad input (unknown function, arch, method, budget, device, hyper-parameter, or a value out of range) prints one
 line naming the problem and the valid choices, and exits with code 2; no traceback. The subcommands live in
@@ -13,10 +13,12 @@ from qlbench import __version__
 from qlbench.commands import Parser, UsageError
 from qlbench.commands import ablate as ablate_command
 from qlbench.commands import bench as bench_command
+from qlbench.commands import diagnose as diagnose_command
 from qlbench.commands import functions as functions_command
 from qlbench.commands import report as report_command
 from qlbench.commands import results as results_command
 from qlbench.commands import run as run_command
+from qlbench.commands import signal as signal_command
 from qlbench.commands import verify as verify_command
 
 # run registers run and sweep
@@ -27,6 +29,8 @@ COMMANDS = (
     report_command,
     ablate_command,
     verify_command,
+    diagnose_command,
+    signal_command,
     bench_command,
 )
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from qlbench import adapters, zoo
+from qlbench import adapters, gradients, zoo
 from qlbench.adapters.base import adamw
 from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
@@ -154,6 +154,10 @@ class Curves:
     train_mse: torch.Tensor
     test_mse: torch.Tensor
     diverged_epoch: list[int | None]  # first evaluated epoch at which the member was non-finite
+    # gradient diagnostics (gradients.py), from the last step of each evaluated epoch > 0; NaN after divergence
+    grad_epochs: list[int] = field(default_factory=list)
+    grad_layers: torch.Tensor | None = None  # (E, n_grad_epochs, L) per-layer gradient norms
+    grad_shared: torch.Tensor | None = None  # (E, n_grad_epochs) the shared parameters' norm (None: none)
 
     def member_summary(self, e: int) -> dict:
         """Best train MSE, best test MSE (test-selected, as the paper reports) and the test MSE at the
@@ -223,13 +227,16 @@ def make_step(
     """The training step every method and the benchmarks run: step(xb (E, b, 2), yb (E, b)) -> loss (E,).
 
     Each member's loss is its own batch mean and the stack minimises their sum, so member e's gradient is the one
-    it would get alone.
+    it would get alone. `step(xb, yb, inspect)` calls inspect() after backward and before the optimizer step (the
+    gradients are in .grad; outside the compiled forward), e.g. to record gradient norms.
     """
     forward = compiled(model) if compile else model
 
-    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    def step(xb: torch.Tensor, yb: torch.Tensor, inspect: Callable[[], None] | None = None) -> torch.Tensor:
         loss = (forward(xb, instruction) - yb).pow(2).mean(dim=1)  # (E,)
         loss.sum().backward()
+        if inspect is not None:
+            inspect()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -248,8 +255,13 @@ def fit(
     instruction: torch.Tensor | None = None,
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
+    diagnose: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> Curves:
     """Minibatch training of a stack: member e shuffles its own data with order[e] every epoch.
+
+    `diagnose()` (gradients.grad_norms over the model's groups), if given, is called after backward of the last
+    step of every evaluated epoch > 0 and its (E, L) per-layer and (E,) shared gradient norms are returned in the
+    curves; it only reads .grad, so the training numbers are the same with or without it.
 
     Evaluates train and test MSE before training and every `eval_every` epochs (and after the last). A member is
     marked diverged at the first evaluation where its loss or metrics are non-finite or its train or test MSE
@@ -286,19 +298,30 @@ def fit(
         test_hist.append(torch.where(dead, torch.nan, te))
 
     step = make_step(model, optimizer, instruction, compile=compile)
+    grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     model.train()
     record(0)
     for epoch in range(1, phase.epochs + 1):
         perm = torch.stack([torch.randperm(N, generator=g) for g in order]).to(device)  # (E, N)
         xs, ys = data.x_train[rows, perm], data.y_train[rows, perm]  # this epoch's order, (E, N, 2), (E, N)
+        evaluated = epoch % eval_every == 0 or epoch == phase.epochs
         for i in range(0, N, phase.batch_size):
-            running += step(xs[:, i : i + phase.batch_size], ys[:, i : i + phase.batch_size])  # (E, b, 2), (E, b)
+            last = evaluated and diagnose is not None and i + phase.batch_size >= N
+            inspect = (lambda: grads.append(diagnose())) if last else None
+            running += step(xs[:, i : i + phase.batch_size], ys[:, i : i + phase.batch_size], inspect)  # (E, b, 2)
         if progress is not None:
             progress(n_batches)
-        if epoch % eval_every == 0 or epoch == phase.epochs:
+        if evaluated:
             record(epoch)
             running.zero_()
-    return Curves(epochs, torch.stack(train_hist, 1).cpu(), torch.stack(test_hist, 1).cpu(), diverged)
+    curves = Curves(epochs, torch.stack(train_hist, 1).cpu(), torch.stack(test_hist, 1).cpu(), diverged)
+    if grads:
+        curves.grad_epochs = epochs[1:]
+        dead = torch.tensor([[d is not None and d <= t for t in epochs[1:]] for d in diverged])  # (E, T)
+        curves.grad_layers = torch.stack([g for g, _ in grads], 1).masked_fill(dead.unsqueeze(-1), torch.nan)
+        if grads[0][1] is not None:
+            curves.grad_shared = torch.stack([s for _, s in grads], 1).masked_fill(dead, torch.nan)
+    return curves
 
 
 def steps(phase: Phase, n_train: int) -> int:
@@ -338,20 +361,27 @@ class Pretrained:
         return model
 
 
-def _cache_paths(arch: str, members: list[Member], phase: Phase, dtype, store: Store | None) -> list[Path | None]:
+def _cache_paths(
+    arch: str, members: list[Member], phase: Phase, dtype, store: Store | None, init: str = "default"
+) -> list[Path | None]:
+    """Cache files keyed by everything the weights depend on; a non-default backbone init joins the key (the
+    default's keys are what they were before inits existed, so old caches stay valid)."""
     if store is None:
         return [None] * len(members)
+    extra = {} if init == "default" else {"init": init}
     return [
         store.backbone_path(
-            arch, f, s, stable_hash(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype)))
+            arch, f, s, stable_hash(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype)) | extra)
         )
         for f, s in members
     ]
 
 
-def pretrain_needed(arch: str, members: list[Member], phase: Phase, dtype, store: Store | None) -> bool:
+def pretrain_needed(
+    arch: str, members: list[Member], phase: Phase, dtype, store: Store | None, init: str = "default"
+) -> bool:
     """Whether `pretrain` will train anything (some member is not in the cache)."""
-    return any(p is None or not p.exists() for p in _cache_paths(arch, members, phase, dtype, store))
+    return any(p is None or not p.exists() for p in _cache_paths(arch, members, phase, dtype, store, init))
 
 
 @flush_denormals()
@@ -366,11 +396,13 @@ def pretrain(
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
     log: Callable[[str], None] = lambda message: None,
+    init: str = "default",
 ) -> Pretrained:
     """Source-pretrained backbones for `members`. Members found in the store's backbone cache are loaded; the
     rest are trained together and cached one file per member, so any later stacking of the same members reuses
-    them. A damaged cache file is reported through `log`, set aside and retrained."""
-    paths = _cache_paths(arch, members, phase, dtype, store)
+    them. A damaged cache file is reported through `log`, set aside and retrained. `init`: the backbone
+    initialisation (backbones.INITS), part of the cache key."""
+    paths = _cache_paths(arch, members, phase, dtype, store, init)
     cached = {}
     for i, path in enumerate(paths):
         if path is not None and path.exists():
@@ -381,7 +413,7 @@ def pretrain(
     todo = [i for i in range(len(members)) if i not in cached]
     if todo:
         sub = [members[i] for i in todo]
-        model = build_backbone(arch, sub, device=device, dtype=dtype)
+        model = build_backbone(arch, sub, device=device, dtype=dtype, init=init)
         data = StackedData.build(sub, "source", device=device, dtype=dtype)
         optimizer = adamw(model.parameters(), phase.lr, phase.weight_decay)
         order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
@@ -445,8 +477,10 @@ def adapt(
     dtype=torch.float32,
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
+    diagnostics: bool = True,
 ) -> AdaptResult:
-    """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target."""
+    """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target; with
+    `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py)."""
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
@@ -454,7 +488,21 @@ def adapt(
     if method.trains:
         optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay)
         order = [generator("order", "adapt", arch, f, s) for f, s in members]
-        curves = fit(model, optimizer, data, budget.adapt, budget.eval_every, order, progress=progress, compile=compile)
+        diagnose = None
+        if diagnostics:
+            groups = gradients.param_groups(model)
+            diagnose = lambda: gradients.grad_norms(groups)
+        curves = fit(
+            model,
+            optimizer,
+            data,
+            budget.adapt,
+            budget.eval_every,
+            order,
+            progress=progress,
+            compile=compile,
+            diagnose=diagnose,
+        )
     else:
         tr = evaluate(model, data.x_train, data.y_train).cpu()
         te = evaluate(model, data.x_test, data.y_test).cpu()

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from qlbench import adapters, engine, results, zoo
-from qlbench.backbones import ARCHS, build_backbone
+from qlbench.backbones import ARCHS, build_backbone, check_init
 from qlbench.seeding import generator
 from qlbench.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash, write_json
 
@@ -41,6 +41,7 @@ class Plan:
     compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
     threads: int | None = None  # intra-op threads; None: engine.auto_threads
     force: bool = False  # re-run cells that already have a finished record of the same config
+    backbone_init: str = "default"  # backbones.INITS; hashed only when not the default (see cell_config)
 
     @property
     def store(self) -> Store:
@@ -53,8 +54,12 @@ class Plan:
         )
 
     def cell_config(self, function: str, method: str) -> dict:
-        """The fully resolved config of one cell; its hash decides whether a finished record can be reused."""
-        return {
+        """The fully resolved config of one cell; its hash decides whether a finished record can be reused.
+
+        A non-default backbone init adds a "backbone_init" key; the default adds none, so the hashes (and the
+        records) of every store written before inits existed stay valid."""
+        extra = {} if self.backbone_init == "default" else {"backbone_init": self.backbone_init}
+        return extra | {
             "function": function,
             "arch": self.arch,
             "method": method,
@@ -81,11 +86,13 @@ def plan(
     threads: int | None = None,
     force: bool = False,
     cuda: bool | None = None,
+    backbone_init: str = "default",
 ) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults. `cuda`: whether
     the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    check_init(arch, backbone_init)
     if not functions:
         raise ValueError(f"no function given; valid: {', '.join(zoo.names())}")
     for f in functions:
@@ -135,6 +142,7 @@ def plan(
         use_compile,
         threads,
         force,
+        backbone_init,
     )
 
 
@@ -185,7 +193,8 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     pretrain_phase = engine.Phase(**b["pretrain"])
     members = [(function, s) for s in cfg["seeds"]]
     dtype, dev = DTYPES[cfg["dtype"]], engine.resolve_device(device)
-    pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, store=store)
+    init = cfg.get("backbone_init", "default")
+    pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, store=store, init=init)
     model, data = engine.build_model(pre, method_name, config, device=dev, dtype=dtype)
     path = Store.model_of(record)
     if not path.exists():
@@ -277,7 +286,7 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
         store = p.store
         with tqdm(
             total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN)
-            * (1 if engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, store) else 0),
+            * (1 if engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, store, p.backbone_init) else 0),
             desc=f"pretrain {p.arch} x{len(members)}",
             unit="step",
             disable=not progress,
@@ -293,6 +302,7 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
                 progress=bar.update,
                 compile=p.compile,
                 log=log,
+                init=p.backbone_init,
             )
         trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
         total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
@@ -350,6 +360,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
                     "source_test_mse": pre.source_test_mse[i],
                     "train_curve": c.train_mse[i].tolist(),
                     "test_curve": c.test_mse[i].tolist(),
+                    **results.gradient_fields(c, i),
                 }
             )
         bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
@@ -372,6 +383,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
             trainable_params=res.trainable_params,
             total_params=res.total_params,
             eval_epochs=c.epochs,
+            grad_epochs=c.grad_epochs,
             per_seed=per_seed,
         )
         if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:

@@ -171,7 +171,7 @@ def _pretrain(ray, p, functions, request, threads, retries, reporter, progress, 
     is then written as failed)."""
     members = [(f, s) for f in functions for s in p.seeds]
     dtype = experiment.DTYPES[p.dtype]
-    needed = engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, p.store)
+    needed = engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, p.store, p.backbone_init)
     total = engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) if needed else 0
     task = ray.remote(_pretrain_task).options(**request, max_retries=retries, name=f"qlbench pretrain {p.arch}")
     t0 = time.perf_counter()
@@ -327,6 +327,7 @@ def _pretrain_task(p: experiment.Plan, members: list, threads: int, actor, key) 
             progress=report,
             compile=p.compile,
             log=messages.append,
+            init=p.backbone_init,
         )
     report.flush()
     return messages
@@ -337,13 +338,15 @@ def _adapt_task(p: experiment.Plan, unit: Unit, threads: int, actor, key) -> tup
     p, messages, report = _task_plan(p), [], _Reporter(actor, key)
     members = [(f, s) for f in unit.functions for s in p.seeds]
     dtype = experiment.DTYPES[p.dtype]
-    if engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, p.store):
+    if engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, p.store, p.backbone_init):
         raise FileNotFoundError(
             f"the pretrained backbones are not in {p.store.backbone_dir} on {socket.gethostname()}: the results "
             "folder must be on a file system every node shares"
         )
     with engine.num_threads(threads):
-        pre = engine.pretrain(p.arch, members, p.budget.pretrain, device=p.device, dtype=dtype, store=p.store)
+        pre = engine.pretrain(
+            p.arch, members, p.budget.pretrain, device=p.device, dtype=dtype, store=p.store, init=p.backbone_init
+        )
         trains = adapters.get(unit.method).trains
         experiment.run_method(p, unit.method, pre, dtype, report if trains else None, messages.append)
     report.flush()

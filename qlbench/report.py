@@ -488,6 +488,262 @@ def log_ratio_figure(frame: pd.DataFrame, metric: str = "test-at-best-train") ->
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Diagnostics: gradient concentration, routing, signal propagation (data from qlbench.diagnostics).
+
+CONCENTRATION_LEGEND = (
+    "Gradient concentration index = max / mean of the per-layer adapter gradient norms (1 = every layer gets the "
+    "same norm, L = one layer gets everything; lower is better, the paper's reading), from the last training step "
+    "of each evaluated epoch, averaged over those epochs per seed; mean ± sample std over seeds. diff = method - "
+    "LoRA paired by seed with its 95% t-interval; win = significantly lower (less concentrated), p < 0.05 (paired "
+    "t, else Wilcoxon) with at least 3 pairs."
+)
+
+
+def concentration_table(comparison: pd.DataFrame) -> pd.DataFrame:
+    """`diagnostics.compare_concentration` as text: function, method, n, concentration mean ± std, paired diff vs
+    the baseline [95% CI], t p, Wilcoxon p, result."""
+    c = comparison.sort_values(["function", "method"], key=_method_key)
+    diff = [
+        "baseline"
+        if pd.isna(r.mean_diff) and r.method == "lora"
+        else ("n/a" if pd.isna(r.mean_diff) else _diff_text(r))
+        for r in c.itertuples()
+    ]
+    return pd.DataFrame(
+        {
+            "function": c["function"],
+            "method": c["method"],
+            "n": c["n"],
+            "concentration": [_mean_std(m, sd, n) for m, sd, n in zip(c["mean"], c["std"], c["n"])],
+            "diff vs LoRA [95% CI]": diff,
+            "t p": c["t_p"].map(_p),
+            "Wilcoxon p": c["wilcoxon_p"].map(_p),
+            "result": c["outcome"].fillna("-"),
+        }
+    )
+
+
+def _gradient_section(grads: pd.DataFrame, folder: Path, formats, figures: bool, files: list) -> str:
+    """The concentration table (vs LoRA) and the gradient figures of one slice of `results.load_gradients`."""
+    from qlbench import diagnostics
+
+    per_seed = diagnostics.concentration_per_seed(grads)
+    comparison = diagnostics.compare_concentration(per_seed)
+    table = concentration_table(comparison)
+    arch, budget = grads["arch"].iloc[0], grads["budget"].iloc[0]
+    title = f"Gradient concentration index, {arch}, budget {budget}"
+    _write_table(
+        files,
+        folder / "gradient-concentration",
+        [f for f in formats if f != "latex"],
+        md=f"### {title}\n\n{markdown(table)}\n\n{CONCENTRATION_LEGEND}",
+        latex="",
+        csv=comparison,
+    )
+    if figures:  # the paper's comparison (LoRA, queryable, instruct-queryable) where present; the table has all
+        shown = [m for m in diagnostics.GRADIENT_METHODS if m in set(grads["method"])] or None
+        _save_figure(files, gradient_profile_figure(grads, shown), folder / "gradient-profile", dpi=100)
+        _save_figure(files, concentration_figure(grads, shown), folder / "gradient-concentration", dpi=100)
+    return f"### {title}\n\n{markdown(table)}\n\n{CONCENTRATION_LEGEND}"
+
+
+def _facets(n: int, width: float = 4.6, height: float = 3.4, extra: float = 1.2):
+    cols = min(3, n)
+    rows = -(-n // cols)
+    fig = Figure(figsize=(max(width * cols, 10), height * rows + extra), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_axis_off()
+    return fig, axes.flat
+
+
+def gradient_profile_figure(grads: pd.DataFrame, methods=None, epoch: str | int = "mean") -> Figure:
+    """Per-layer adapter gradient norm against the layer, one panel per function, one line per method (mean over
+    seeds, band: min to max seed), log scale; the shared entry as a marker at the right. `grads` is
+    `results.load_gradients` of one (arch, budget, init); epoch "mean" averages each seed's norms over the recorded
+    epochs (geometric mean, as the axis is logarithmic), "last" takes the last recorded epoch, an int that epoch."""
+    from qlbench.results import SHARED_LAYER
+
+    g = grads[grads["method"].isin(methods)] if methods is not None else grads
+    if epoch == "last":
+        g = g[g["epoch"] == g.groupby(["function", "method", "seed"])["epoch"].transform("max")]
+    elif epoch != "mean":
+        g = g[g["epoch"] == epoch]
+    keys = ["function", "method", "seed", "layer"]
+    per_seed = g.assign(log=np.log10(g["norm"].where(g["norm"] > 0))).groupby(keys)["log"].mean().reset_index()
+    per_seed["norm"] = 10 ** per_seed["log"]
+    functions, palette = sorted(per_seed["function"].unique()), _palette(per_seed["method"])
+    fig, axes = _facets(len(functions))
+    for ax, function in zip(axes, functions):
+        f = per_seed[per_seed["function"] == function]
+        layers = f[f["layer"] != SHARED_LAYER]
+        n_layers = int(layers["layer"].max()) + 1 if len(layers) else 0
+        for method in stats.method_order(f["method"]):
+            m = layers[layers["method"] == method].groupby("layer")
+            if not len(m.size()):
+                continue
+            mean = 10 ** m["log"].mean()  # geometric mean over seeds, as the axis is logarithmic
+            ax.plot(mean.index, mean, color=palette[method], label=method, linewidth=1.3)
+            ax.fill_between(mean.index, m["norm"].min(), m["norm"].max(), color=palette[method], alpha=0.15, lw=0)
+            shared = f[(f["method"] == method) & (f["layer"] == SHARED_LAYER)]["log"]
+            if len(shared):
+                ax.scatter([n_layers + 0.5], [10 ** shared.mean()], color=palette[method], marker="D", s=24)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"adapted layer (diamond at {n_layers + 0.5:g}: shared parameters)")
+        ax.set_ylabel("adapter gradient norm")
+        ax.set_title(function, fontsize=10)
+    handles = [Line2D([], [], color=c, label=m) for m, c in palette.items()]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 6), fontsize=9)
+    arch, budget = grads["arch"].iloc[0], grads["budget"].iloc[0]
+    when = {"mean": "geometric mean over the recorded epochs", "last": "last recorded epoch"}
+    when = when.get(epoch, f"epoch {epoch}")
+    fig.suptitle(
+        f"Per-layer adapter gradient norms, {arch}, budget {budget}\n({when}; line: geometric mean over seeds, "
+        "band: lowest to highest seed; a zero norm is left out)",
+        fontsize=11,
+    )
+    return fig
+
+
+def concentration_figure(grads: pd.DataFrame, methods=None) -> Figure:
+    """The gradient concentration index (max / mean per-layer norm) against the epoch, one panel per function, one
+    line per method with a mean ± std band over seeds. `grads` is `results.load_gradients` of one slice."""
+    from qlbench.results import gradients_summary
+
+    g = grads[grads["method"].isin(methods)] if methods is not None else grads
+    summary = gradients_summary(g)
+    functions, palette = sorted(summary["function"].unique()), _palette(summary["method"])
+    fig, axes = _facets(len(functions))
+    for ax, function in zip(axes, functions):
+        sns.lineplot(
+            data=summary[summary["function"] == function],
+            x="epoch",
+            y="concentration",
+            hue="method",
+            palette=palette,
+            errorbar="sd",
+            ax=ax,
+            legend=False,
+            linewidth=1.2,
+            err_kws={"alpha": 0.15},
+        )
+        ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle=":")
+        ax.set_title(function, fontsize=10)
+        ax.set_ylabel("max / mean layer gradient norm")
+    handles = [Line2D([], [], color=c, label=m) for m, c in palette.items()]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 6), fontsize=9)
+    arch, budget = grads["arch"].iloc[0], grads["budget"].iloc[0]
+    fig.suptitle(
+        f"Gradient concentration index over training, {arch}, budget {budget}\n(mean ± std over seeds; lower: "
+        "more even across layers)",
+        fontsize=11,
+    )
+    return fig
+
+
+def route_map_figure(maps: dict, member: int = 0, title: str = "") -> Figure:
+    """The target surface, the model's prediction and, per block, the input plane coloured by the dominant atom
+    (argmax of alpha) of one member; `maps` is `diagnostics.route_maps`. One colour per atom, shared by the
+    blocks."""
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    xy, dominant = maps["grid"], maps["dominant"][member]  # (n, n, 2), (B, n, n)
+    B, M = dominant.shape[0], maps["alpha"].shape[-1]
+    colours = ListedColormap(sns.color_palette("tab10" if M <= 10 else "husl", M))
+    norm = BoundaryNorm(np.arange(M + 1) - 0.5, M)
+    panels = 2 + B
+    cols = min(panels, 3)
+    rows = -(-panels // cols)
+    fig = Figure(figsize=(4.2 * cols, 3.7 * rows + 0.6), layout="constrained")
+    axes = list(fig.subplots(rows, cols, squeeze=False).flat)
+    for ax in axes[panels:]:
+        ax.set_axis_off()
+    X, Y = xy[..., 0].numpy(), xy[..., 1].numpy()
+    lo = float(min(maps["target"].min(), maps["prediction"][member].min()))
+    hi = float(max(maps["target"].max(), maps["prediction"][member].max()))
+    for ax, (name, z) in zip(axes, (("target", maps["target"]), ("prediction", maps["prediction"][member]))):
+        cs = ax.contourf(X, Y, z.numpy(), levels=np.linspace(lo, hi, 25), cmap="viridis")
+        ax.set_title(name, fontsize=10)
+        ax.set_aspect("equal")
+    fig.colorbar(cs, ax=axes[:2], shrink=0.8)
+    for b in range(B):
+        ax = axes[2 + b]
+        mesh = ax.pcolormesh(X, Y, dominant[b].numpy(), cmap=colours, norm=norm, shading="nearest")
+        used = sorted(set(dominant[b].flatten().tolist()))
+        ax.set_title(f"block {b}: dominant atom ({len(used)} of {M} atoms)", fontsize=10)
+        ax.set_aspect("equal")
+    fig.colorbar(mesh, ax=axes[2 : 2 + B], ticks=range(M), label="atom", shrink=0.8)
+    fig.suptitle(title or "Route maps: dominant atom per block over the input plane")
+    return fig
+
+
+def atom_weight_figure(maps: dict, member: int = 0, title: str = "") -> Figure:
+    """Each atom's routing weight alpha over the input plane, blocks as rows, atoms as columns, one member."""
+    xy, alpha = maps["grid"], maps["alpha"][member]  # (n, n, 2), (B, n, n, M)
+    B, M = alpha.shape[0], alpha.shape[-1]
+    fig = Figure(figsize=(1.9 * M + 1.2, 1.9 * B + 1.0), layout="constrained")
+    axes = fig.subplots(B, M, squeeze=False)
+    X, Y = xy[..., 0].numpy(), xy[..., 1].numpy()
+    for b in range(B):
+        for m in range(M):
+            ax = axes[b, m]
+            mesh = ax.pcolormesh(X, Y, alpha[b, ..., m].numpy(), cmap="magma", vmin=0, vmax=1, shading="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_aspect("equal")
+            if b == 0:
+                ax.set_title(f"atom {m}", fontsize=9)
+            if m == 0:
+                ax.set_ylabel(f"block {b}", fontsize=9)
+    fig.colorbar(mesh, ax=axes, shrink=0.6, label="alpha")
+    fig.suptitle(title or "Routing weight of every atom over the input plane")
+    return fig
+
+
+def atom_usage_figure(usage: dict[str, torch.Tensor], title: str = "") -> Figure:
+    """Heatmaps of atom usage (mean routing weight over the target test set), blocks x atoms, one panel per model;
+    `usage` maps a panel label to a (B, M) tensor (e.g. one member of `diagnostics.route_stats(...)["usage"]`)."""
+    fig = Figure(figsize=(4.4 * len(usage) + 1, 3.2), layout="constrained")
+    axes = fig.subplots(1, len(usage), squeeze=False).flat
+    for ax, (label, u) in zip(axes, usage.items()):
+        sns.heatmap(
+            pd.DataFrame(u.numpy()).rename_axis(index="block", columns="atom"),
+            ax=ax,
+            vmin=0,
+            vmax=1,
+            cmap="rocket_r",
+            annot=True,
+            fmt=".2f",
+            annot_kws={"fontsize": 7},
+            cbar=False,
+        )
+        ax.set_title(label, fontsize=10)
+    fig.suptitle(title or "Atom usage per block (mean routing weight over the target test set)")
+    return fig
+
+
+def signal_figure(profile: pd.DataFrame) -> Figure:
+    """Spread of the hidden features across inputs against the layer (log scale), one line per (init, stage), mean
+    over seeds with a min-max band; `profile` is `diagnostics.signal_profile`."""
+    fig = Figure(figsize=(8, 4.6), layout="constrained")
+    ax = fig.subplots()
+    inits = list(dict.fromkeys(profile["init"]))
+    palette = dict(zip(inits, sns.color_palette("tab10", len(inits))))
+    for (init, stage), g in profile.groupby(["init", "stage"], sort=False):
+        by = g.groupby("layer")["spread"]
+        style = "-" if stage == "init" else "--"
+        ax.plot(by.mean().index, by.mean(), style, color=palette[init], label=f"{init}, {stage}")
+        ax.fill_between(by.mean().index, by.min(), by.max(), color=palette[init], alpha=0.12, linewidth=0)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer (0: after the input layer)")
+    ax.set_ylabel("spread: mean over features of std across inputs")
+    ax.legend(fontsize=9)
+    first = profile.iloc[0]
+    ax.set_title(f"Signal propagation, {first['arch']}, {first['function']}, budget {first['budget']}", fontsize=11)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------------------
 # The report: every table, statistic and figure of a results frame, one set per (arch, budget).
 
 
@@ -521,9 +777,9 @@ def _write_table(files: list, stem: Path, formats, *, md: str, latex, csv: pd.Da
         files.append(path)
 
 
-def _save_figure(files: list, fig: Figure, stem: Path) -> None:
+def _save_figure(files: list, fig: Figure, stem: Path, dpi: int = 150) -> None:
     for ext in ("png", "pdf"):
-        store.atomic_write(stem.with_suffix(f".{ext}"), lambda tmp, ext=ext: fig.savefig(tmp, format=ext, dpi=150))
+        store.atomic_write(stem.with_suffix(f".{ext}"), lambda tmp, ext=ext: fig.savefig(tmp, format=ext, dpi=dpi))
         files.append(stem.with_suffix(f".{ext}"))
 
 
@@ -582,6 +838,15 @@ def _slice_report(frame, curves, folder: Path, metric: str, formats, figures: bo
     return "\n\n".join(parts)
 
 
+def _init_slice(f: pd.DataFrame | None, arch: str, budget: str, init: str, label: str) -> pd.DataFrame | None:
+    """The rows of a curves or gradients frame for one (arch, budget, backbone init), arch relabelled."""
+    if f is None or not len(f):
+        return f
+    inits = f["backbone_init"] if "backbone_init" in f else pd.Series("default", index=f.index)
+    keep = (f["arch"] == arch) & (f["budget"] == budget) & (inits == init)
+    return f[keep].assign(arch=label)
+
+
 def _slice_figures(frame, curves, folder: Path, metric: str, files: list) -> None:
     arch, budget = frame["arch"].iloc[0], frame["budget"].iloc[0]
     if curves is not None and len(curves):
@@ -600,20 +865,32 @@ def write_report(
     metric: str = "test-at-best-train",
     formats=FORMATS,
     figures: bool = True,
+    gradients: pd.DataFrame | None = None,
 ) -> dict:
     """Write every table, paired statistic and figure of a results frame into out_dir, one set per (arch, budget)
-    in out_dir/<arch>/<budget>/ (never mixed), plus out_dir/report.md when "md" is in `formats`.
+    in out_dir/<arch>/<budget>/ (never mixed), plus out_dir/report.md when "md" is in `formats`. Records of a
+    non-default backbone init (column backbone_init) are a slice of their own, in out_dir/<arch>-<init>/<budget>/,
+    labelled "<arch>, <init> init" in its tables and figures.
 
     frame: `results.load`; curves: `results.load_curves` (or None: no curve figures); metric: the test metric
     (best-train | best-test | test-at-best-train), shown after the best-train table and used by the statistics;
-    formats: any of md, latex, csv. Returns {"markdown": the report text, "files": [paths written]}.
+    formats: any of md, latex, csv; gradients: `results.load_gradients` (or None): adds the gradient concentration
+    table (vs LoRA, paired) and the gradient figures of each slice that has any.
+    Returns {"markdown": the report text, "files": [paths written]}.
     ValueError (one line) for an empty frame, a bad metric or format.
     """
     _validate(frame, metric, formats)
     out_dir, files, sections = Path(out_dir), [], []
-    for (arch, budget), group in frame.groupby(["arch", "budget"], sort=True):
-        folder = out_dir / _slug(arch) / _slug(budget)
-        sections.append(_slice_report(group, curves, folder, metric, formats, figures, files))
+    if "backbone_init" not in frame:
+        frame = frame.assign(backbone_init="default")
+    for (arch, budget, init), group in frame.groupby(["arch", "budget", "backbone_init"], sort=True):
+        label = arch if init == "default" else f"{arch}, {init} init"
+        folder = out_dir / _slug(arch if init == "default" else f"{arch}-{init}") / _slug(budget)
+        key = (arch, budget, init, label)
+        group = group.drop(columns="backbone_init").assign(arch=label)
+        sections.append(_slice_report(group, _init_slice(curves, *key), folder, metric, formats, figures, files))
+        if gradients is not None and len(g := _init_slice(gradients, *key)):
+            sections.append(_gradient_section(g, folder, formats, figures, files))
     text = "\n\n".join(sections) + "\n"
     if "md" in formats:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,16 @@ Record layout (schema 1), in the spirit of huggingface peft's method_comparison:
     run_info:   created_at, qlbench_version, git {commit, dirty}, config (fully resolved), config_hash, budget,
                 device, compile, dtype, seeds
     train_info: status (ok | diverged | failed), message, wall_time_s, stacked_members, trainable_params,
-                total_params, eval_epochs, per_seed [{seed, status, diverged_epoch, best_train_mse,
+                total_params, eval_epochs, grad_epochs, per_seed [{seed, status, diverged_epoch, best_train_mse,
                 best_train_epoch, best_test_mse (test-selected, as the paper), best_test_epoch,
-                test_at_best_train (no peeking), source_train_mse, source_test_mse, train_curve, test_curve}]
+                test_at_best_train (no peeking), source_train_mse, source_test_mse, train_curve, test_curve,
+                grad_layer_norms, grad_shared_norm}]
     meta_info:  python, platform, torch, numpy, cpu, gpu, threads
+
+Optional fields, added without a schema change (a record without them reads as before): run_info.config
+.backbone_init (only when not "default"; missing = "default"); train_info.grad_epochs and per seed
+grad_layer_norms ([epoch][layer]) and grad_shared_norm ([epoch], only for methods with shared parameters): the
+gradient diagnostics of qlbench/gradients.py at the evaluated epochs > 0, null after a divergence.
 """
 
 from __future__ import annotations
@@ -69,13 +75,16 @@ def make_record(
     trainable_params: int | None = None,
     total_params: int | None = None,
     eval_epochs: list[int] | None = None,
+    grad_epochs: list[int] | None = None,
     per_seed: list[dict] | None = None,
 ) -> dict:
     per_seed = [{k: (finite(v) if isinstance(v, float) else v) for k, v in s.items()} for s in per_seed or []]
     for s in per_seed:
-        for k in ("train_curve", "test_curve"):
+        for k in ("train_curve", "test_curve", "grad_shared_norm"):
             if k in s:
                 s[k] = [finite(float(v)) for v in s[k]]
+        if "grad_layer_norms" in s:
+            s["grad_layer_norms"] = [[finite(float(v)) for v in row] for row in s["grad_layer_norms"]]
     return {
         "schema": SCHEMA,
         "run_info": {
@@ -98,10 +107,21 @@ def make_record(
             "trainable_params": trainable_params,
             "total_params": total_params,
             "eval_epochs": eval_epochs or [],
+            **({"grad_epochs": grad_epochs} if grad_epochs else {}),
             "per_seed": per_seed,
         },
         "meta_info": meta_info(device),
     }
+
+
+def gradient_fields(curves, i: int) -> dict:
+    """Member i's gradient diagnostics from `engine.Curves` as per-seed record fields (none when not recorded)."""
+    out = {}
+    if curves.grad_layers is not None:
+        out["grad_layer_norms"] = curves.grad_layers[i].tolist()  # [epoch][layer]
+    if curves.grad_shared is not None:
+        out["grad_shared_norm"] = curves.grad_shared[i].tolist()  # [epoch]
+    return out
 
 
 def read_record(path: Path) -> dict:
@@ -153,9 +173,16 @@ def _records(paths_or_root, on_damaged) -> list[tuple[Path, dict]]:
 
 
 def _cell(rec: dict) -> dict:
-    """The key columns of a record's cell: function, arch, method, budget."""
+    """The key columns of a record's cell: function, arch, method, budget, backbone_init ("default" for records
+    written before backbone inits existed)."""
     cfg, budget = rec["run_info"]["config"], rec["run_info"]["budget"]
-    return {"function": cfg["function"], "arch": cfg["arch"], "method": cfg["method"], "budget": budget}
+    return {
+        "function": cfg["function"],
+        "arch": cfg["arch"],
+        "method": cfg["method"],
+        "budget": budget,
+        "backbone_init": cfg.get("backbone_init", "default"),
+    }
 
 
 def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
@@ -208,9 +235,48 @@ def load_curves(paths_or_root, on_damaged=None) -> pd.DataFrame:
                     }
                 )
     frame = pd.DataFrame(
-        rows, columns=["function", "arch", "method", "budget", "seed", "status", "epoch", "train_mse", "test_mse"]
+        rows,
+        columns=[*CELL_COLUMNS, "seed", "status", "epoch", "train_mse", "test_mse"],
     )
     return frame.astype({"train_mse": float, "test_mse": float})
+
+
+CELL_COLUMNS = ("function", "arch", "method", "budget", "backbone_init")
+
+
+def load_gradients(paths_or_root, on_damaged=None) -> pd.DataFrame:
+    """Tidy gradient diagnostics (qlbench/gradients.py), one row per (cell, seed, recorded epoch, entry): function,
+    arch, method, budget, backbone_init, seed, status, epoch, layer (0 .. L-1, or -1 for the shared entry), norm
+    (NaN after a divergence). Records without gradient diagnostics (older ones, reference rows) give no rows.
+    `gradients_summary` turns it into concentration indices."""
+    rows = []
+    for _, rec in _records(paths_or_root, on_damaged):
+        train = rec["train_info"]
+        for s in train["per_seed"]:
+            layers, shared = s.get("grad_layer_norms") or [], s.get("grad_shared_norm") or []
+            for t, epoch in enumerate(train.get("grad_epochs", [])[: len(layers)]):
+                base = {**_cell(rec), "seed": s["seed"], "status": s["status"], "epoch": epoch}
+                rows += [base | {"layer": layer, "norm": v} for layer, v in enumerate(layers[t])]
+                if t < len(shared):
+                    rows.append(base | {"layer": SHARED_LAYER, "norm": shared[t]})
+    frame = pd.DataFrame(rows, columns=[*CELL_COLUMNS, "seed", "status", "epoch", "layer", "norm"])
+    return frame.astype({"norm": float})
+
+
+SHARED_LAYER = -1  # the `layer` of the shared-parameter entry in `load_gradients`
+
+
+def gradients_summary(grads: pd.DataFrame) -> pd.DataFrame:
+    """One row per (cell, seed, epoch) of `load_gradients`: concentration (max / mean of the per-layer norms; the
+    shared entry is not a layer; NaN when every layer is 0 or a norm is not finite), mean_norm over layers,
+    shared_norm (NaN without a shared entry)."""
+    keys = [*CELL_COLUMNS, "seed", "epoch"]
+    layers = grads[grads["layer"] != SHARED_LAYER]
+    by = layers.groupby(keys, sort=False)["norm"]
+    out = pd.DataFrame({"max_norm": by.max(skipna=False), "mean_norm": by.mean(skipna=False)}).reset_index()
+    out["concentration"] = np.where(out["mean_norm"] > 0, out["max_norm"] / out["mean_norm"], np.nan)
+    shared = grads[grads["layer"] == SHARED_LAYER][keys + ["norm"]].rename(columns={"norm": "shared_norm"})
+    return out.merge(shared, on=keys, how="left").drop(columns="max_norm")
 
 
 def index(root, on_damaged=None) -> pd.DataFrame:
@@ -226,6 +292,7 @@ def index(root, on_damaged=None) -> pd.DataFrame:
                 "function": cfg["function"],
                 "method": cfg["method"],
                 "budget": run["budget"],
+                "backbone_init": cfg.get("backbone_init", "default"),
                 "config_hash": run["config_hash"],
                 "status": train["status"],
                 "seeds": len(run["seeds"]),
@@ -240,6 +307,7 @@ def index(root, on_damaged=None) -> pd.DataFrame:
         "function",
         "method",
         "budget",
+        "backbone_init",
         "config_hash",
         "status",
         "seeds",
@@ -255,7 +323,7 @@ def newest_config(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """One config per (arch, budget, function, method): the newest record's rows, and one note per cell whose older
     configs are left out (a table mixing hyper-parameters would be meaningless, so they are never averaged
     together). `frame` is `load`'s."""
-    keys = ["arch", "budget", "function", "method"]
+    keys = ["arch", "budget", "function", "method"] + (["backbone_init"] if "backbone_init" in frame else [])
     if frame.empty:
         return frame, []
     mtimes = {r: Path(r).stat().st_mtime_ns for r in set(frame["record"])}  # one stat per record, not per seed
@@ -263,10 +331,10 @@ def newest_config(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     newest = stamps.sort_values("mtime").groupby(keys)["record"].last().rename("newest")
     merged = stamps.join(newest, on=keys)
     older = merged[merged["record"] != merged["newest"]]
+    name = lambda key: "/".join(key[:4]) + (f" (backbone init {key[4]})" if key[4:] not in ((), ("default",)) else "")
     notes = [
-        f"{arch}/{budget}/{function}/{method}: {g['record'].nunique()} older config(s) not shown "
-        f"({', '.join(sorted(set(g['config_hash'])))})"
-        for (arch, budget, function, method), g in older.groupby(keys)
+        f"{name(key)}: {g['record'].nunique()} older config(s) not shown ({', '.join(sorted(set(g['config_hash'])))})"
+        for key, g in older.groupby(keys)
     ]
     kept = merged[merged["record"] == merged["newest"]].drop(columns=["mtime", "newest"])
     return kept.reset_index(drop=True), notes

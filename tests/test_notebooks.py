@@ -40,7 +40,7 @@ def smoke_sweep(out: Path) -> Path:
 def test_notebook_runs(path, this_python_kernel, tmp_path, monkeypatch):
     figures = tmp_path / "figures"
     monkeypatch.setenv("QLBENCH_FIGURES_DIR", str(figures))  # the kernel inherits this environment
-    if path.name == "02_results.ipynb":  # a results folder as a user has one: a smoke sweep
+    if path.name in ("02_results.ipynb", "03_routing.ipynb"):  # a results folder as a user has one: a smoke sweep
         monkeypatch.setenv("QLBENCH_RESULTS", str(smoke_sweep(tmp_path / "results")))
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))

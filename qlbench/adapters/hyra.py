@@ -56,6 +56,8 @@ class HyraConfig(LoraConfig):
 class HyperNetwork(nn.Module):
     """H for one (role, shape) key: layer embeddings, head embeddings, W_in and W_out = [W_out_A; W_out_B]."""
 
+    layer_slots = ("layer_emb",)  # e_l is per layer: slot l of dim 1 is backbone layer l (gradients.py)
+
     def __init__(
         self,
         n_layers: int,

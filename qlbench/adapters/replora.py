@@ -68,6 +68,8 @@ class GeneratorPair(nn.Module):
     """One (role, shape) key: the generators A (G_A over d_in) and B (G_B over d_out), and the latents of the
     key's L layers, latent_A = A~ (E, L, r, d_in) and latent_B = B~ (E, L, d_out, r)."""
 
+    layer_slots = ("latent_A", "latent_B")  # per-layer parameters: slot l of dim 1 is backbone layer l (gradients.py)
+
     def __init__(self, A: FactorGenerator, B: FactorGenerator, latent_A: nn.Parameter, latent_B: nn.Parameter):
         super().__init__()
         self.A, self.B = A, B

@@ -1,5 +1,6 @@
 """`qlbench report RESULTS`: the paper's tables (one row per function, one column per method) with paired
-statistics against LoRA, in Markdown, LaTeX and CSV, and seaborn figures; one table set per (arch, budget)."""
+statistics against LoRA, in Markdown, LaTeX and CSV, and seaborn figures; one table set per (arch, budget, backbone
+init); the gradient concentration table and gradient figures where records hold gradient diagnostics."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("folder", type=Path, metavar="RESULTS", help="a results folder (as given to run/sweep --out)")
     p.add_argument("--arch", help="only this arch (default: every arch in the folder)")
     p.add_argument("--budget", help="only this budget (default: every budget in the folder)")
+    p.add_argument(
+        "--backbone-init", help="only records of this backbone init (default: every init, each a slice of its own)"
+    )
     p.add_argument(
         "--metric",
         default="test-at-best-train",
@@ -55,7 +59,7 @@ def run(args) -> int:
     frame = results.load(args.folder, on_damaged=log)
     if frame.empty:
         raise UsageError(f"no records under {args.folder / 'records'}; `qlbench sweep --out {args.folder}` writes some")
-    for key, value in (("arch", args.arch), ("budget", args.budget)):
+    for key, value in (("arch", args.arch), ("budget", args.budget), ("backbone_init", args.backbone_init)):
         if value is not None:
             if value not in set(frame[key]):
                 raise UsageError(
@@ -67,10 +71,17 @@ def run(args) -> int:
     for note in notes:
         log(note)
     curves = results.load_curves(sorted(set(frame["record"])), on_damaged=log)
+    gradients = results.load_gradients(sorted(set(frame["record"])), on_damaged=log)
     out = args.out or args.folder / "report"
     with usage_errors():
         written = report.write_report(
-            frame, curves, out, metric=args.metric, formats=tuple(formats), figures=not args.no_figures
+            frame,
+            curves,
+            out,
+            metric=args.metric,
+            formats=tuple(formats),
+            figures=not args.no_figures,
+            gradients=gradients if len(gradients) else None,
         )
     print(written["markdown"])
     print(f"\nwritten to {out}: {', '.join(sorted(str(Path(p).relative_to(out)) for p in written['files']))}")

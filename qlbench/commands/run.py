@@ -130,6 +130,13 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         help="intra-op threads (default: 1 for a deep-narrow stack below 16 members, else PyTorch's default)",
     )
     p.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+    p.add_argument(
+        "--backbone-init",
+        default="default",
+        help="the backbone's initialisation: default (PyTorch's, the paper's), kaiming or orthogonal "
+        "(variance-preserving for GELU; deep-narrow only); part of the cache key and of a non-default cell's "
+        "config hash",
+    )
     p.add_argument("--out", default="results", help="results folder (default ./results)")
     p.add_argument(
         "--hp",
@@ -175,6 +182,7 @@ def run(args, functions: list[str]) -> int:
         compile=args.compile,
         threads=args.threads,
         force=args.force,
+        backbone_init=args.backbone_init,
     )
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()  # the wall time printed includes starting (or reaching) Ray
@@ -195,7 +203,8 @@ def run(args, functions: list[str]) -> int:
             else ""
         )
         print(
-            f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}, budget {b.name} (pretrain "
+            f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}"
+            f"{'' if plan.backbone_init == 'default' else f' ({plan.backbone_init} init)'}, budget {b.name} (pretrain "
             f"{b.pretrain.epochs} epochs, adapt {b.adapt.epochs} epochs), seeds {plan.seeds}, methods "
             f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}{where}",
             flush=True,

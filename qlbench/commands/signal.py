@@ -1,0 +1,97 @@
+"""`qlbench signal`: how a backbone propagates its input, layer by layer, at initialisation and after pretraining.
+
+The spread of a layer is the mean over its features of each feature's standard deviation across the target test
+inputs (qlbench.diagnostics.signal_profile). Pretrained backbones come from the results folder's cache (trained and
+cached when missing), the same files `qlbench run --backbone-init` uses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from qlbench.commands import UsageError, split_list, usage_errors
+
+
+def register(subparsers) -> None:
+    from qlbench import engine, zoo
+    from qlbench.backbones import ARCHS, INITS
+
+    p = subparsers.add_parser(
+        "signal",
+        help="per-layer spread of a backbone's hidden features across inputs, at init and after pretraining",
+        description="Signal propagation: for each backbone init, the spread across inputs of every hidden layer's "
+        "features at initialisation and after the budget's pretraining, as a table and a figure.",
+    )
+    p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
+    p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
+    p.add_argument(
+        "--backbone-init",
+        default="default",
+        metavar="I1,I2",
+        help=f"comma-separated, from: {', '.join(INITS)} (default: default)",
+    )
+    p.add_argument(
+        "--budget",
+        default="quick",
+        help=f"the pretraining of one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default quick)",
+    )
+    p.add_argument("--seeds", type=int, help="number of seeds (default: the budget's)")
+    p.add_argument("--no-pretrain", action="store_true", help="at initialisation only")
+    p.add_argument("--out", type=Path, default=Path("results"), help="results folder (default ./results)")
+    p.add_argument("--figure", type=Path, help="the figure (PNG; default <out>/signal/<arch>-<function>-<budget>.png)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: PyTorch's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tqdm.auto import tqdm
+
+    from qlbench import diagnostics, engine, report, store, zoo
+    from qlbench.backbones import check_init
+
+    inits = split_list(args.backbone_init)
+    if not inits:
+        raise UsageError("--backbone-init is empty; give one or more of default, kaiming, orthogonal")
+    if args.seeds is not None and args.seeds < 1:
+        raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    with usage_errors():
+        b = engine.budget(args.budget, args.arch)
+        zoo.card(args.function)
+        for init in inits:
+            check_init(args.arch, init)
+        engine.resolve_device(args.device)
+    log = lambda message: print(message, file=sys.stderr, flush=True)
+    seeds = b.seeds if args.seeds is None else args.seeds
+    with (
+        engine.num_threads(args.threads),
+        tqdm(desc="pretrain", unit="step", disable=args.no_progress, leave=False) as bar,
+    ):
+        profile = diagnostics.signal_profile(
+            args.arch,
+            args.function,
+            inits,
+            args.budget,
+            seeds=seeds,
+            store=store.Store(args.out),
+            device=args.device,
+            pretrained=not args.no_pretrain,
+            progress=bar.update,
+            log=log,
+        )
+    wide = profile.groupby(["layer", "init", "stage"])["spread"].mean().unstack(["init", "stage"])
+    wide.columns = [f"{init}, {stage}" for init, stage in wide.columns]
+    print(
+        f"qlbench signal: {args.arch}, {args.function}, budget {args.budget} ({seeds} seeds): spread of the hidden "
+        "features across the target test inputs, mean over seeds (layer 0: after the input layer)\n"
+    )
+    print(report.markdown(wide.map(lambda v: f"{v:.3g}").reset_index()))
+    figure = args.figure or args.out / "signal" / f"{args.arch}-{args.function}-{args.budget}.png"
+    fig = report.signal_figure(profile)
+    store.atomic_write(figure, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    print(f"\nfigure: {figure}")
+    return 0
