@@ -178,3 +178,17 @@ def test_more_threads_than_a_node_has_is_one_line_before_any_work(faults, tmp_pa
     line = one_line_error(capsys, [*SWEEP, *RAY, "--threads", "3", "--out", str(tmp_path)])
     assert "threads 3 exceed the largest Ray node's 2 CPU(s); valid: 1..2" in line
     assert not Store(tmp_path).records() and not Store(tmp_path).backbone_dir.exists()
+
+
+def test_a_ray_sweep_keeps_the_backbone_init(faults, local, tmp_path):
+    """--backbone-init reaches the Ray tasks' pretraining and adaptation: a kaiming Ray sweep equals the local
+    executor's kaiming sweep, and differs from the default-init records (a task that dropped the option would
+    pretrain, or look up, default backbones)."""
+    kaiming = [*SWEEP, "--methods", "lora", "--backbone-init", "kaiming"]
+    assert cli.main([*kaiming, "--out", str(tmp_path / "local")]) == 0
+    assert cli.main([*kaiming, *RAY, "--out", str(tmp_path / "ray")]) == 0
+    assert_same_cells(tmp_path / "ray", tmp_path / "local", "lora")
+    default = {Store(local).cell_of(r)[1]: measured(r) for r in Store(local).records(method="lora")}
+    for record in Store(tmp_path / "ray").records(method="lora"):
+        theirs = default[Store(tmp_path / "ray").cell_of(record)[1]]
+        assert measured(record)["per_seed"][0]["test_curve"] != theirs["per_seed"][0]["test_curve"]
