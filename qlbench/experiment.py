@@ -53,6 +53,28 @@ class Plan:
             self.arch, function, method, self.budget.name, stable_hash(self.cell_config(function, method))
         )
 
+    def pretrain_needed(self, members: list[engine.Member]) -> bool:
+        """Whether `pretrain(members)` will train anything (some member's backbone is not in the store's cache)."""
+        return engine.pretrain_needed(
+            self.arch, members, self.budget.pretrain, DTYPES[self.dtype], self.store, self.backbone_init
+        )
+
+    def pretrain(self, members: list[engine.Member], **kwargs) -> engine.Pretrained:
+        """The members' source-pretrained backbones with this plan's arch, budget, dtype, store, backbone init,
+        device and compile setting (cached; `engine.pretrain`); kwargs: progress, log. Every executor pretrains
+        through here, so none can drop one of these settings."""
+        return engine.pretrain(
+            self.arch,
+            members,
+            self.budget.pretrain,
+            device=self.device,
+            dtype=DTYPES[self.dtype],
+            store=self.store,
+            compile=self.compile,
+            init=self.backbone_init,
+            **kwargs,
+        )
+
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused.
 
@@ -283,27 +305,14 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
     """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells."""
     if functions:
         members = [(f, s) for f in functions for s in p.seeds]
-        store = p.store
         with tqdm(
-            total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN)
-            * (1 if engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, store, p.backbone_init) else 0),
+            total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if p.pretrain_needed(members) else 0),
             desc=f"pretrain {p.arch} x{len(members)}",
             unit="step",
             disable=not progress,
             leave=False,
         ) as bar:
-            pre = engine.pretrain(
-                p.arch,
-                members,
-                p.budget.pretrain,
-                device=p.device,
-                dtype=dtype,
-                store=store,
-                progress=bar.update,
-                compile=p.compile,
-                log=log,
-                init=p.backbone_init,
-            )
+            pre = p.pretrain(members, progress=bar.update, log=log)
         trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
         total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
         with tqdm(total=total, desc="adapt", unit="step", disable=not progress) as bar:

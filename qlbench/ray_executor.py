@@ -170,8 +170,7 @@ def _pretrain(ray, p, functions, request, threads, retries, reporter, progress, 
     """Pretrain (or check the cache of) every member once, in one task; False when it failed (every pending cell
     is then written as failed)."""
     members = [(f, s) for f in functions for s in p.seeds]
-    dtype = experiment.DTYPES[p.dtype]
-    needed = engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, p.store, p.backbone_init)
+    needed = p.pretrain_needed(members)
     total = engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) if needed else 0
     task = ray.remote(_pretrain_task).options(**request, max_retries=retries, name=f"qlbench pretrain {p.arch}")
     t0 = time.perf_counter()
@@ -317,18 +316,7 @@ def _pretrain_task(p: experiment.Plan, members: list, threads: int, actor, key) 
     """Load the cached backbones of `members`, train and cache the missing ones (one stack); returns log lines."""
     p, messages, report = _task_plan(p), [], _Reporter(actor, key)
     with engine.num_threads(threads):
-        engine.pretrain(
-            p.arch,
-            members,
-            p.budget.pretrain,
-            device=p.device,
-            dtype=experiment.DTYPES[p.dtype],
-            store=p.store,
-            progress=report,
-            compile=p.compile,
-            log=messages.append,
-            init=p.backbone_init,
-        )
+        p.pretrain(members, progress=report, log=messages.append)
     report.flush()
     return messages
 
@@ -338,15 +326,13 @@ def _adapt_task(p: experiment.Plan, unit: Unit, threads: int, actor, key) -> tup
     p, messages, report = _task_plan(p), [], _Reporter(actor, key)
     members = [(f, s) for f in unit.functions for s in p.seeds]
     dtype = experiment.DTYPES[p.dtype]
-    if engine.pretrain_needed(p.arch, members, p.budget.pretrain, dtype, p.store, p.backbone_init):
+    if p.pretrain_needed(members):
         raise FileNotFoundError(
             f"the pretrained backbones are not in {p.store.backbone_dir} on {socket.gethostname()}: the results "
             "folder must be on a file system every node shares"
         )
     with engine.num_threads(threads):
-        pre = engine.pretrain(
-            p.arch, members, p.budget.pretrain, device=p.device, dtype=dtype, store=p.store, init=p.backbone_init
-        )
+        pre = p.pretrain(members)
         trains = adapters.get(unit.method).trains
         experiment.run_method(p, unit.method, pre, dtype, report if trains else None, messages.append)
     report.flush()
