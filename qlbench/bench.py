@@ -234,12 +234,14 @@ def evaluation_seconds(model, E: int, threads, rounds: int, device) -> float:
     return statistics.median(times)
 
 
-def paper_estimate(report: dict, arch: str = "deep-narrow") -> dict | None:
+def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = False) -> dict | None:
     """Wall time of the full paper table of `arch` (nine functions x five seeds = 45 members per method) predicted
     from the measured rates at the largest E of the run: per method, the adaptation steps (5,000 epochs of the
     400-sample target at batch 64 per member) at the stacked rate plus its evaluations (every 10 epochs and at 0) at
-    the measured evaluation time, scaled linearly from E to 45 members. Pretraining is not included (it is cached
-    and shared by the methods). None when the run has no throughput row of `arch`."""
+    the measured evaluation time, scaled linearly from E to 45 members. With `compiled` (the paper budget compiles
+    its training step on this device, engine.compile_by_default) a method's compiled rate at that E is used where
+    the run measured one, plus its measured compile warm-up; evaluation always runs eager. Pretraining is not
+    included (it is cached and shared by the methods). None when the run has no throughput row of `arch`."""
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
     if not rows:
@@ -249,28 +251,39 @@ def paper_estimate(report: dict, arch: str = "deep-narrow") -> dict | None:
     members = 9 * budget.seeds
     steps = engine.steps(budget.adapt, zoo.TARGET_TRAIN)  # per member
     evaluations = budget.adapt.epochs // budget.eval_every + 1
+    comp = {r["method"]: r for r in report.get("compile", []) if r["arch"] == arch and r["members"] == E}
     methods = {}
     for r in rows:
         if r["members"] != E:
             continue
-        train = members * steps / r["stacked"]  # model-steps / (model-steps/s)
+        c = comp.get(r["method"]) if compiled else None
+        rate = c["compiled"] if c else r["stacked"]  # model-steps/s
+        train = members * steps / rate + (c["warmup_s"] if c else 0.0)
         evaluation = evaluations * r["eval_s"] * members / E
-        methods[r["method"]] = dict(train_s=train, eval_s=evaluation, total_s=train + evaluation)
+        methods[r["method"]] = dict(
+            train_s=train, eval_s=evaluation, total_s=train + evaluation, mode="compiled" if c else "eager"
+        )
     return dict(
         arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
     )
 
 
 def overhead(arch: str, E: int, s: Settings, device) -> dict:
-    """Queryable LoRA's training-step and forward cost against LoRA's, alternating the two."""
+    """Queryable LoRA's training-step and forward cost against LoRA's, alternating the two; with `s.compile` also
+    the compiled training steps of both (deep-narrow), all four arms taking turns in the same rounds."""
     n = s.steps[arch]
     out = dict(arch=arch, members=E)
     threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    variants = [("lora", False), ("queryable", False)]
+    if s.compile and arch == "deep-narrow":
+        variants += [("lora", True), ("queryable", True)]
     steps, fwds = {}, {}
-    for m in ("lora", "queryable"):
+    for m, comp in variants:
         model, opt = stacked_model(arch, m, E, device)
         data = batches(E, device)
-        steps[m] = (chunk(engine.make_step(model, opt), data, n, threads), E * n)
+        steps[m + "_compiled" * comp] = (chunk(engine.make_step(model, opt, compile=comp), data, n, threads), E * n)
+        if comp:
+            continue
         x = data[0][0]
 
         def forward(model=model, x=x):
@@ -279,10 +292,13 @@ def overhead(arch: str, E: int, s: Settings, device) -> dict:
                     model(x)
 
         fwds[m] = (forward, E * BATCH * s.forward_reps)
-        steps[m][0]()
         forward()
+    for fn, _ in steps.values():  # warm-up, compilation included (after every arm is built: compiling resets dynamo)
+        fn()
     r = alternate(steps, s.rounds, device)
     out["train_step_overhead_pct"] = (median_ratio(r["lora"], r["queryable"]) - 1) * 100
+    if "lora_compiled" in r:
+        out["compiled_train_step_overhead_pct"] = (median_ratio(r["lora_compiled"], r["queryable_compiled"]) - 1) * 100
     r = alternate(fwds, s.rounds, device)
     out["forward_overhead_pct"] = (median_ratio(r["lora"], r["queryable"]) - 1) * 100
     return out
@@ -320,26 +336,32 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
 
 def anchor(s: Settings, device) -> dict:
     """The plain-PyTorch deep-narrow LoRA loop a user would write (PyTorch's default threads, and one thread), next
-    to qlbench's naive loop (E = 1, default threads) and the stacked engine at E = 5 (its own setting)."""
+    to qlbench's naive loop (E = 1, default threads) and the stacked engine at each E of the run (its own thread
+    setting), eager and, with `s.compile`, compiled as the paper budget runs it on CPU; all taking turns."""
     n = s.steps["deep-narrow"]
     plain, opt = plain_deep_narrow_lora()
     pstep = plain_step(plain.to(device), opt)
     model, qopt = stacked_model("deep-narrow", "lora", 1, device)
     qstep = engine.make_step(model, qopt)
-    stack, sopt = stacked_model("deep-narrow", "lora", 5, device)
-    sstep = engine.make_step(stack, sopt)
-    data, data5 = batches(1, device), batches(5, device)
+    data = batches(1, device)
     fns = {
         "plain": (chunk(pstep, data, n), n),
         "plain_1_thread": (chunk(pstep, data, n, 1), n),
         "qlbench_e1": (chunk(qstep, data, n), n),
-        "stacked_e5": (chunk(sstep, data5, n, engine.auto_threads("deep-narrow", 5)), 5 * n),
     }
-    for fn, _ in fns.values():
+    for E in s.members:
+        threads = engine.auto_threads("deep-narrow", E) if device.type == "cpu" else None
+        for comp in (False, True) if s.compile else (False,):
+            stack, sopt = stacked_model("deep-narrow", "lora", E, device)
+            step = engine.make_step(stack, sopt, compile=comp)
+            fns[f"stacked_e{E}" + "_compiled" * comp] = (chunk(step, batches(E, device), n, threads), E * n)
+    for fn, _ in fns.values():  # warm-up (compilation included, after every arm is built)
         fn()
     r = alternate(fns, s.rounds, device)
     out = {k: statistics.median(v) for k, v in r.items()}
-    out["stacked_e5_vs_plain"] = median_ratio(r["stacked_e5"], r["plain"])
+    for k in fns:
+        if k.startswith("stacked_"):
+            out[f"{k}_vs_plain"] = median_ratio(r[k], r["plain"])
     return out
 
 
@@ -507,9 +529,11 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                 if arch == "transformer" and E > 5:
                     continue  # 45 per-member SOAP states of a 6.3M-parameter model
                 out.append((f"{arch} SOAP E={E}", add("soap", lambda a=arch, E=E: soap_row(a, E, s, device))))
-        if s.compile and arch == "deep-narrow":
-            for m in pair:
-                out.append((f"{arch} compile {m}", add("compile", lambda a=arch, m=m: compile_row(a, m, 5, s, device))))
+        if s.compile and arch == "deep-narrow":  # every trained method at the largest E: the paper estimate's rates
+            E = max(s.members)
+            for m in trained:
+                row = lambda a=arch, m=m, E=E: compile_row(a, m, E, s, device)
+                out.append((f"{arch} compile {m} E={E}", add("compile", row)))
         out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
     return out
 
@@ -537,12 +561,16 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
     report["peak_gflops"] = max(report["peak_gflops_start"], report["peak_gflops_end"])
     for row in report["throughput"]:
         row["peak_share"] = row["gflops"] / report["peak_gflops"]
-    report["paper_estimate"] = paper_estimate(report)
+    report["paper_estimate"] = paper_estimate(report, compiled=engine.compile_by_default(device, "paper"))
     return report
 
 
 def _f(v, digits=1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:+.0f}%"
 
 
 def markdown(report: dict) -> str:
@@ -559,11 +587,16 @@ def markdown(report: dict) -> str:
     ]
     if "anchor" in report:
         a = report["anchor"]
+        stacks = "; ".join(
+            f"stacked engine at E = {k.split('_')[1][1:]}{' compiled' if k.endswith('compiled') else ''} "
+            f"{a[k]:.0f} model-steps/s = x{a[k + '_vs_plain']:.1f} the plain loop"
+            for k in a
+            if k.startswith("stacked_") and not k.endswith("_vs_plain")
+        )
         out.append(
             f"\nNaive-loop anchor (deep-narrow LoRA, steps/s of one seed): plain PyTorch nn.Linear loop "
             f"{a['plain']:.0f} (default threads), {a['plain_1_thread']:.0f} (one thread); qlbench per-seed "
-            f"loop {a['qlbench_e1']:.0f}; stacked engine at E = 5 {a['stacked_e5']:.0f} model-steps/s = "
-            f"x{a['stacked_e5_vs_plain']:.1f} the plain loop."
+            f"loop {a['qlbench_e1']:.0f}; {stacks}."
         )
     rows = [
         dict(
@@ -591,6 +624,7 @@ def markdown(report: dict) -> str:
                     "adaptation h": f"{v['train_s'] / 3600:.2f}",
                     "evaluation h": f"{v['eval_s'] / 3600:.2f}",
                     "total h": f"{v['total_s'] / 3600:.2f}",
+                    "training step": v.get("mode", "eager"),
                 },
             )
             for m, v in est["methods"].items()
@@ -608,6 +642,7 @@ def markdown(report: dict) -> str:
                 E=r["members"],
                 **{
                     "training step vs LoRA": f"{r['train_step_overhead_pct']:+.0f}%",
+                    "compiled training step vs LoRA compiled": _pct(r.get("compiled_train_step_overhead_pct")),
                     "forward vs LoRA": f"{r['forward_overhead_pct']:+.0f}%",
                 },
             )

@@ -66,9 +66,25 @@ def test_markdown_renders_every_section(tmp_path):
         peak_gflops=100.0,
         meta={"threads": 2},
         settings={"rounds": 3, "inference_rounds": 9},
-        anchor=dict(plain=70.0, plain_1_thread=90.0, qlbench_e1=100.0, stacked_e5=500.0, stacked_e5_vs_plain=7.1),
+        anchor=dict(
+            plain=70.0,
+            plain_1_thread=90.0,
+            qlbench_e1=100.0,
+            stacked_e5=500.0,
+            stacked_e5_vs_plain=7.1,
+            stacked_e45_compiled=2200.0,
+            stacked_e45_compiled_vs_plain=31.4,
+        ),
         throughput=[row | dict(stacked=500.0, naive=100.0, speedup=5.0, step_gflop=0.1, gflops=10.0, peak_share=0.1)],
-        overhead=[dict(arch="deep-narrow", members=5, train_step_overhead_pct=50.0, forward_overhead_pct=40.0)],
+        overhead=[
+            dict(
+                arch="deep-narrow",
+                members=5,
+                train_step_overhead_pct=50.0,
+                compiled_train_step_overhead_pct=-12.0,
+                forward_overhead_pct=40.0,
+            )
+        ],
         compile=[row | dict(warmup_s=7.5, eager=600.0, compiled=800.0, speedup=1.33)],
         profile=[row | dict(step_ms=12.5, aten_ops=2100.0, us_per_op=6.0, matmul_share=0.28, gelu_share=0.27)],
         inference=[
@@ -84,7 +100,9 @@ def test_markdown_renders_every_section(tmp_path):
         ],
     )
     text = bench.markdown(report)
-    for needle in ("(9 for inference)", "x7.1 the plain loop", "| x5.0", "+50%", "x1.33", "64,000", "2,100", "28%"):
+    needles = ("(9 for inference)", "x7.1 the plain loop", "| x5.0", "+50%", "-12%", "x1.33", "64,000", "2,100", "28%")
+    needles += ("E = 45 compiled 2200 model-steps/s = x31.4 the plain loop",)
+    for needle in needles:
         assert needle in text, needle
 
 
@@ -108,3 +126,17 @@ def test_paper_estimate_by_hand():
     assert lora["train_s"] == pytest.approx(45 * 35_000 / 1000) and lora["eval_s"] == pytest.approx(501 * 0.5)
     assert est["total_s"] == pytest.approx(1575 + 250.5) and est["measured_at"] == 45
     assert bench.paper_estimate({"throughput": rows[2:]}) is None
+    assert lora["mode"] == "eager"
+
+
+def test_paper_estimate_uses_compiled_rates_only_where_the_paper_budget_compiles():
+    rows = [dict(arch="deep-narrow", method=m, members=45, stacked=1000.0, eval_s=0.5) for m in ("lora", "dora")]
+    compile_rows = [dict(arch="deep-narrow", method="lora", members=45, compiled=2000.0, warmup_s=30.0)]
+    report = {"throughput": rows, "compile": compile_rows}
+    eager = bench.paper_estimate(report, compiled=False)["methods"]
+    assert eager["lora"]["train_s"] == pytest.approx(45 * 35_000 / 1000) and eager["lora"]["mode"] == "eager"
+    est = bench.paper_estimate(report, compiled=True)["methods"]
+    # lora: compiled rate plus its warm-up; dora has no compiled measurement and stays at its eager rate
+    assert est["lora"]["train_s"] == pytest.approx(45 * 35_000 / 2000 + 30.0) and est["lora"]["mode"] == "compiled"
+    assert est["dora"]["train_s"] == pytest.approx(45 * 35_000 / 1000) and est["dora"]["mode"] == "eager"
+    assert est["lora"]["eval_s"] == eager["lora"]["eval_s"]  # evaluation runs eager either way
