@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -140,3 +141,28 @@ def test_paper_estimate_uses_compiled_rates_only_where_the_paper_budget_compiles
     assert est["lora"]["train_s"] == pytest.approx(45 * 35_000 / 2000 + 30.0) and est["lora"]["mode"] == "compiled"
     assert est["dora"]["train_s"] == pytest.approx(45 * 35_000 / 1000) and est["dora"]["mode"] == "eager"
     assert est["lora"]["eval_s"] == eager["lora"]["eval_s"]  # evaluation runs eager either way
+
+
+@pytest.mark.slow
+def test_compiled_bench_paths_measure_every_arm():
+    """The paths `qlbench bench` takes outside --quick: the anchor's stacks eager and compiled, Queryable LoRA
+    against LoRA compiled, and a compile row, at a tiny size (compilation dominates: about two minutes)."""
+    import torch
+
+    s = bench.Settings({"deep-narrow": 2}, 1, (2,), 1, 1, True)
+    cpu = torch.device("cpu")
+    a = bench.anchor(s, cpu)
+    assert {"stacked_e2", "stacked_e2_compiled", "stacked_e2_vs_plain", "stacked_e2_compiled_vs_plain"} <= set(a)
+    assert a["stacked_e2_compiled_vs_plain"] == pytest.approx(a["stacked_e2_compiled"] / a["plain"])  # one round
+    o = bench.overhead("deep-narrow", 2, s, cpu)
+    assert math.isfinite(o["compiled_train_step_overhead_pct"]) and o["compiled_train_step_overhead_pct"] > -100
+    row = bench.compile_row("deep-narrow", "lora", 2, s, cpu)
+    assert row["warmup_s"] > 0 and row["compiled"] > 0 and row["eager"] > 0
+    est = bench.paper_estimate(
+        {
+            "throughput": [dict(arch="deep-narrow", method="lora", members=2, stacked=row["eager"], eval_s=0.1)],
+            "compile": [row],
+        },
+        compiled=True,
+    )
+    assert est["methods"]["lora"]["mode"] == "compiled"
