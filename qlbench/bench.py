@@ -631,8 +631,9 @@ def markdown(report: dict) -> str:
         ]
         out += [
             f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
-            f"from the rates at E = {est['measured_at']}, linear in members; pretraining not included): "
-            f"{est['total_s'] / 3600:.2f} h for the methods measured\n",
+            f"from the rates at E = {est['measured_at']}, linear in members; training steps compiled where "
+            f"`--compile auto` compiles the paper budget on this device, warm-up included; one process; pretraining "
+            f"not included): {est['total_s'] / 3600:.2f} h for the methods measured\n",
             table(pd.DataFrame(rows)),
         ]
     if report["overhead"]:
