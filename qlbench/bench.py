@@ -147,12 +147,19 @@ class Settings:
     forward_reps: int
     inference_rounds: int  # more rounds than training: a round of nine models' forwards is short
     compile: bool  # also measure the torch.compile path (warm-up included)
+    threads: int | None = None  # intra-op threads of every stacked measurement (None: engine.auto_threads)
 
     @classmethod
-    def make(cls, quick: bool) -> Settings:
+    def make(cls, quick: bool, threads: int | None = None) -> Settings:
         if quick:
-            return cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, 2, False)
-        return cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, 9, True)
+            return cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, 2, False, threads)
+        return cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, 9, True, threads)
+
+    def threads_for(self, arch: str, E: int, device) -> int | None:
+        """Intra-op threads of a stack of E members: `threads` if set, else the engine's choice (CPU only)."""
+        if torch.device(device).type != "cpu":
+            return None
+        return self.threads or engine.auto_threads(arch, E)
 
 
 def alternate(fns: dict[str, tuple[callable, int]], rounds: int, device) -> dict[str, list[float]]:
@@ -192,7 +199,7 @@ def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
     step, data = engine.make_step(model, opt), batches(E, device)
     naive_model, naive_opt = stacked_model(arch, method, 1, device)
     naive, naive_data = engine.make_step(naive_model, naive_opt), batches(1, device)
-    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    threads = s.threads_for(arch, E, device)
     for fn, d in ((step, data), (naive, naive_data)):
         chunk(fn, d, 2)()  # warm-up (SOAP's first step only builds its basis)
     with engine.num_threads(1):  # counting FLOPs is not timed
@@ -263,9 +270,24 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
         methods[r["method"]] = dict(
             train_s=train, eval_s=evaluation, total_s=train + evaluation, mode="compiled" if c else "eager"
         )
-    return dict(
+    out = dict(
         arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
     )
+    threads = max(r["threads"] for r in rows if r["members"] == E)
+    workers = (report.get("meta", {}).get("cpu_count") or 1) // threads
+    if workers > 1:  # what `sweep --executor ray --threads <threads>` would run at once on this machine
+        out["parallel"] = dict(workers=workers, threads=threads, total_s=list_schedule(methods, workers))
+    return out
+
+
+def list_schedule(methods: dict[str, dict], workers: int) -> float:
+    """Makespan of the methods' tasks (total_s each) on `workers`, each task taken in the given order by the first
+    worker to be free, as Ray runs a sweep's tasks in submission order; tasks assumed to keep their rates."""
+    free = [0.0] * workers
+    for m in methods.values():
+        i = free.index(min(free))
+        free[i] += m["total_s"]
+    return max(free)
 
 
 def overhead(arch: str, E: int, s: Settings, device) -> dict:
@@ -273,7 +295,7 @@ def overhead(arch: str, E: int, s: Settings, device) -> dict:
     the compiled training steps of both (deep-narrow), all four arms taking turns in the same rounds."""
     n = s.steps[arch]
     out = dict(arch=arch, members=E)
-    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    threads = s.threads_for(arch, E, device)
     variants = [("lora", False), ("queryable", False)]
     if s.compile and arch == "deep-narrow":
         variants += [("lora", True), ("queryable", True)]
@@ -312,7 +334,7 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     data = batches(E, device)
     eager = engine.make_step(eager_model, eager_opt)
     comp = engine.make_step(comp_model, comp_opt, compile=True)
-    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    threads = s.threads_for(arch, E, device)
     chunk(eager, data, 2, threads)()
     t0 = time.perf_counter()
     chunk(comp, data, 2, threads)()  # compiles (one batch shape)
@@ -350,7 +372,7 @@ def anchor(s: Settings, device) -> dict:
         "qlbench_e1": (chunk(qstep, data, n), n),
     }
     for E in s.members:
-        threads = engine.auto_threads("deep-narrow", E) if device.type == "cpu" else None
+        threads = s.threads_for("deep-narrow", E, device)
         for comp in (False, True) if s.compile else (False,):
             stack, sopt = stacked_model("deep-narrow", "lora", E, device)
             step = engine.make_step(stack, sopt, compile=comp)
@@ -393,7 +415,7 @@ def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     n = max(2, s.steps[arch] // 4)
     model, opt = stacked_model(arch, method, E, device)
     step, data = engine.make_step(model, opt), batches(E, device)
-    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    threads = s.threads_for(arch, E, device)
     chunk(step, data, 2, threads)()
     sync(device)
     t0 = time.perf_counter()
@@ -425,7 +447,7 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
     """Forward latency of one model at batch 64 (no grad), every method taking turns in each round."""
     x = batches(1, device, n=1)[0][0]
     models = {m: stacked_model(arch, m, 1, device)[0].eval() for m in methods}
-    threads = engine.auto_threads(arch, 1) if device.type == "cpu" else None
+    threads = s.threads_for(arch, 1, device)
 
     def forward(model):
         def run():
@@ -463,7 +485,7 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
     fixed random gradients, alternating; optimizer steps per second of the whole stack."""
     from pytorch_optimizer import SOAP
 
-    threads = engine.auto_threads(arch, E) if device.type == "cpu" else None
+    threads = s.threads_for(arch, E, device)
     model, batched = stacked_model(arch, "full-soap", E, device)
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator(device=device).manual_seed(0)
@@ -636,6 +658,12 @@ def markdown(report: dict) -> str:
             f"not included): {est['total_s'] / 3600:.2f} h for the methods measured\n",
             table(pd.DataFrame(rows)),
         ]
+        if par := est.get("parallel"):
+            out.append(
+                f"\nWith {par['workers']} such tasks at once (`qlbench sweep --executor ray --threads "
+                f"{par['threads']}` on this machine; each task assumed to keep the rate measured here alone, tasks "
+                f"taken in this order by the first free worker): {par['total_s'] / 3600:.2f} h."
+            )
     if report["overhead"]:
         rows = [
             dict(

@@ -51,7 +51,10 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert "Estimate: the full deep-narrow paper table" in (tmp_path / "bench.md").read_text()
 
 
-@pytest.mark.parametrize("argv, word", [(["--archs", "cnn"], "cnn"), (["--methods", "lora,bogus"], "bogus")])
+@pytest.mark.parametrize(
+    "argv, word",
+    [(["--archs", "cnn"], "cnn"), (["--methods", "lora,bogus"], "bogus"), (["--threads", "0"], "--threads")],
+)
 def test_bench_bad_input(argv, word, capsys):
     assert cli.main(["bench", "--quick", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -117,9 +120,9 @@ def test_soap_row_times_both_optimizers_on_the_same_parameters():
 
 def test_paper_estimate_by_hand():
     rows = [
-        dict(arch="deep-narrow", method="lora", members=45, stacked=1000.0, eval_s=0.5),
-        dict(arch="deep-narrow", method="lora", members=5, stacked=400.0, eval_s=0.1),  # not the largest E: unused
-        dict(arch="transformer", method="lora", members=45, stacked=10.0, eval_s=9.0),  # another arch: unused
+        dict(arch="deep-narrow", method="lora", members=45, stacked=1000.0, eval_s=0.5, threads=2),
+        dict(arch="deep-narrow", method="lora", members=5, stacked=400.0, eval_s=0.1, threads=1),  # not the largest E
+        dict(arch="transformer", method="lora", members=45, stacked=10.0, eval_s=9.0, threads=2),  # another arch
     ]
     est = bench.paper_estimate({"throughput": rows})
     lora = est["methods"]["lora"]
@@ -131,7 +134,9 @@ def test_paper_estimate_by_hand():
 
 
 def test_paper_estimate_uses_compiled_rates_only_where_the_paper_budget_compiles():
-    rows = [dict(arch="deep-narrow", method=m, members=45, stacked=1000.0, eval_s=0.5) for m in ("lora", "dora")]
+    rows = [
+        dict(arch="deep-narrow", method=m, members=45, stacked=1000.0, eval_s=0.5, threads=2) for m in ("lora", "dora")
+    ]
     compile_rows = [dict(arch="deep-narrow", method="lora", members=45, compiled=2000.0, warmup_s=30.0)]
     report = {"throughput": rows, "compile": compile_rows}
     eager = bench.paper_estimate(report, compiled=False)["methods"]
@@ -166,3 +171,26 @@ def test_compiled_bench_paths_measure_every_arm():
         compiled=True,
     )
     assert est["methods"]["lora"]["mode"] == "compiled"
+
+
+def test_list_schedule_takes_tasks_in_order_on_the_first_free_worker():
+    tasks = {m: dict(total_s=t) for m, t in [("a", 5.0), ("b", 1.0), ("c", 1.0), ("d", 4.0)]}
+    # worker 0: a (5); worker 1: b, c, d (1 + 1 + 4 = 6): the order is kept, not sorted by length
+    assert bench.list_schedule(tasks, 2) == 6.0
+    assert bench.list_schedule(tasks, 1) == 11.0
+    assert bench.list_schedule(tasks, 4) == 5.0
+
+
+def test_paper_estimate_adds_the_parallel_line_only_when_tasks_fit_side_by_side():
+    def report(threads):
+        rows = [
+            dict(arch="deep-narrow", method=m, members=45, stacked=rate, eval_s=0.0, threads=threads)
+            for m, rate in (("lora", 1000.0), ("queryable", 500.0), ("dora", 1000.0))
+        ]
+        return {"throughput": rows, "meta": {"cpu_count": 2}}
+
+    assert "parallel" not in bench.paper_estimate(report(2))
+    est = bench.paper_estimate(report(1))
+    one = 45 * 35_000 / 1000  # lora's and dora's hours; queryable's is twice that
+    assert est["total_s"] == pytest.approx(4 * one)
+    assert est["parallel"] == dict(workers=2, threads=1, total_s=pytest.approx(2 * one))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from qlbench.commands import UsageError, split_list, usage_errors
@@ -19,6 +20,12 @@ def register(subparsers) -> None:
     p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
     p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads of every stacked measurement (default: the engine's choice per stack, as a sweep)",
+    )
     p.add_argument("--out", type=Path, help="folder for bench.json and bench.md (default results/bench)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -39,8 +46,11 @@ def run(args) -> int:
         for m in methods:
             adapters.get(m)
         device = engine.resolve_device(args.device)
+    if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
+        raise UsageError(f"--threads must be between 1 and this machine's {os.cpu_count()} CPUs, got {args.threads}")
     out = args.out or Store("results").bench_dir
-    report = bench.run(archs, methods, bench.Settings.make(args.quick), device, progress=not args.no_progress)
+    settings = bench.Settings.make(args.quick, args.threads)
+    report = bench.run(archs, methods, settings, device, progress=not args.no_progress)
     text = bench.markdown(report)
     write_json(report, out / "bench.json")
     write_text(text, out / "bench.md")
