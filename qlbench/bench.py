@@ -1,6 +1,6 @@
 """`qlbench bench`: speed, measured side by side in one process, reported as ratios.
 
-Three tables:
+The tables:
   - adaptation throughput (model-steps/s at batch 64) of every method on both backbones: the stacked engine at
     E = 5 and E = 45 members against a naive per-seed eager loop (the same modules, one member at a time, PyTorch's
     default threads), plus a plain-PyTorch anchor (nn.Linear + LoRA, the loop a user would write) so the naive
@@ -9,7 +9,11 @@ Three tables:
     torch.utils.flop_counter over one real step; the peak is the best large-sgemm rate timed at the start and at
     the end of the same run);
   - inference efficiency like the paper's: forward latency at batch 64, overhead against LoRA, samples/s and FLOP
-    overhead against LoRA, for every method on both backbones.
+    overhead against LoRA, for every method on both backbones;
+  - outside --quick: every trained method's deep-narrow stack at the largest E compiled against eager (warm-up and
+    steady rate), Queryable LoRA against LoRA compiled, and the anchor's stacks compiled, so the estimate of the
+    full deep-narrow paper table counts the steps as the paper budget runs them (`--compile auto`), in one process
+    and, when `threads` lets several stacks fit on the machine, that many at once.
 Measurements alternate between the compared variants in rounds (A B A B ...) and report medians, so slow drift of
 a shared machine hits both sides alike. Nothing here asserts a speed: the numbers are reported, not tested.
 """
