@@ -163,7 +163,7 @@ class Settings:
         """Intra-op threads of a stack of E members: `threads` if set, else the engine's choice (CPU only)."""
         if torch.device(device).type != "cpu":
             return None
-        return self.threads or engine.auto_threads(arch, E)
+        return engine.auto_threads(arch, E, self.threads)
 
 
 def alternate(fns: dict[str, tuple[callable, int]], rounds: int, device) -> dict[str, list[float]]:
@@ -674,9 +674,9 @@ def markdown(report: dict) -> str:
                 arch=r["arch"],
                 E=r["members"],
                 **{
-                    "training step vs LoRA": f"{r['train_step_overhead_pct']:+.0f}%",
+                    "training step vs LoRA": _pct(r["train_step_overhead_pct"]),
                     "compiled training step vs LoRA compiled": _pct(r.get("compiled_train_step_overhead_pct")),
-                    "forward vs LoRA": f"{r['forward_overhead_pct']:+.0f}%",
+                    "forward vs LoRA": _pct(r["forward_overhead_pct"]),
                 },
             )
             for r in report["overhead"]

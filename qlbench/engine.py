@@ -80,12 +80,15 @@ def resolve_device(device: str, cuda: bool | None = None) -> torch.device:
     return torch.device(device)
 
 
-def auto_threads(arch: str, members: int) -> int | None:
-    """Intra-op threads for a stack: one for the deep-narrow MLP below 16 members, else PyTorch's default (None).
+def auto_threads(arch: str, members: int, requested: int | None = None) -> int | None:
+    """Intra-op threads for a stack: `requested` if given (a user's --threads), else one for the deep-narrow MLP
+    below 16 members, else PyTorch's default (None).
 
     Its 32-wide layers at batch 64 are too small to split across cores, and a second thread stalls whenever another
     process holds a core; from about 16 members, and for the Transformer, more threads help (README, Speed).
     """
+    if requested is not None:
+        return requested
     return 1 if arch == "deep-narrow" and members < 16 else None
 
 

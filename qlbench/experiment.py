@@ -282,7 +282,7 @@ def pending(p: Plan, log) -> dict[str, list[str]]:
 
 def threads(p: Plan, members: int) -> int | None:
     """Intra-op threads for a stack of `members`: the plan's, else `engine.auto_threads`."""
-    return p.threads or engine.auto_threads(p.arch, members)
+    return engine.auto_threads(p.arch, members, p.threads)
 
 
 def record_paths(p: Plan) -> list[Path]:
