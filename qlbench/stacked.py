@@ -61,8 +61,21 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if bias is None:
         y = torch.bmm(x2, weight.transpose(1, 2))
     else:
-        y = torch.baddbmm(bias.unsqueeze(1), x2, weight.transpose(1, 2))  # (E, N, d_out)
+        y = bmm_add(bias.unsqueeze(1), x2, weight.transpose(1, 2))  # (E, N, d_out)
     return y if x.dim() == 3 else y.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def bmm_add(input: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """input + alpha * b1 @ b2 for batched b1 (E, n, k), b2 (E, k, m) and input broadcastable to (E, n, m).
+
+    Eager: one `torch.baddbmm`. Under torch.compile: a bmm and an add, which Inductor fuses into the element-wise
+    kernel that follows (the GELU) instead of paying baddbmm's copy of `input` into its output before the matmul
+    (measured: README, Speed). Both give the same values up to float rounding order.
+    """
+    if torch.compiler.is_compiling():
+        y = torch.bmm(b1, b2)
+        return input + (y if alpha == 1 else alpha * y)
+    return torch.baddbmm(input, b1, b2, alpha=alpha)
 
 
 def rank_project(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:

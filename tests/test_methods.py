@@ -395,3 +395,26 @@ def test_lora_merged_and_unmerged_forms_agree(d_in, d_out):
         grads = torch.autograd.grad(chosen.square().sum(), (A, B), retain_graph=True)
         for a, b in zip(grads, torch.autograd.grad(other.square().sum(), (A, B))):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_bmm_add_eager_and_compiled_match_the_plain_formula():
+    """stacked.bmm_add is one baddbmm eagerly and a bmm plus an add under torch.compile: both equal
+    input + alpha * b1 @ b2 written out, with a broadcast bias row as `input`, and give the same gradients."""
+    from qlbench.stacked import bmm_add
+
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(3, 1, 4, generator=g, dtype=torch.float64, requires_grad=True)  # (E, 1, d_out)
+    b1 = torch.randn(3, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)  # (E, N, k)
+    b2 = torch.randn(3, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)  # (E, k, d_out)
+    reference = bias + 0.5 * torch.einsum("enk,ekd->end", b1, b2)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(bmm_add, dynamic=False)
+    for out in (bmm_add(bias, b1, b2, alpha=0.5), compiled(bias, b1, b2, alpha=0.5)):
+        torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
+        for a, b in zip(
+            torch.autograd.grad(out.sin().sum(), (bias, b1, b2)),
+            torch.autograd.grad(reference.sin().sum(), (bias, b1, b2), retain_graph=True),
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled branch really ran

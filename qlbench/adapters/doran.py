@@ -29,7 +29,7 @@ from qlbench.adapters.base import AdapterMethod, Site, check_positive
 from qlbench.adapters.dora import rescaled_linear, weight_norm
 from qlbench.adapters.generated import GeneratedFactors
 from qlbench.adapters.replora import RepLoraConfig, RepLoraGenerators
-from qlbench.stacked import ForwardContext, StackedLinear
+from qlbench.stacked import ForwardContext, StackedLinear, bmm_add
 
 NAME = "doran"
 
@@ -62,7 +62,7 @@ class DoranLinear(GeneratedFactors, nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         A, B = self.factors(ctx.shared, ctx.scratch)
-        V = torch.baddbmm(self.base.weight, B, A, alpha=self.scale)  # W0 + s B A (E, d_out, d_in)
+        V = bmm_add(self.base.weight, B, A, alpha=self.scale)  # W0 + s B A (E, d_out, d_in)
         g = self.doran_m / (weight_norm(V) + self.tau())  # (E, d_out)
         return rescaled_linear(x, V, g, self.base.bias)  # (E, ..., d_out)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from qlbench.adapters.base import AdapterMethod, Site, check_positive, check_positive_int
-from qlbench.stacked import ForwardContext, StackedLinear, param, stacked_linear, uniform_members
+from qlbench.stacked import ForwardContext, StackedLinear, bmm_add, param, stacked_linear, uniform_members
 
 
 @dataclass
@@ -53,9 +53,9 @@ def lora_factors(base: StackedLinear, r: int, generators: list[torch.Generator])
 def low_rank_update(y: torch.Tensor, t: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
     """y + scale * B t for y (E, ..., d_out), t (E, ..., r), B (E, d_out, r), in one fused batched matmul."""
     if y.dim() == 3:
-        return torch.baddbmm(y, t, B.transpose(1, 2), alpha=scale)
+        return bmm_add(y, t, B.transpose(1, 2), alpha=scale)
     E, r = t.shape[0], t.shape[-1]
-    out = torch.baddbmm(y.reshape(E, -1, y.shape[-1]), t.reshape(E, -1, r), B.transpose(1, 2), alpha=scale)
+    out = bmm_add(y.reshape(E, -1, y.shape[-1]), t.reshape(E, -1, r), B.transpose(1, 2), alpha=scale)
     return out.view(y.shape)
 
 
@@ -73,7 +73,7 @@ def merges(d_in: int, d_out: int, r: int) -> bool:
 def lora_linear(x: torch.Tensor, base: StackedLinear, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
     """W0 x + b0 + scale B A x for x (E, ..., d_in), A (E, r, d_in), B (E, d_out, r), merged or not (`merges`)."""
     if merges(base.d_in, base.d_out, A.shape[1]):
-        return stacked_linear(x, torch.baddbmm(base.weight, B, A, alpha=scale), base.bias)  # W (E, d_out, d_in)
+        return stacked_linear(x, bmm_add(base.weight, B, A, alpha=scale), base.bias)  # W (E, d_out, d_in)
     return low_rank_update(base(x), stacked_linear(x, A), B, scale)
 
 
