@@ -425,6 +425,7 @@ def qlbench_router_disabled():
 
     names = [(routing, n) for n in ("route", "rmsnorm", "scaled_similarity", "topk_softmax", "depth_summary")]
     names += [(queryable, n) for n in ("route", "block_of", "low_rank_update")]
+    names += [(queryable.RoutedLinear, "apply")]
     names += [(queryable.QueryableLinear, n) for n in ("forward", "group_forward", "routed_update")]
     with contextlib.ExitStack() as stack:
         for owner, name in names:

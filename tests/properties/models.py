@@ -158,5 +158,6 @@ def capture_rank_updates(ts: list[torch.Tensor]):
         ts.append(t)
         return original(y, t, B, scale)
 
-    with mock.patch.object(queryable, "low_rank_update", recording):
+    # the plain-op path, where t_l is a tensor autograd can hold (not inside the eager RoutedLinear node)
+    with mock.patch.object(queryable, "low_rank_update", recording), mock.patch.object(queryable, "ROUTED_NODE", False):
         yield
