@@ -226,9 +226,9 @@ class RoutedLinear(torch.autograd.Function):
 
     x (E, N, d_in); s = A x (E, N, r); S_t (E, r, r, N), the block's S in route()'s samples-last storage; g (E,)
     the gate; W0 (E, d_out, d_in), b0 (E, d_out), B (E, d_out, r) -> y (E, N, d_out). The eager path: one node
-    instead of autograd's chain of views, broadcasts and sum-reductions (about 10% off a Queryable LoRA step at
-    E = 27, README Speed); under torch.compile the plain ops are used, which Inductor fuses better. The backward is
-    checked against finite differences (tests/test_queryable.py).
+    instead of autograd's chain of views, broadcasts and sum-reductions (faster eager, measured in README Speed);
+    under torch.compile the plain ops are used, which Inductor fuses better. The backward is checked against finite
+    differences and the plain formula (tests/test_queryable.py).
     """
 
     @staticmethod
