@@ -204,11 +204,11 @@ class QueryableLinear(nn.Module):
 
     def routed_update(self, x: torch.Tensor, s: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
         """W0 x + b0 + scale B t with t = s + g S s, for s = A x and the block's S (E, N, r, r)."""
+        g = torch.sigmoid(self.queryable_eta)  # (E,)
         if ROUTED_NODE and s.dim() == 3 and not torch.compiler.is_compiling():  # eager, one rank state per sample
-            g = torch.sigmoid(self.queryable_eta)  # (E,)
             W0, b0 = self.base.weight, self.base.bias
             return RoutedLinear.apply(x, s, S.permute(0, 2, 3, 1), g, W0, b0, self.queryable_B, self.scale)
-        g = torch.sigmoid(self.queryable_eta).view(-1, *([1] * (s.dim() - 1)))  # (E, 1, ...)
+        g = g.view(-1, *([1] * (s.dim() - 1)))  # (E, 1, ...)
         if s.dim() == 3:  # (E, N, r): one rank state per sample (compiled: Inductor fuses these into few kernels)
             # element-wise in a samples-last layout: route() stores S as (E, r, r, N) in memory, so the product and
             # its gradients run over N-long contiguous rows (about 5x faster on CPU than r-long rows, and faster
