@@ -13,7 +13,9 @@ The tables:
   - outside --quick: every trained method's deep-narrow stack at the largest E compiled against eager (warm-up and
     steady rate), Queryable LoRA against LoRA compiled, and the anchor's stacks compiled, so the estimate of the
     full deep-narrow paper table counts the steps as the paper budget runs them (`--compile auto`), in one process
-    and, when `threads` lets several stacks fit on the machine, that many at once.
+    and, when `threads` lets several stacks fit on the machine, that many at once: the rates of a few stacks run
+    side by side in separate processes (as Ray's workers run a sweep's tasks) are measured against their rates
+    alone, and the estimate slows every task by that ratio.
 Measurements alternate between the compared variants in rounds (A B A B ...) and report medians, so slow drift of
 a shared machine hits both sides alike. Nothing here asserts a speed: the numbers are reported, not tested.
 """
@@ -152,6 +154,7 @@ class Settings:
     inference_rounds: int  # more rounds than training: a round of nine models' forwards is short
     compile: bool  # also measure the torch.compile path (warm-up included)
     threads: int | None = None  # intra-op threads of every stacked measurement (None: engine.auto_threads)
+    side_by_side_s: float = 8.0  # seconds per timed window of `side_by_side`
 
     @classmethod
     def make(cls, quick: bool, threads: int | None = None) -> Settings:
@@ -281,7 +284,103 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     workers = (report.get("meta", {}).get("cpu_count") or 1) // threads
     if workers > 1:  # what `sweep --executor ray --threads <threads>` would run at once on this machine
         out["parallel"] = dict(workers=workers, threads=threads, total_s=list_schedule(methods, workers))
+        measured = {
+            r["method"]: r["together_vs_alone"]
+            for r in report.get("side_by_side", [])
+            if r["arch"] == arch and r["members"] == E and r["workers"] == workers and r["method"] in methods
+        }
+        if measured:  # each task slowed by its measured side-by-side ratio (the mean of those measured elsewhere)
+            mean = statistics.mean(measured.values())
+            slowed = {m: dict(total_s=v["total_s"] / measured.get(m, mean)) for m, v in methods.items()}
+            out["parallel"] |= dict(measured_total_s=list_schedule(slowed, workers), together_vs_alone=measured)
     return out
+
+
+def side_by_side(arch: str, methods: list[str], E: int, s: Settings, device) -> list[dict]:
+    """Each method's stack of E members alone and with copies of it running at once, as `sweep --executor ray
+    --threads t` runs its tasks: `cpu_count // t` worker processes (spawned, t intra-op threads each, compiled as the
+    paper budget runs on this device), kept alive over `s.rounds` rounds of two timed windows of
+    `s.side_by_side_s` seconds: worker 0 alone (the others wait at a barrier), then every worker at once (compiled
+    only with `s.compile`). Reports
+    per method worker 0's median rate alone, the median over rounds of the workers' mean rate together, and their
+    median paired ratio `together_vs_alone` (1: tasks side by side keep their rates). CPU only."""
+    import multiprocessing as mp
+
+    threads = s.threads_for(arch, E, device) or torch.get_num_threads()
+    workers = (os.cpu_count() or 1) // threads
+    compile = s.compile and engine.compile_by_default(device, "paper")
+    ctx = mp.get_context("spawn")  # a fresh interpreter per worker, as a Ray worker process
+    rows = []
+    for method in methods:
+        barrier, queue = ctx.Barrier(workers), ctx.Queue()
+        args = (arch, method, E, threads, compile, s.side_by_side_s, s.rounds, barrier, queue)
+        procs = [ctx.Process(target=_side_by_side_worker, args=(rank, *args), daemon=True) for rank in range(workers)]
+        for proc in procs:
+            proc.start()
+        rates = {"alone": [[] for _ in range(s.rounds)], "together": [[] for _ in range(s.rounds)]}
+        try:
+            for _ in range(s.rounds * (1 + workers)):
+                phase, i, rate = _get(queue, procs)
+                rates[phase][i].append(rate)
+        finally:
+            for proc in procs:
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.kill()
+        alone = [r[0] for r in rates["alone"]]
+        together = [statistics.mean(r) for r in rates["together"]]
+        rows.append(
+            dict(
+                arch=arch,
+                method=method,
+                members=E,
+                threads=threads,
+                workers=workers,
+                compiled=compile,
+                alone=statistics.median(alone),
+                together=statistics.median(together),
+                together_vs_alone=median_ratio(together, alone),
+            )
+        )
+    return rows
+
+
+def _get(queue, procs, timeout: float = 900.0):
+    """The next (phase, round, rate) a side-by-side worker reports; an error if a worker died or none reports."""
+    import queue as queues
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                why = f"exited with code {dead[0]}" if dead else f"reported nothing for {timeout:.0f} s"
+                raise RuntimeError(f"a side-by-side benchmark worker {why}") from None
+
+
+def _side_by_side_worker(rank, arch, method, E, threads, compile, window_s, rounds, barrier, queue) -> None:
+    """One process of `side_by_side`: its own stack and data (seeded alike), warmed up (compiled), then per round
+    a window alone (rank 0 only) and a window with every worker; puts (phase, round, model-steps/s)."""
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    cpu = torch.device("cpu")
+    model, opt = stacked_model(arch, method, E, cpu)
+    step, data = engine.make_step(model, opt, compile=compile), batches(E, cpu)
+    chunk(step, data, 3)()  # warm-up: compilation, SOAP's first step
+    for i in range(rounds):
+        for phase in ("alone", "together"):
+            barrier.wait()
+            if phase == "together" or rank == 0:
+                n, t0 = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - t0) < window_s:
+                    step(*data[n % len(data)])
+                    n += 1
+                queue.put((phase, i, E * n / elapsed))
+            barrier.wait()
 
 
 def list_schedule(methods: dict[str, dict], workers: int) -> float:
@@ -560,6 +659,11 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             for m in trained:
                 row = lambda a=arch, m=m, E=E: compile_row(a, m, E, s, device)
                 out.append((f"{arch} compile {m} E={E}", add("compile", row)))
+            threads = s.threads_for(arch, E, device) or torch.get_num_threads()
+            paired = [m for m in ("full-soap", "lora", "queryable") if m in trained]
+            if torch.device(device).type == "cpu" and (os.cpu_count() or 1) // threads > 1 and paired:
+                row = lambda a=arch, E=E: report["side_by_side"].extend(side_by_side(a, paired, E, s, device))
+                out.append((f"{arch} side by side E={E}", row))
         out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
     return out
 
@@ -576,6 +680,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
         inference=[],
         profile=[],
         soap=[],
+        side_by_side=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
     todo = tasks(archs, methods, s, device, report)
@@ -665,8 +770,15 @@ def markdown(report: dict) -> str:
         if par := est.get("parallel"):
             out.append(
                 f"\nWith {par['workers']} such tasks at once (`qlbench sweep --executor ray --threads "
-                f"{par['threads']}` on this machine; each task assumed to keep the rate measured here alone, tasks "
-                f"taken in this order by the first free worker): {par['total_s'] / 3600:.2f} h."
+                f"{par['threads']}` on this machine; tasks taken in this order by the first free worker): "
+                f"{par['total_s'] / 3600:.2f} h if each task kept the rate measured here alone"
+                + (
+                    f"; {par['measured_total_s'] / 3600:.2f} h with each task slowed by its measured side-by-side "
+                    f"ratio ({', '.join(f'{m} x{v:.2f}' for m, v in par['together_vs_alone'].items())}; the mean "
+                    f"of these for the others)."
+                    if "measured_total_s" in par
+                    else "."
+                )
             )
     if report["overhead"]:
         rows = [
@@ -738,6 +850,28 @@ def markdown(report: dict) -> str:
             for r in report["compile"]
         ]
         out += ["\n### torch.compile (model-steps/s after warm-up)\n", table(pd.DataFrame(rows))]
+    if report.get("side_by_side"):
+        rows = [
+            dict(
+                arch=r["arch"],
+                method=r["method"],
+                E=r["members"],
+                threads=r["threads"],
+                **{
+                    "processes at once": r["workers"],
+                    "step": "compiled" if r["compiled"] else "eager",
+                    "alone model-steps/s": _f(r["alone"], 0),
+                    "each, side by side": _f(r["together"], 0),
+                    "side by side vs alone": f"x{r['together_vs_alone']:.2f}",
+                },
+            )
+            for r in report["side_by_side"]
+        ]
+        out += [
+            "\n### Tasks side by side (separate processes, as Ray's workers; rate of one process alone against each "
+            "of them at once, paired)\n",
+            table(pd.DataFrame(rows)),
+        ]
     rows = [
         dict(
             arch=r["arch"],

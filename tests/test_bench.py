@@ -194,3 +194,60 @@ def test_paper_estimate_adds_the_parallel_line_only_when_tasks_fit_side_by_side(
     one = 45 * 35_000 / 1000  # lora's and dora's hours; queryable's is twice that
     assert est["total_s"] == pytest.approx(4 * one)
     assert est["parallel"] == dict(workers=2, threads=1, total_s=pytest.approx(2 * one))
+
+
+def test_side_by_side_runs_real_worker_processes():
+    """Spawned workers, each its own stack: worker 0 alone, then all at once, one round (eager, tiny windows)."""
+    import os
+
+    import torch
+
+    s = bench.Settings({"deep-narrow": 2}, 1, (2,), 1, 1, False, side_by_side_s=0.3)
+    (row,) = bench.side_by_side("deep-narrow", ["lora"], 2, s, torch.device("cpu"))
+    assert row["workers"] == max(1, (os.cpu_count() or 1) // row["threads"]) and row["compiled"] is False
+    assert row["alone"] > 0 and row["together"] > 0
+    assert row["together_vs_alone"] == pytest.approx(row["together"] / row["alone"])  # one round
+
+
+def test_a_dead_side_by_side_worker_is_one_error_not_a_hang(monkeypatch):
+    import torch
+
+    s = bench.Settings({"deep-narrow": 2}, 1, (2,), 1, 1, False, side_by_side_s=0.3)
+    with pytest.raises(RuntimeError, match="side-by-side benchmark worker exited with code"):
+        bench.side_by_side("deep-narrow", ["no-such-method"], 2, s, torch.device("cpu"))
+
+
+def test_paper_estimate_slows_parallel_tasks_by_the_measured_side_by_side_ratio():
+    rows = [
+        dict(arch="deep-narrow", method=m, members=45, stacked=rate, eval_s=0.0, threads=1)
+        for m, rate in (("lora", 1000.0), ("queryable", 500.0), ("dora", 1000.0))
+    ]
+    side = [
+        dict(arch="deep-narrow", method="lora", members=45, workers=2, together_vs_alone=0.5),
+        dict(arch="deep-narrow", method="queryable", members=45, workers=2, together_vs_alone=1.0),
+        dict(arch="deep-narrow", method="lora", members=5, workers=2, together_vs_alone=0.1),  # another E: ignored
+    ]
+    est = bench.paper_estimate({"throughput": rows, "meta": {"cpu_count": 2}, "side_by_side": side})
+    one = 45 * 35_000 / 1000
+    par = est["parallel"]
+    assert par["total_s"] == pytest.approx(2 * one)  # the solo-rate schedule is still reported
+    # lora 2 one (one at x0.5), queryable 2 one (x1.0), dora one / 0.75 (the mean ratio): lora | queryable, then dora
+    assert par["measured_total_s"] == pytest.approx(2 * one + one / 0.75)
+    assert par["together_vs_alone"] == {"lora": 0.5, "queryable": 1.0}
+    text = bench.markdown(
+        {
+            "meta": {"threads": 1},
+            "settings": {"rounds": 3, "inference_rounds": 9},
+            "peak_gflops": 100.0,
+            "throughput": [],
+            "overhead": [],
+            "compile": [],
+            "inference": [],
+            "paper_estimate": est,
+            "side_by_side": [
+                dict(side[0], threads=1, compiled=True, alone=1000.0, together=500.0),
+            ],
+        }
+    )
+    assert "lora x0.50, queryable x1.00" in text and f"{(2 * one + one / 0.75) / 3600:.2f} h with each" in text
+    assert "| deep-narrow | lora   | 45 | 1       | 2                 | compiled | 1,000" in text
