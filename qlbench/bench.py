@@ -662,7 +662,7 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             threads = s.threads_for(arch, E, device) or torch.get_num_threads()
             paired = [m for m in ("full-soap", "lora", "queryable") if m in trained]
             if torch.device(device).type == "cpu" and (os.cpu_count() or 1) // threads > 1 and paired:
-                row = lambda a=arch, E=E: report["side_by_side"].extend(side_by_side(a, paired, E, s, device))
+                row = lambda a=arch, E=E, p=paired: report["side_by_side"].extend(side_by_side(a, p, E, s, device))
                 out.append((f"{arch} side by side E={E}", row))
         out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
     return out
