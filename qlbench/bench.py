@@ -704,6 +704,11 @@ def _pct(v) -> str:
     return "-" if v is None else f"{v:+.0f}%"
 
 
+def _stack(row: dict) -> dict:
+    """The columns that name a measured stack in the Markdown tables."""
+    return dict(arch=row["arch"], method=row["method"], E=row["members"], threads=row["threads"])
+
+
 def markdown(report: dict) -> str:
     """The report as Markdown tables (what `qlbench bench` prints and writes to bench.md)."""
     import pandas as pd
@@ -797,10 +802,7 @@ def markdown(report: dict) -> str:
     if report.get("profile"):
         rows = [
             dict(
-                arch=r["arch"],
-                method=r["method"],
-                E=r["members"],
-                threads=r["threads"],
+                **_stack(r),
                 **{
                     "step ms": _f(r["step_ms"], 2),
                     "ATen ops / step": _f(r["aten_ops"], 0),
@@ -836,10 +838,7 @@ def markdown(report: dict) -> str:
     if report["compile"]:
         rows = [
             dict(
-                arch=r["arch"],
-                method=r["method"],
-                E=r["members"],
-                threads=r["threads"],
+                **_stack(r),
                 **{
                     "warm-up s": _f(r["warmup_s"]),
                     "eager": _f(r["eager"], 0),
@@ -853,10 +852,7 @@ def markdown(report: dict) -> str:
     if report.get("side_by_side"):
         rows = [
             dict(
-                arch=r["arch"],
-                method=r["method"],
-                E=r["members"],
-                threads=r["threads"],
+                **_stack(r),
                 **{
                     "processes at once": r["workers"],
                     "step": "compiled" if r["compiled"] else "eager",
