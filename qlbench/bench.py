@@ -298,12 +298,12 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
 
 def side_by_side(arch: str, methods: list[str], E: int, s: Settings, device) -> list[dict]:
     """Each method's stack of E members alone and with copies of it running at once, as `sweep --executor ray
-    --threads t` runs its tasks: `cpu_count // t` worker processes (spawned, t intra-op threads each, compiled as the
-    paper budget runs on this device), kept alive over `s.rounds` rounds of two timed windows of
-    `s.side_by_side_s` seconds: worker 0 alone (the others wait at a barrier), then every worker at once (compiled
-    only with `s.compile`). Reports
-    per method worker 0's median rate alone, the median over rounds of the workers' mean rate together, and their
-    median paired ratio `together_vs_alone` (1: tasks side by side keep their rates). CPU only."""
+    --threads t` runs its tasks: `cpu_count // t` spawned worker processes of t intra-op threads, each with its own
+    stack (compiled where the paper budget compiles on this device, if `s.compile`). They stay alive over `s.rounds`
+    rounds of two timed windows of `s.side_by_side_s` seconds: worker 0 alone (the others wait at a barrier), then
+    every worker at once. Per method: worker 0's median rate alone, the median over rounds of the workers' mean rate
+    together, and their median paired ratio `together_vs_alone` (1: tasks side by side keep their rates). CPU only.
+    """
     import multiprocessing as mp
 
     threads = s.threads_for(arch, E, device) or torch.get_num_threads()
@@ -366,21 +366,21 @@ def _side_by_side_worker(rank, arch, method, E, threads, compile, window_s, roun
     """One process of `side_by_side`: its own stack and data (seeded alike), warmed up (compiled), then per round
     a window alone (rank 0 only) and a window with every worker; puts (phase, round, model-steps/s)."""
     torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
     cpu = torch.device("cpu")
-    model, opt = stacked_model(arch, method, E, cpu)
-    step, data = engine.make_step(model, opt, compile=compile), batches(E, cpu)
-    chunk(step, data, 3)()  # warm-up: compilation, SOAP's first step
-    for i in range(rounds):
-        for phase in ("alone", "together"):
-            barrier.wait()
-            if phase == "together" or rank == 0:
-                n, t0 = 0, time.perf_counter()
-                while (elapsed := time.perf_counter() - t0) < window_s:
-                    step(*data[n % len(data)])
-                    n += 1
-                queue.put((phase, i, E * n / elapsed))
-            barrier.wait()
+    with engine.flush_denormals():
+        model, opt = stacked_model(arch, method, E, cpu)
+        step, data = engine.make_step(model, opt, compile=compile), batches(E, cpu)
+        chunk(step, data, 3)()  # warm-up: compilation, SOAP's first step
+        for i in range(rounds):
+            for phase in ("alone", "together"):
+                barrier.wait()
+                if phase == "together" or rank == 0:
+                    n, t0 = 0, time.perf_counter()
+                    while (elapsed := time.perf_counter() - t0) < window_s:
+                        step(*data[n % len(data)])
+                        n += 1
+                    queue.put((phase, i, E * n / elapsed))
+                barrier.wait()
 
 
 def list_schedule(methods: dict[str, dict], workers: int) -> float:
