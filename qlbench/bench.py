@@ -510,9 +510,11 @@ MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::ad
 
 def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     """Where a training step's time goes (torch.profiler over a few steps): the number of ATen ops dispatched per
-    step, the step's wall time (timed without the profiler), and the shares of it spent inside matmul kernels and
-    in GELU forward/backward. Many tiny ops and a small matmul share mean the step is bound by per-op dispatch
-    and element-wise work, not by arithmetic the matmul peak measures."""
+    step, the step's wall time (timed without the profiler), and the shares of the profiled steps' wall time spent
+    inside matmul kernels and in GELU forward/backward (the same steps, so a slow spell of a shared machine between
+    two timings cannot push a share past 1; the profiler's own overhead makes them slight underestimates). Many tiny
+    ops and a small matmul share mean the step is bound by per-op dispatch and element-wise work, not by arithmetic
+    the matmul peak measures."""
     from torch.profiler import ProfilerActivity, profile
 
     n = max(2, s.steps[arch] // 4)
@@ -526,7 +528,10 @@ def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     sync(device)
     wall = (time.perf_counter() - t0) / n
     with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
         chunk(step, data, n, threads)()
+        sync(device)
+        profiled = (time.perf_counter() - t0) / n  # the shares' denominator: the same steps the ops were timed in
     events = prof.key_averages()
     # top-level ATen calls only would need the call tree; count every ATen op (nested ones included) and the
     # self time of the matmul kernels, which is where the arithmetic happens
@@ -540,8 +545,8 @@ def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         threads=threads or torch.get_num_threads(),
         step_ms=1e3 * wall,
         aten_ops=ops,
-        matmul_share=matmul / wall,
-        gelu_share=gelu / wall,
+        matmul_share=matmul / profiled,
+        gelu_share=gelu / profiled,
         us_per_op=1e6 * wall / ops,
     )
 
