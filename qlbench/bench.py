@@ -168,6 +168,12 @@ class Settings:
             return None
         return engine.auto_threads(arch, E, self.threads)
 
+    def side_by_side_for(self, arch: str, E: int) -> tuple[int, int]:
+        """(threads, workers) of `side_by_side` on this CPU: the stack's intra-op threads and how many such stacks
+        fit on the machine at once (cpu_count // threads)."""
+        threads = self.threads_for(arch, E, "cpu") or torch.get_num_threads()
+        return threads, (os.cpu_count() or 1) // threads
+
 
 def alternate(fns: dict[str, tuple[callable, int]], rounds: int, device) -> dict[str, list[float]]:
     """Rates (units/s) of each fn per round, the fns taking turns within every round; fn() runs one timed chunk
@@ -306,8 +312,7 @@ def side_by_side(arch: str, methods: list[str], E: int, s: Settings, device) -> 
     """
     import multiprocessing as mp
 
-    threads = s.threads_for(arch, E, device) or torch.get_num_threads()
-    workers = (os.cpu_count() or 1) // threads
+    threads, workers = s.side_by_side_for(arch, E)
     compile = s.compile and engine.compile_by_default(device, "paper")
     ctx = mp.get_context("spawn")  # a fresh interpreter per worker, as a Ray worker process
     rows = []
@@ -664,9 +669,8 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             for m in trained:
                 row = lambda a=arch, m=m, E=E: compile_row(a, m, E, s, device)
                 out.append((f"{arch} compile {m} E={E}", add("compile", row)))
-            threads = s.threads_for(arch, E, device) or torch.get_num_threads()
             paired = [m for m in ("full-soap", "lora", "queryable") if m in trained]
-            if torch.device(device).type == "cpu" and (os.cpu_count() or 1) // threads > 1 and paired:
+            if torch.device(device).type == "cpu" and s.side_by_side_for(arch, E)[1] > 1 and paired:
                 row = lambda a=arch, E=E, p=paired: report["side_by_side"].extend(side_by_side(a, p, E, s, device))
                 out.append((f"{arch} side by side E={E}", row))
         out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
@@ -741,10 +745,7 @@ def markdown(report: dict) -> str:
         )
     rows = [
         dict(
-            arch=r["arch"],
-            method=r["method"],
-            E=r["members"],
-            threads=r["threads"],
+            **_stack(r),
             **{
                 "stacked model-steps/s": _f(r["stacked"], 0),
                 "naive model-steps/s": _f(r["naive"], 1),

@@ -209,7 +209,7 @@ def test_side_by_side_runs_real_worker_processes():
     assert row["together_vs_alone"] == pytest.approx(row["together"] / row["alone"])  # one round
 
 
-def test_a_dead_side_by_side_worker_is_one_error_not_a_hang(monkeypatch):
+def test_a_dead_side_by_side_worker_is_one_error_not_a_hang():
     import torch
 
     s = bench.Settings({"deep-narrow": 2}, 1, (2,), 1, 1, False, side_by_side_s=0.3)
