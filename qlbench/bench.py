@@ -4,7 +4,8 @@ The tables:
   - adaptation throughput (model-steps/s at batch 64) of every method on both backbones: the stacked engine at
     E = 5 and E = 45 members against a naive per-seed eager loop (the same modules, one member at a time, PyTorch's
     default threads), plus a plain-PyTorch anchor (nn.Linear + LoRA, the loop a user would write) so the naive
-    baseline can be seen not to be artificially slow;
+    baseline can be seen not to be artificially slow, and the kernel floor of the anchor's stacks (the same LoRA
+    step as bare ATen calls with a hand-written backward, nothing else), the rate no engine on these kernels beats;
   - the share of this machine's dense matmul peak the stacked engine reaches (FLOPs counted with
     torch.utils.flop_counter over one real step; the peak is the best large-sgemm rate timed at the start and at
     the end of the same run);
@@ -40,6 +41,7 @@ from tqdm.auto import tqdm
 from qlbench import adapters, engine, results, zoo
 from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
+from qlbench.stacked import bmm_add, stacked_linear
 
 BATCH = 64
 
@@ -104,6 +106,58 @@ def plain_step(model, opt):
         loss.backward()
         opt.step()
         opt.zero_grad()
+
+    return step
+
+
+def lora_floor_step(model: nn.Module, opt: torch.optim.Optimizer, *, compile: bool = False):
+    """The kernels a training step of a stacked deep-narrow LoRA model must run, and nothing else: the forward and
+    its backward written out as tensor ops (merged weights W0 + s B A, as the engine merges them), then one fused
+    AdamW update with `opt`'s settings. No autograd graph and no per-parameter optimizer bookkeeping (one shared step
+    count instead of one per tensor); with `compile`, the forward and backward are one torch.compile'd function, so
+    Inductor fuses them as it fuses the engine's compiled step. It updates `model`'s LoRA factors exactly as
+    `engine.make_step` with `opt` does (tests/test_bench.py), so its rate bounds what an engine built from these
+    kernels can reach: the anchor's "kernel floor". step(xb (E, b, 2), yb (E, b)); returns nothing."""
+    layers = list(model.hidden)
+    params = [p for layer in layers for p in (layer.lora_A, layer.lora_B)]  # A_0, B_0, A_1, ...
+    (group,) = opt.param_groups
+    state = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]  # exp_avg, exp_avg_sq
+    count = torch.zeros((), dtype=torch.float32, device=params[0].device)  # the shared step count
+
+    def gradients(xb: torch.Tensor, yb: torch.Tensor) -> list[torch.Tensor]:  # [dL/dA_0, dL/dB_0, dL/dA_1, ...]
+        inp, head = model.inp, model.head
+        h = [F.gelu(stacked_linear(xb, inp.weight, inp.bias))]  # (E, b, 32)
+        pre, W = [], []
+        for layer in layers:
+            W.append(bmm_add(layer.base.weight, layer.lora_B, layer.lora_A, alpha=layer.scale))  # (E, 32, 32)
+            pre.append(stacked_linear(h[-1], W[-1], layer.base.bias))
+            h.append(F.gelu(pre[-1]))
+        out = stacked_linear(h[-1], head.weight, head.bias)  # (E, b, 1)
+        g = (out.squeeze(-1) - yb).mul(2.0 / yb.shape[1]).unsqueeze(-1)  # d(sum of member means)/d out
+        g = torch.bmm(g, head.weight)  # (E, b, 32)
+        grads = [None] * len(params)
+        for i in reversed(range(len(layers))):
+            g = torch.ops.aten.gelu_backward(g, pre[i])
+            gW = torch.bmm(g.transpose(1, 2), h[i]).mul(layers[i].scale)  # s dL/dW
+            grads[2 * i] = torch.bmm(layers[i].lora_B.transpose(1, 2), gW)  # dL/dA = s B^T dL/dW
+            grads[2 * i + 1] = torch.bmm(gW, layers[i].lora_A.transpose(1, 2))  # dL/dB = s dL/dW A^T
+            if i:
+                g = torch.bmm(g, W[i])
+        return grads
+
+    if compile:
+        torch._dynamo.reset()  # as engine.compiled: a fresh in-process cache, below the recompile limit
+        gradients = torch.compile(gradients, dynamic=False)
+
+    @torch.no_grad()
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        grads = gradients(xb, yb)
+        count.add_(1)
+        torch._fused_adamw_(
+            params, grads, *state, [], [count] * len(params),
+            lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], weight_decay=group["weight_decay"],
+            eps=group["eps"], amsgrad=False, maximize=False,
+        )  # fmt: skip
 
     return step
 
@@ -466,8 +520,10 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
 
 def anchor(s: Settings, device) -> dict:
     """The plain-PyTorch deep-narrow LoRA loop a user would write (PyTorch's default threads, and one thread), next
-    to qlbench's naive loop (E = 1, default threads) and the stacked engine at each E of the run (its own thread
-    setting), eager and, with `s.compile`, compiled as the paper budget runs it on CPU; all taking turns."""
+    to qlbench's naive loop (E = 1, default threads), the stacked engine at each E of the run (its own thread
+    setting), eager and, with `s.compile`, compiled as the paper budget runs it on CPU, and at each E the kernel
+    floor (`lora_floor_step`: the same step's kernels alone, what no engine on these kernels can beat); all taking
+    turns."""
     n = s.steps["deep-narrow"]
     plain, opt = plain_deep_narrow_lora()
     pstep = plain_step(plain.to(device), opt)
@@ -485,12 +541,14 @@ def anchor(s: Settings, device) -> dict:
             stack, sopt = stacked_model("deep-narrow", "lora", E, device)
             step = engine.make_step(stack, sopt, compile=comp)
             fns[f"stacked_e{E}" + "_compiled" * comp] = (chunk(step, batches(E, device), n, threads), E * n)
+        floor = lora_floor_step(*stacked_model("deep-narrow", "lora", E, device), compile=s.compile)
+        fns[f"floor_e{E}"] = (chunk(floor, batches(E, device), n, threads), E * n)
     for fn, _ in fns.values():  # warm-up (compilation included, after every arm is built)
         fn()
     r = alternate(fns, s.rounds, device)
     out = {k: statistics.median(v) for k, v in r.items()}
     for k in fns:
-        if k.startswith("stacked_"):
+        if k.startswith(("stacked_", "floor_")):
             out[f"{k}_vs_plain"] = median_ratio(r[k], r["plain"])
     return out
 
@@ -718,6 +776,21 @@ def _stack(row: dict) -> dict:
     return dict(arch=row["arch"], method=row["method"], E=row["members"], threads=row["threads"])
 
 
+def _floors(anchor: dict) -> str:
+    """The anchor's kernel floors, each with the share of it the engine's faster stack (eager or compiled) of that
+    E reaches."""
+    parts = []
+    for k, rate in anchor.items():
+        if k.startswith("floor_e") and not k.endswith("_vs_plain"):
+            E = k[len("floor_e") :]
+            engine_rate = max(anchor.get(f"stacked_e{E}", 0.0), anchor.get(f"stacked_e{E}_compiled", 0.0))
+            parts.append(
+                f"at E = {E} {rate:.0f} model-steps/s = x{anchor[k + '_vs_plain']:.1f} the plain loop, of which the "
+                f"engine reaches {100 * engine_rate / rate:.0f}%"
+            )
+    return "; ".join(parts)
+
+
 def markdown(report: dict) -> str:
     """The report as Markdown tables (what `qlbench bench` prints and writes to bench.md)."""
     import pandas as pd
@@ -738,11 +811,18 @@ def markdown(report: dict) -> str:
             for k in a
             if k.startswith("stacked_") and not k.endswith("_vs_plain")
         )
+        floors = _floors(a)
         out.append(
             f"\nNaive-loop anchor (deep-narrow LoRA, steps/s of one seed): plain PyTorch nn.Linear loop "
             f"{a['plain']:.0f} (default threads), {a['plain_1_thread']:.0f} (one thread); qlbench per-seed "
             f"loop {a['qlbench_e1']:.0f}; {stacks}."
         )
+        if floors:
+            out.append(
+                f"\nKernel floor (the same LoRA stack's forward, hand-written backward and one fused AdamW update as "
+                f"bare ATen calls: no autograd, no compiled-graph wrapper, no per-tensor optimizer bookkeeping; what "
+                f"no engine on these kernels can beat): {floors}."
+            )
     rows = [
         dict(
             **_stack(r),

@@ -49,6 +49,9 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     est = report["paper_estimate"]
     assert set(est["methods"]) == {"lora", "queryable", "instruct-queryable"} and est["measured_at"] == 5
     assert "Estimate: the full deep-narrow paper table" in (tmp_path / "bench.md").read_text()
+    a = report["anchor"]
+    assert a["floor_e5"] > 0 and a["floor_e5_vs_plain"] > 0
+    assert "Kernel floor" in (tmp_path / "bench.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -78,6 +81,8 @@ def test_markdown_renders_every_section(tmp_path):
             stacked_e5_vs_plain=7.1,
             stacked_e45_compiled=2200.0,
             stacked_e45_compiled_vs_plain=31.4,
+            floor_e5=1000.0,
+            floor_e5_vs_plain=13.9,
         ),
         throughput=[row | dict(stacked=500.0, naive=100.0, speedup=5.0, step_gflop=0.1, gflops=10.0, peak_share=0.1)],
         overhead=[
@@ -106,6 +111,7 @@ def test_markdown_renders_every_section(tmp_path):
     text = bench.markdown(report)
     needles = ("(9 for inference)", "x7.1 the plain loop", "| x5.0", "+50%", "-12%", "x1.33", "64,000", "2,100", "28%")
     needles += ("E = 45 compiled 2200 model-steps/s = x31.4 the plain loop",)
+    needles += ("at E = 5 1000 model-steps/s = x13.9 the plain loop, of which the engine reaches 50%",)
     for needle in needles:
         assert needle in text, needle
 
@@ -158,6 +164,7 @@ def test_compiled_bench_paths_measure_every_arm():
     cpu = torch.device("cpu")
     a = bench.anchor(s, cpu)
     assert {"stacked_e2", "stacked_e2_compiled", "stacked_e2_vs_plain", "stacked_e2_compiled_vs_plain"} <= set(a)
+    assert a["floor_e2_vs_plain"] == pytest.approx(a["floor_e2"] / a["plain"])
     assert a["stacked_e2_compiled_vs_plain"] == pytest.approx(a["stacked_e2_compiled"] / a["plain"])  # one round
     o = bench.overhead("deep-narrow", 2, s, cpu)
     assert math.isfinite(o["compiled_train_step_overhead_pct"]) and o["compiled_train_step_overhead_pct"] > -100
@@ -251,3 +258,42 @@ def test_paper_estimate_slows_parallel_tasks_by_the_measured_side_by_side_ratio(
     )
     assert "lora x0.50, queryable x1.00" in text and f"{(2 * one + one / 0.75) / 3600:.2f} h with each" in text
     assert "| deep-narrow | lora   | 45 | 1       | 2                 | compiled | 1,000" in text
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("plant", [None, "scale", "adam"])
+def test_lora_floor_step_trains_exactly_like_the_engine(plant, compile):
+    """The anchor's kernel floor (eager, and compiled under -m slow) must do the work of a real step, no less: its
+    hand-written backward and fused AdamW update move the LoRA factors as engine.make_step (autograd,
+    torch.optim.AdamW) does, over steps that change B from zero. A planted error (the scale s missing from the
+    gradients; a wrong AdamW beta) fails."""
+    import torch
+
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    data = [(x.double(), y.double()) for x, y in bench.batches(3, cpu, n=2)]
+    models = [bench.stacked_model("deep-narrow", "lora", 3, cpu)[0].double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for m in models:  # a backbone whose gradients reach every layer (the default init's are ~1e-10 deep down)
+        torch.manual_seed(1)
+        for p in m.parameters():
+            if not p.requires_grad:
+                p.data.normal_(0, 0.3)
+    opts = [bench.adapters.get("lora").optimizer(m, None, 5e-3, 0.01) for m in models]
+    engine_step = bench.engine.make_step(models[0], opts[0])
+    floor_step = bench.lora_floor_step(models[1], opts[1], compile=compile)
+    if plant == "scale":
+        for layer in models[1].hidden:
+            layer.scale = 1.0  # the gradient (and the merge) without s = alpha / r = 2
+    if plant == "adam":
+        opts[1].param_groups[0]["betas"] = (0.8, 0.999)
+    for i in range(6):
+        engine_step(*data[i % 2])
+        floor_step(*data[i % 2])
+    close = all(
+        torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True)
+    )
+    assert close == (plant is None)
+    moved = models[0].hidden[5].lora_B.abs().max()
+    assert moved > 1e-3  # B started at zero: the comparison is not of untouched parameters
