@@ -172,7 +172,9 @@ def test_compiled_bench_paths_measure_every_arm():
     assert row["warmup_s"] > 0 and row["compiled"] > 0 and row["eager"] > 0
     est = bench.paper_estimate(
         {
-            "throughput": [dict(arch="deep-narrow", method="lora", members=2, stacked=row["eager"], eval_s=0.1)],
+            "throughput": [
+                dict(arch="deep-narrow", method="lora", members=2, stacked=row["eager"], eval_s=0.1, threads=1)
+            ],
             "compile": [row],
         },
         compiled=True,
