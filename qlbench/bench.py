@@ -5,8 +5,8 @@ The tables:
     E = 5 and E = 45 members against a naive per-seed eager loop (the same modules, one member at a time, PyTorch's
     default threads), plus a plain-PyTorch anchor (nn.Linear + LoRA, the loop a user would write) so the naive
     baseline can be seen not to be artificially slow, and the kernel floor of the anchor's stacks (the same LoRA
-    step with its backward written out and nothing else, compiled where the run compiles), the rate the engine's
-    autograd and optimizer bookkeeping keep it from;
+    step with its backward written out and nothing else, compiled where the run compiles), the rate the engine
+    would reach without the fixed cost of autograd and per-tensor optimizer bookkeeping;
   - the share of this machine's dense matmul peak the stacked engine reaches (FLOPs counted with
     torch.utils.flop_counter over one real step; the peak is the best large-sgemm rate timed at the start and at
     the end of the same run);
@@ -117,8 +117,9 @@ def lora_floor_step(model: nn.Module, opt: torch.optim.Optimizer, *, compile: bo
     AdamW update with `opt`'s settings. No autograd graph and no per-parameter optimizer bookkeeping (one shared step
     count instead of one per tensor); with `compile`, the forward and backward are one torch.compile'd function, so
     Inductor fuses them as it fuses the engine's compiled step. It updates `model`'s LoRA factors exactly as
-    `engine.make_step` with `opt` does (tests/test_bench.py), so its rate bounds what an engine built from these
-    kernels can reach: the anchor's "kernel floor". step(xb (E, b, 2), yb (E, b)); returns nothing."""
+    `engine.make_step` with `opt` does (tests/test_bench.py), so its rate is what an engine on these kernels
+    would reach if the kernels were its only cost: the anchor's "kernel floor" (measured, not a proven bound).
+    step(xb (E, b, 2), yb (E, b)); returns nothing."""
     layers = list(model.hidden)
     params = [p for layer in layers for p in (layer.lora_A, layer.lora_B)]  # A_0, B_0, A_1, ...
     (group,) = opt.param_groups

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from qlbench import bench, cli
+from qlbench import adapters, bench, cli, engine
 
 
 def test_quick_bench_writes_consistent_report(tmp_path, capsys):
@@ -267,8 +267,8 @@ def test_paper_estimate_slows_parallel_tasks_by_the_measured_side_by_side_ratio(
 def test_lora_floor_step_trains_exactly_like_the_engine(plant, compile):
     """The anchor's kernel floor (eager, and compiled under -m slow) must do the work of a real step, no less: its
     hand-written backward and fused AdamW update move the LoRA factors as engine.make_step (autograd,
-    torch.optim.AdamW) does, over steps that change B from zero. A planted error (the scale s missing from the
-    gradients; a wrong AdamW beta) fails."""
+    torch.optim.AdamW) does, over steps that change B from zero. A planted error (the floor run with s = 1 instead
+    of alpha / r; a wrong AdamW beta) fails."""
     import torch
 
     torch.manual_seed(0)
@@ -281,12 +281,12 @@ def test_lora_floor_step_trains_exactly_like_the_engine(plant, compile):
         for p in m.parameters():
             if not p.requires_grad:
                 p.data.normal_(0, 0.3)
-    opts = [bench.adapters.get("lora").optimizer(m, None, 5e-3, 0.01) for m in models]
-    engine_step = bench.engine.make_step(models[0], opts[0])
+    opts = [adapters.get("lora").optimizer(m, None, 5e-3, 0.01) for m in models]
+    engine_step = engine.make_step(models[0], opts[0])
     floor_step = bench.lora_floor_step(models[1], opts[1], compile=compile)
     if plant == "scale":
         for layer in models[1].hidden:
-            layer.scale = 1.0  # the gradient (and the merge) without s = alpha / r = 2
+            layer.scale = 1.0  # merge and gradients without s = alpha / r = 2
     if plant == "adam":
         opts[1].param_groups[0]["betas"] = (0.8, 0.999)
     for i in range(6):
