@@ -456,30 +456,36 @@ def list_schedule(methods: dict[str, dict], workers: int) -> float:
 
 def overhead(arch: str, E: int, s: Settings, device) -> dict:
     """Queryable LoRA's training-step and forward cost against LoRA's, alternating the two; with `s.compile` also
-    the compiled training steps of both (deep-narrow), all four arms taking turns in the same rounds."""
+    the compiled training steps and compiled forwards of both (deep-narrow), the arms of each taking turns in the
+    same rounds."""
     n = s.steps[arch]
     out = dict(arch=arch, members=E)
     threads = s.threads_for(arch, E, device)
     variants = [("lora", False), ("queryable", False)]
-    if s.compile and arch == "deep-narrow":
-        variants += [("lora", True), ("queryable", True)]
-    steps, fwds = {}, {}
-    for m, comp in variants:
-        model, opt = stacked_model(arch, m, E, device)
-        data = batches(E, device)
-        steps[m + "_compiled" * comp] = (chunk(engine.make_step(model, opt, compile=comp), data, n, threads), E * n)
-        if comp:
-            continue
-        x = data[0][0]
+    compiled_pair = ("lora", "queryable") if s.compile and arch == "deep-narrow" else ()
+    variants += [(m, True) for m in compiled_pair]
+    steps, fwds, eager_models = {}, {}, {}
+    x = batches(E, device)[0][0]
 
-        def forward(model=model, x=x):
+    def forward(model):
+        def run():
             with torch.no_grad(), engine.num_threads(threads):
                 for _ in range(s.forward_reps):
                     model(x)
 
-        fwds[m] = (forward, E * BATCH * s.forward_reps)
-        forward()
-    for fn, _ in steps.values():  # warm-up, compilation included (after every arm is built: compiling resets dynamo)
+        return run, E * BATCH * s.forward_reps
+
+    for m, comp in variants:
+        model, opt = stacked_model(arch, m, E, device)
+        data = batches(E, device)
+        steps[m + "_compiled" * comp] = (chunk(engine.make_step(model, opt, compile=comp), data, n, threads), E * n)
+        if not comp:
+            eager_models[m] = model
+            fwds[m] = forward(model)
+    # the compiled forwards (no grad) of the eager arms' models, built after every compiled step: compiling a step
+    # resets dynamo, which would drop them
+    fwds |= {f"{m}_compiled": forward(torch.compile(eager_models[m], dynamic=False)) for m in compiled_pair}
+    for fn, _ in (steps | fwds).values():  # warm-up, compilation included
         fn()
     r = alternate(steps, s.rounds, device)
     out["train_step_overhead_pct"] = (median_ratio(r["lora"], r["queryable"]) - 1) * 100
@@ -487,6 +493,8 @@ def overhead(arch: str, E: int, s: Settings, device) -> dict:
         out["compiled_train_step_overhead_pct"] = (median_ratio(r["lora_compiled"], r["queryable_compiled"]) - 1) * 100
     r = alternate(fwds, s.rounds, device)
     out["forward_overhead_pct"] = (median_ratio(r["lora"], r["queryable"]) - 1) * 100
+    if "lora_compiled" in r:
+        out["compiled_forward_overhead_pct"] = (median_ratio(r["lora_compiled"], r["queryable_compiled"]) - 1) * 100
     return out
 
 
@@ -615,8 +623,13 @@ def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     )
 
 
+# methods whose inference forward is also timed compiled when the run compiles: the routed methods and their anchor
+COMPILED_FORWARDS = ("lora", "queryable", "instruct-queryable")
+
+
 def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
-    """Forward latency of one model at batch 64 (no grad), every method taking turns in each round."""
+    """Forward latency of one model at batch 64 (no grad), every method taking turns in each round; with `s.compile`
+    also the compiled forwards of COMPILED_FORWARDS, in the same rounds."""
     x = batches(1, device, n=1)[0][0]
     models = {m: stacked_model(arch, m, 1, device)[0].eval() for m in methods}
     threads = s.threads_for(arch, 1, device)
@@ -630,8 +643,12 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
         return run
 
     fns = {m: (forward(model), s.forward_reps) for m, model in models.items()}
+    compiled = [m for m in COMPILED_FORWARDS if m in models] if s.compile else []
+    if compiled:  # the same models' forwards through torch.compile (Inductor fuses the router's small ops)
+        torch._dynamo.reset()  # a fresh in-process cache, below the recompile limit (as engine.compiled)
+        fns |= {f"{m}_compiled": (forward(torch.compile(models[m], dynamic=False)), s.forward_reps) for m in compiled}
     for fn, _ in fns.values():
-        fn()
+        fn()  # warm-up, compilation included
     r = alternate(fns, s.inference_rounds, device)  # forwards per second
     with engine.num_threads(1):
         flops = {m: forward_flops(model, x) for m, model in models.items()}
@@ -647,6 +664,10 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
         if "lora" in models:
             row["latency_overhead_pct"] = (median_ratio(r["lora"], r[m]) - 1) * 100
             row["flop_overhead_pct"] = (flops[m] / flops["lora"] - 1) * 100
+        if m in compiled:
+            row["compiled_latency_ms"] = 1e3 / statistics.median(r[f"{m}_compiled"])
+            if "lora" in compiled:
+                row["compiled_latency_overhead_pct"] = (median_ratio(r["lora_compiled"], r[f"{m}_compiled"]) - 1) * 100
         rows.append(row)
     return rows
 
@@ -882,6 +903,7 @@ def markdown(report: dict) -> str:
                     "training step vs LoRA": _pct(r["train_step_overhead_pct"]),
                     "compiled training step vs LoRA compiled": _pct(r.get("compiled_train_step_overhead_pct")),
                     "forward vs LoRA": _pct(r["forward_overhead_pct"]),
+                    "compiled forward vs LoRA compiled": _pct(r.get("compiled_forward_overhead_pct")),
                 },
             )
             for r in report["overhead"]
@@ -970,5 +992,12 @@ def markdown(report: dict) -> str:
         )
         for r in report["inference"]
     ]
-    out += ["\n### Inference: forward at batch 64, one model\n", table(pd.DataFrame(rows))]
+    if any("compiled_latency_ms" in r for r in report["inference"]):
+        for row, r in zip(rows, report["inference"]):
+            row["compiled ms"] = _f(r["compiled_latency_ms"], 2) if "compiled_latency_ms" in r else "-"
+            row["compiled vs LoRA compiled"] = _pct(r.get("compiled_latency_overhead_pct"))
+    out += [
+        "\n### Inference: forward at batch 64, one model (no grad; compiled: the same model through torch.compile)\n",
+        table(pd.DataFrame(rows)),
+    ]
     return "\n".join(out) + "\n"

@@ -92,6 +92,7 @@ def test_markdown_renders_every_section(tmp_path):
                 train_step_overhead_pct=50.0,
                 compiled_train_step_overhead_pct=-12.0,
                 forward_overhead_pct=40.0,
+                compiled_forward_overhead_pct=137.0,
             )
         ],
         compile=[row | dict(warmup_s=7.5, eager=600.0, compiled=800.0, speedup=1.33)],
@@ -105,15 +106,34 @@ def test_markdown_renders_every_section(tmp_path):
                 gflop=0.005,
                 latency_overhead_pct=0.0,
                 flop_overhead_pct=0.0,
-            )
+                compiled_latency_ms=0.6,
+                compiled_latency_overhead_pct=0.0,
+            ),
+            dict(
+                arch="deep-narrow",
+                method="queryable",
+                latency_ms=4.5,
+                samples_per_s=14222.0,
+                gflop=0.006,
+                latency_overhead_pct=350.0,
+                flop_overhead_pct=25.0,
+                compiled_latency_ms=1.35,
+                compiled_latency_overhead_pct=125.0,
+            ),
+            dict(arch="deep-narrow", method="dora", latency_ms=3.0, samples_per_s=21333.0, gflop=0.005),
         ],
     )
     text = bench.markdown(report)
     needles = ("(9 for inference)", "x7.1 the plain loop", "| x5.0", "+50%", "-12%", "x1.33", "64,000", "2,100", "28%")
     needles += ("E = 45 compiled 2200 model-steps/s = x31.4 the plain loop",)
     needles += ("at E = 5 1000 model-steps/s = x13.9 the plain loop, of which the engine reaches 50%",)
+    needles += ("compiled forward vs LoRA compiled", "| +137%")  # the compiled forwards at E
     for needle in needles:
         assert needle in text, needle
+    inference = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[-3:-1]] for line in text.splitlines()
+                 if line.startswith("| deep-narrow |") and line.count("|") == 10}  # fmt: skip
+    assert "compiled vs LoRA compiled" in text and inference["queryable"] == ["1.35", "+125%"]
+    assert inference["lora"] == ["0.60", "+0%"] and inference["dora"] == ["-", "-"]  # dora: not timed compiled
 
 
 def test_soap_row_times_both_optimizers_on_the_same_parameters():
@@ -167,7 +187,14 @@ def test_compiled_bench_paths_measure_every_arm():
     assert a["floor_e2_vs_plain"] == pytest.approx(a["floor_e2"] / a["plain"])
     assert a["stacked_e2_compiled_vs_plain"] == pytest.approx(a["stacked_e2_compiled"] / a["plain"])  # one round
     o = bench.overhead("deep-narrow", 2, s, cpu)
-    assert math.isfinite(o["compiled_train_step_overhead_pct"]) and o["compiled_train_step_overhead_pct"] > -100
+    for key in ("compiled_train_step_overhead_pct", "compiled_forward_overhead_pct"):
+        assert math.isfinite(o[key]) and o[key] > -100, key
+    rows = {r["method"]: r for r in bench.inference("deep-narrow", ["lora", "queryable", "dora"], s, cpu)}
+    assert rows["queryable"]["compiled_latency_ms"] > 0 and "compiled_latency_ms" not in rows["dora"]
+    assert rows["lora"]["compiled_latency_overhead_pct"] == pytest.approx(0.0)  # LoRA against itself
+    assert rows["queryable"]["compiled_latency_overhead_pct"] == pytest.approx(
+        100 * (rows["queryable"]["compiled_latency_ms"] / rows["lora"]["compiled_latency_ms"] - 1), rel=1.0
+    )  # one round: the paired ratio is the ratio of the medians
     row = bench.compile_row("deep-narrow", "lora", 2, s, cpu)
     assert row["warmup_s"] > 0 and row["compiled"] > 0 and row["eager"] > 0
     est = bench.paper_estimate(
