@@ -456,13 +456,12 @@ def list_schedule(methods: dict[str, dict], workers: int) -> float:
 
 def overhead(arch: str, E: int, s: Settings, device) -> dict:
     """Queryable LoRA's training-step and forward cost against LoRA's, alternating the two; with `s.compile` also
-    the compiled training steps and compiled forwards of both (deep-narrow), the arms of each taking turns in the
-    same rounds."""
+    the compiled training steps and compiled forwards of both, the arms of each taking turns in the same rounds."""
     n = s.steps[arch]
     out = dict(arch=arch, members=E)
     threads = s.threads_for(arch, E, device)
     variants = [("lora", False), ("queryable", False)]
-    compiled_pair = ("lora", "queryable") if s.compile and arch == "deep-narrow" else ()
+    compiled_pair = ("lora", "queryable") if s.compile else ()  # the paper budget compiles both backbones
     variants += [(m, True) for m in compiled_pair]
     steps, fwds, eager_models = {}, {}, {}
     x = batches(E, device)[0][0]
