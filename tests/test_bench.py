@@ -69,6 +69,15 @@ def test_markdown_renders_every_section(tmp_path):
     from qlbench import bench
 
     row = dict(arch="deep-narrow", method="lora", members=5, threads=1)
+    inference_row = lambda method, ms, per_s, gflop: dict(
+        arch="deep-narrow", method=method, latency_ms=ms, samples_per_s=per_s, gflop=gflop
+    )
+    overheads = lambda latency, flop, compiled_ms, compiled: dict(
+        latency_overhead_pct=latency,
+        flop_overhead_pct=flop,
+        compiled_latency_ms=compiled_ms,
+        compiled_latency_overhead_pct=compiled,
+    )
     report = dict(
         peak_gflops=100.0,
         meta={"threads": 2},
@@ -98,29 +107,9 @@ def test_markdown_renders_every_section(tmp_path):
         compile=[row | dict(warmup_s=7.5, eager=600.0, compiled=800.0, speedup=1.33)],
         profile=[row | dict(step_ms=12.5, aten_ops=2100.0, us_per_op=6.0, matmul_share=0.28, gelu_share=0.27)],
         inference=[
-            dict(
-                arch="deep-narrow",
-                method="lora",
-                latency_ms=1.0,
-                samples_per_s=64000.0,
-                gflop=0.005,
-                latency_overhead_pct=0.0,
-                flop_overhead_pct=0.0,
-                compiled_latency_ms=0.6,
-                compiled_latency_overhead_pct=0.0,
-            ),
-            dict(
-                arch="deep-narrow",
-                method="queryable",
-                latency_ms=4.5,
-                samples_per_s=14222.0,
-                gflop=0.006,
-                latency_overhead_pct=350.0,
-                flop_overhead_pct=25.0,
-                compiled_latency_ms=1.35,
-                compiled_latency_overhead_pct=125.0,
-            ),
-            dict(arch="deep-narrow", method="dora", latency_ms=3.0, samples_per_s=21333.0, gflop=0.005),
+            inference_row("lora", 1.0, 64000.0, 0.005) | overheads(0.0, 0.0, 0.6, 0.0),
+            inference_row("queryable", 4.5, 14222.0, 0.006) | overheads(350.0, 25.0, 1.35, 125.0),
+            inference_row("dora", 3.0, 21333.0, 0.005),  # no overheads: not compared, not compiled
         ],
     )
     text = bench.markdown(report)
