@@ -481,9 +481,7 @@ def overhead(arch: str, E: int, s: Settings, device) -> dict:
         if not comp:
             eager_models[m] = model
             fwds[m] = forward(model)
-    # the compiled forwards (no grad) of the eager arms' models, built after every compiled step: compiling a step
-    # resets dynamo, which would drop them
-    fwds |= {f"{m}_compiled": forward(torch.compile(eager_models[m], dynamic=False)) for m in compiled_pair}
+    fwds |= {f"{m}_compiled": forward(engine.compiled(eager_models[m])) for m in compiled_pair}  # no-grad forwards
     for fn, _ in (steps | fwds).values():  # warm-up, compilation included
         fn()
     r = alternate(steps, s.rounds, device)
@@ -643,9 +641,7 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
 
     fns = {m: (forward(model), s.forward_reps) for m, model in models.items()}
     compiled = [m for m in COMPILED_FORWARDS if m in models] if s.compile else []
-    if compiled:  # the same models' forwards through torch.compile (Inductor fuses the router's small ops)
-        torch._dynamo.reset()  # a fresh in-process cache, below the recompile limit (as engine.compiled)
-        fns |= {f"{m}_compiled": (forward(torch.compile(models[m], dynamic=False)), s.forward_reps) for m in compiled}
+    fns |= {f"{m}_compiled": (forward(engine.compiled(models[m])), s.forward_reps) for m in compiled}
     for fn, _ in fns.values():
         fn()  # warm-up, compilation included
     r = alternate(fns, s.inference_rounds, device)  # forwards per second

@@ -201,7 +201,9 @@ def compiled(model: nn.Module) -> nn.Module:
     """torch.compile for the training forward: CUDA graphs ("reduce-overhead") on a GPU, Inductor's default on CPU.
 
     It shares the model's parameters; evaluation keeps calling the eager model (its batch shapes vary). Whether
-    `--compile auto` uses it depends on the device and budget (`compile_by_default`).
+    `--compile auto` uses it depends on the device and budget (`compile_by_default`). `qlbench bench` also times
+    no-grad forwards through it. Call it before the first call of anything compiled earlier: the reset below drops
+    compiled code (which then recompiles on its next call).
     """
     on_cuda = next(model.parameters()).device.type == "cuda"
     # a fresh in-process cache per training run: every method's model re-enters the same forward code, and past
