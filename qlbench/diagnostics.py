@@ -45,8 +45,8 @@ from qlbench.backbones import build_backbone, check_init
 from qlbench.stacked import ForwardContext
 from qlbench.store import Store
 
-ROUTED = ("queryable", "instruct-queryable")  # methods with routes
-GRADIENT_METHODS = ("lora", "queryable", "instruct-queryable")  # the paper's gradient comparison
+ROUTED = stats.ROUTED  # methods with routes (the registry's routed adapters)
+GRADIENT_METHODS = ("lora", *ROUTED)  # the paper's gradient comparison: LoRA against the routed adapters
 
 # --------------------------------------------------------------------------------------------------------------
 # 1. Gradient concentration.

@@ -1,5 +1,6 @@
 """Seed-level statistics for qlbench results: per-cell summaries, paired tests against a baseline, win/tie/loss
-counts across functions, and paired log-ratios. Pure pandas/scipy on the tidy frame of `results.load`; no torch.
+counts across functions, and paired log-ratios. Pandas/scipy on the tidy frame of `results.load`; the method groups
+(full fine-tuning, static, routed, reference) come from the registry's kinds (`adapters.of_kind`).
 
 Conventions (the README's "qlbench interpretation" section says the same in prose):
 
@@ -31,25 +32,48 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-# Metric names of the CLI -> columns of `results.load`.
-METRICS = {"best-train": "best_train_mse", "best-test": "best_test_mse", "test-at-best-train": "test_at_best_train"}
+from qlbench import adapters
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A per-seed metric: its name on the command line, its column in `results.load`'s frame, its table label."""
+
+    name: str
+    column: str
+    label: str
+
+
+METRICS = {
+    m.name: m
+    for m in (
+        Metric("best-train", "best_train_mse", "best train MSE"),
+        Metric("best-test", "best_test_mse", "best test MSE (test-selected)"),
+        Metric("test-at-best-train", "test_at_best_train", "test MSE @ best-train epoch"),
+    )
+}
 CELL = ["arch", "budget", "function"]  # one comparison unit: same data, backbone and protocol
-STATIC = ("lora", "dora", "hyra", "replora", "doran")  # static adapters, in tie-break order
-REFERENCE = ("frozen", "mean")  # no training: reference rows, never ranked
-ORDER = ("full-soap", "full-adamw", *STATIC, "queryable", "instruct-queryable", *REFERENCE)  # display order
+FULL = adapters.of_kind("full")  # full fine-tuning: not an adapter
+STATIC = adapters.of_kind("static")  # static adapters, in tie-break order
+ROUTED = adapters.of_kind("routed")  # routed adapters
+REFERENCE = adapters.of_kind("reference")  # no training: reference rows, never ranked
+ORDER = (*FULL, *STATIC, *ROUTED, *REFERENCE)  # display order
 ALPHA = 0.05
 MIN_PAIRS = 3  # fewer pairs never give a win or loss (a 2-pair t-test has 1 degree of freedom)
 BEST_STATIC = "best-static"
 
 
 def is_full(method: str) -> bool:
-    """Full fine-tuning (every backbone weight trains): not an adapter."""
-    return method.startswith("full-")
+    """Full fine-tuning (every backbone weight trains): not an adapter. An unregistered name (an old record's) is
+    full fine-tuning when it starts with "full-", as the registered ones do."""
+    kind = adapters.kind_of(method)
+    return kind == "full" if kind else method.startswith("full-")
 
 
 def is_adapter(method: str) -> bool:
@@ -66,11 +90,18 @@ def method_order(methods) -> list[str]:
     return known + rest + [m for m in REFERENCE if m in methods]
 
 
-def metric_column(metric: str) -> str:
+def metric(name: str) -> Metric:
+    """The metric of a name (best-train | best-test | test-at-best-train) or of a frame column; ValueError
+    otherwise."""
+    for m in METRICS.values():
+        if name in (m.name, m.column):
+            return m
+    raise ValueError(f"unknown metric {name!r}; valid: {', '.join(METRICS)}")
+
+
+def metric_column(name: str) -> str:
     """The frame column of a metric name (best-train | best-test | test-at-best-train); ValueError otherwise."""
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(METRICS)}")
-    return METRICS[metric]
+    return metric(name).column
 
 
 def scores(frame: pd.DataFrame, column: str) -> pd.Series:

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from qlbench import adapters
 from qlbench.store import Store, finite
 
-METHODS = ("queryable", "instruct-queryable")
+METHODS = adapters.of_kind("routed")  # the theorems are about routed adapters
 METHOD = METHODS[0]  # the default, and what a smoke cell trains
 DEFAULT_FUNCTION = "dropwave"
 

@@ -5,13 +5,16 @@
     config = method.make_config(top_k=3)            # validated in the config's __post_init__
     model = method.build(backbone, config, generators, y_train)
 
-A new method is a file with a `Method` (or `AdapterMethod`) and one `register(...)` line below.
+A new method is a file with a `Method` (or `AdapterMethod`) and one `register(...)` line below. Its `kind`
+(base.KINDS: full, static, routed, reference) is how statistics, reports, diagnostics and the benchmark group it:
+`of_kind("static")` lists the static adapters in registry order, which is also the tables' column order.
 """
 
 from __future__ import annotations
 
 from qlbench.adapters import dora, doran, full, hyra, instruct, lora, queryable, reference, replora
 from qlbench.adapters.base import (
+    KINDS,
     AdapterMethod,
     Method,
     NoConfig,
@@ -24,9 +27,12 @@ REGISTRY: dict[str, Method] = {}
 
 
 def register(method: Method) -> Method:
-    """Add a method under its name; a name can be registered once (ValueError otherwise)."""
+    """Add a method under its name; a name can be registered once, and its kind must be one of KINDS (ValueError
+    otherwise)."""
     if method.name in REGISTRY:
         raise ValueError(f"method {method.name!r} is already registered")
+    if getattr(method, "kind", None) not in KINDS:
+        raise ValueError(f"method {method.name!r} has kind {getattr(method, 'kind', None)!r}; valid: {', '.join(KINDS)}")
     REGISTRY[method.name] = method
     return method
 
@@ -36,8 +42,8 @@ for _method in (
     full.FULL_ADAMW,
     lora.METHOD,
     dora.METHOD,
-    replora.METHOD,
     hyra.METHOD,
+    replora.METHOD,
     doran.METHOD,
     queryable.METHOD,
     instruct.METHOD,
@@ -65,6 +71,18 @@ def names() -> list[str]:
     return list(REGISTRY)
 
 
+def of_kind(kind: str) -> tuple[str, ...]:
+    """The registered methods of one kind (base.KINDS), in registry order; ValueError for an unknown kind."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown method kind {kind!r}; valid: {', '.join(KINDS)}")
+    return tuple(name for name, m in REGISTRY.items() if m.kind == kind)
+
+
+def kind_of(name: str) -> str | None:
+    """The kind of a registered method; None for a name the registry does not know (e.g. in an old record)."""
+    return REGISTRY[name].kind if name in REGISTRY else None
+
+
 def get(name: str) -> Method:
     """The registered method, or a ValueError naming the valid choices."""
     try:
@@ -75,13 +93,16 @@ def get(name: str) -> Method:
 
 __all__ = [
     "AdapterMethod",
+    "KINDS",
     "Method",
     "NoConfig",
     "REGISTRY",
     "DEFAULT_METHODS",
     "get",
     "inject",
+    "kind_of",
     "names",
+    "of_kind",
     "register",
     "total_parameter_count",
     "trainable_parameter_count",

@@ -71,11 +71,21 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, fused=True)
 
 
+# What a method is, as every table, test and benchmark groups it (display order: this order).
+KINDS = {
+    "full": "full fine-tuning (every backbone weight trains)",
+    "static": "static adapter (one fixed update per layer)",
+    "routed": "routed adapter (the update depends on the input through a router)",
+    "reference": "reference row (no training: what the shift and a collapsed model score)",
+}
+
+
 class Method:
-    """One comparison row. Subclasses set `name`, `summary` and `config_cls` and implement `build`."""
+    """One comparison row. Subclasses set `name`, `summary`, `kind` and `config_cls` and implement `build`."""
 
     name: str
     summary: str  # one line, shown by `qlbench run --help` and in the README method table
+    kind: str  # one of KINDS: how statistics, reports, diagnostics and the benchmark group the method
     config_cls: type = NoConfig
     trains: bool = True  # False for rows that are evaluated without any training (frozen, mean)
 
@@ -117,8 +127,9 @@ class AdapterMethod(Method):
         layer_cls: type,
         shared_cls: type | None = None,
         family: str | None = None,
+        kind: str = "static",
     ):
-        self.name, self.summary, self.config_cls = name, summary, config_cls
+        self.name, self.summary, self.config_cls, self.kind = name, summary, config_cls, kind
         self.layer_cls, self.shared_cls, self.family = layer_cls, shared_cls, family or name
 
     def build(self, backbone, config, generators, y_train):

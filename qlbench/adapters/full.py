@@ -16,6 +16,7 @@ from qlbench.soap import StackedSoap
 
 class FullFineTune(Method):
     summary = "full fine-tuning of every backbone parameter with AdamW"
+    kind = "full"
 
     def __init__(self, name: str = "full-adamw"):
         self.name = name

@@ -110,6 +110,7 @@ class InstructQueryable(AdapterMethod):
             QueryableLinear,
             shared_cls=InstructQueryableMemory,
             family=queryable.NAME,
+            kind="routed",
         )
 
     def bind(self, model, members: list[tuple[str, int]], config: InstructQueryableConfig) -> None:

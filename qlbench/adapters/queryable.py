@@ -264,4 +264,5 @@ METHOD = AdapterMethod(
     QueryableConfig,
     QueryableLinear,
     shared_cls=QueryableMemory,
+    kind="routed",
 )

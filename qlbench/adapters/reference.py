@@ -12,6 +12,7 @@ from qlbench.adapters.base import Method
 class Frozen(Method):
     name = "frozen"
     summary = "the source-pretrained backbone evaluated on the target, no training"
+    kind = "reference"
     trains = False
 
     def build(self, backbone, config, generators, y_train):
@@ -34,6 +35,7 @@ class MeanPredictor(nn.Module):
 class Mean(Method):
     name = "mean"
     summary = "predict the mean of the target training labels (what a collapsed model scores)"
+    kind = "reference"
     trains = False
 
     def build(self, backbone, config, generators, y_train):
