@@ -31,8 +31,9 @@ def register(method: Method) -> Method:
     otherwise)."""
     if method.name in REGISTRY:
         raise ValueError(f"method {method.name!r} is already registered")
-    if getattr(method, "kind", None) not in KINDS:
-        raise ValueError(f"method {method.name!r} has kind {getattr(method, 'kind', None)!r}; valid: {', '.join(KINDS)}")
+    kind = getattr(method, "kind", None)
+    if kind not in KINDS:
+        raise ValueError(f"method {method.name!r} has kind {kind!r}; valid: {', '.join(KINDS)}")
     REGISTRY[method.name] = method
     return method
 
