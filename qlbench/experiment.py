@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from qlbench import adapters, engine, results, zoo
 from qlbench.backbones import ARCHS, build_backbone, check_init
+from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.seeding import generator
 from qlbench.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash, write_json
 
@@ -305,7 +305,7 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
     """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells."""
     if functions:
         members = [(f, s) for f in functions for s in p.seeds]
-        with tqdm(
+        with progress_bar(
             total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if p.pretrain_needed(members) else 0),
             desc=f"pretrain {p.arch} x{len(members)}",
             unit="step",
@@ -315,7 +315,7 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
             pre = p.pretrain(members, progress=bar.update, log=log)
         trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
         total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
-        with tqdm(total=total, desc="adapt", unit="step", disable=not progress) as bar:
+        with progress_bar(total=total, desc="adapt", unit="step", disable=not progress) as bar:
             for m in p.methods:
                 if not todo[m]:
                     continue

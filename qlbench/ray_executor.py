@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from qlbench import adapters, engine, experiment, zoo
+from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 
 INSTALL = "pip install 'qlbench[ray]'"
 RETRIES = 1  # times Ray re-runs a task whose worker or node died (an exception raised by a task is never retried)
@@ -177,7 +177,7 @@ def _pretrain(ray, p, functions, request, threads, retries, reporter, progress, 
     outcome = {}
     keep = lambda key, result: outcome.update(result=result)
     desc = f"pretrain {p.arch} x{len(members)}"
-    with tqdm(total=total, desc=desc, unit="step", disable=not progress, leave=False) as bar:
+    with progress_bar(total=total, desc=desc, unit="step", disable=not progress, leave=False) as bar:
         ref = task.remote(p, members, threads, reporter, "pretrain")
         _wait(ray, {ref: "pretrain"}, {"pretrain": total}, reporter, bar, keep)
     if isinstance(outcome["result"], ray.exceptions.RayError):
@@ -217,7 +217,7 @@ def _adapt(ray, p, work, plans, retries, reporter, progress, log) -> None:
             experiment.write_failed(p, unit.method, missing, message, 0.0)
 
     desc = f"adapt {len(work)} task(s) x{len(p.seeds)} seeds"
-    with tqdm(total=sum(totals.values()), desc=desc, unit="step", disable=not progress) as bar:
+    with progress_bar(total=sum(totals.values()), desc=desc, unit="step", disable=not progress) as bar:
         refs = {}
         for i, (unit, (request, threads)) in enumerate(zip(work, plans)):
             options = dict(**request, max_retries=retries, name=f"qlbench adapt {unit}")
