@@ -1,5 +1,8 @@
 """Layers whose LoRA factors a shared network generates (RepLoRA, DoRAN, HyRA).
 
+RepLoRA and HyRA apply the generated factors as LoRA does (`GeneratedLoraLinear`, one subclass per method naming
+its shared module); DoRAN applies them as DoRA does (doran.py).
+
 The method's shared module (`model.shared[<method name>]`) is a ModuleDict with one network per (role, shape) key;
 a key's network returns the factors of all the key's layers at once, A (E, L, r, d_in) and B (E, L, d_out, r).
 A forward generates them on the first layer's request and keeps them in ctx.scratch[<method name>] for the key's
@@ -12,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from qlbench.adapters.base import Site
-from qlbench.stacked import StackedLinear
+from qlbench.adapters.lora import lora_linear
+from qlbench.stacked import ForwardContext, StackedLinear
 
 
 def role_shape_key(site: Site, base: StackedLinear) -> str:
@@ -65,3 +69,18 @@ class GeneratedFactors:
         cache = None if scratch is None else scratch.setdefault(self.owner, {})
         A, B = cached(cache, self.key, shared[self.owner][self.key])
         return A[self.layer], B[self.layer]
+
+
+class GeneratedLoraLinear(GeneratedFactors, nn.Module):
+    """A frozen StackedLinear plus s B A, with (A, B) this layer's slot of what the method's shared network
+    generates; `factors` materialises them (after which inference is plain LoRA). A subclass sets `owner`, the
+    method name its shared module is registered under (model.shared[owner])."""
+
+    def __init__(self, base: StackedLinear, site: Site, config, generators: list[torch.Generator]):
+        super().__init__()
+        self.base, self.scale = base, config.scale
+        self.init_slot(self.owner, site, base)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        A, B = self.factors(ctx.shared, ctx.scratch)
+        return lora_linear(x, self.base, A, B, self.scale)  # (E, ..., d_out)

@@ -33,9 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qlbench.adapters.base import AdapterMethod, Site, check_positive_int
-from qlbench.adapters.generated import GeneratedFactors, role_shape_key
-from qlbench.adapters.lora import LoraConfig, lora_linear
-from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, uniform_members
+from qlbench.adapters.generated import GeneratedLoraLinear, role_shape_key
+from qlbench.adapters.lora import LoraConfig
+from qlbench.stacked import normal_members, param, uniform_members
 
 NAME = "hyra"
 
@@ -134,17 +134,10 @@ class HyraHyperNetworks(nn.ModuleDict):
             self[key] = HyperNetwork(site.n_layers, heads, base.d_in, base.d_out, config, generators, like)
 
 
-class HyraLinear(GeneratedFactors, nn.Module):
+class HyraLinear(GeneratedLoraLinear):
     """A frozen StackedLinear plus s B A, with (A, B) generated from the layer's embedding by the shared H."""
 
-    def __init__(self, base: StackedLinear, site: Site, config: HyraConfig, generators: list[torch.Generator]):
-        super().__init__()
-        self.base, self.scale = base, config.scale
-        self.init_slot(NAME, site, base)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        A, B = self.factors(ctx.shared, ctx.scratch)
-        return lora_linear(x, self.base, A, B, self.scale)  # (E, ..., d_out)
+    owner = NAME
 
 
 METHOD = AdapterMethod(

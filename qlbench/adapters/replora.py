@@ -34,9 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qlbench.adapters.base import AdapterMethod, Site, check_positive_int
-from qlbench.adapters.generated import GeneratedFactors, key_slots, role_shape_key
-from qlbench.adapters.lora import LoraConfig, lora_linear
-from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, uniform_members
+from qlbench.adapters.generated import GeneratedLoraLinear, key_slots, role_shape_key
+from qlbench.adapters.lora import LoraConfig
+from qlbench.stacked import normal_members, param, uniform_members
 
 NAME = "replora"
 
@@ -114,18 +114,11 @@ class RepLoraGenerators(nn.ModuleDict):
             self[key] = GeneratorPair(*nets[key], latent_A, latent_B)
 
 
-class RepLoraLinear(GeneratedFactors, nn.Module):
+class RepLoraLinear(GeneratedLoraLinear):
     """A frozen StackedLinear plus s B A, with (A, B) generated from this layer's latents (slot `layer` of its key's
     stacked latents) by the shared pair; `factors` materialises them."""
 
-    def __init__(self, base: StackedLinear, site: Site, config: RepLoraConfig, generators: list[torch.Generator]):
-        super().__init__()
-        self.base, self.scale = base, config.scale
-        self.init_slot(NAME, site, base)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        A, B = self.factors(ctx.shared, ctx.scratch)
-        return lora_linear(x, self.base, A, B, self.scale)  # (E, ..., d_out)
+    owner = NAME
 
 
 METHOD = AdapterMethod(
