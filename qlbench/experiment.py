@@ -25,7 +25,7 @@ from qlbench.store import DamagedFile, Store, load_torch, save_torch, set_aside,
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Plan:
     """A validated experiment: everything resolved before any work starts, so bad input fails fast."""
 
@@ -152,19 +152,19 @@ def plan(
     dev = engine.resolve_device(device, cuda)
     use_compile = compile == "on" or (compile == "auto" and engine.compile_by_default(dev, b.name))
     return Plan(
-        list(dict.fromkeys(functions)),
-        arch,
-        methods,
-        list(range(n_seeds)),
-        b,
-        configs,
-        dev,
-        dtype,
-        Path(out_dir),
-        use_compile,
-        threads,
-        force,
-        backbone_init,
+        functions=list(dict.fromkeys(functions)),
+        arch=arch,
+        methods=methods,
+        seeds=list(range(n_seeds)),
+        budget=b,
+        configs=configs,
+        device=dev,
+        dtype=dtype,
+        out_dir=Path(out_dir),
+        compile=use_compile,
+        threads=threads,
+        force=force,
+        backbone_init=backbone_init,
     )
 
 
