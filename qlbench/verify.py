@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters
+from qlbench import __version__, adapters, experiment, zoo
+from qlbench.backbones import ARCHS
 from qlbench.store import Store, finite
+from qlbench.theory import checks, tracing
 
 METHODS = adapters.of_kind("routed")  # the theorems are about routed adapters
 METHOD = METHODS[0]  # the default, and what a smoke cell trains
@@ -45,9 +47,6 @@ def find_record(
 ) -> Path:
     """The `method` record under `results`; arch, function and budget may be left out when the record is
     unique (several configs of one cell: the newest)."""
-    from qlbench import zoo
-    from qlbench.backbones import ARCHS
-
     check_method(method)
 
     if arch is not None and arch not in ARCHS:
@@ -74,8 +73,6 @@ def find_record(
 def smoke_plan(folder: Path, arch: str, function: str, device: str, method: str = METHOD):
     """The plan of a smoke-budget cell of `method` to verify when no trained one is given (ValueError on bad
     input)."""
-    from qlbench import experiment
-
     return experiment.plan(
         functions=[function], arch=arch, methods=[check_method(method)], budget="smoke", device=device, out_dir=folder
     )
@@ -85,8 +82,6 @@ def base_instruction(model, members: int, device) -> tuple[torch.Tensor, str]:
     """The instruction embedding e the Lipschitz probes start from, and what it is: the members' own e(c) when the
     model routes with one (instruct-queryable binds it), else a seeded N(0, I / d_c) per member (a model without
     instruction channels ignores it)."""
-    from qlbench.theory import tracing
-
     memory = tracing.memory_of(model)
     if memory.instruction is not None:
         return memory.instruction.to(device, torch.float64), "the members' own e(c) (the model's bound instruction)"
@@ -98,9 +93,6 @@ def base_instruction(model, members: int, device) -> tuple[torch.Tensor, str]:
 
 def verify_record(record: Path, device: str = "cpu") -> dict:
     """Rebuild the trained cell and check every statement over its target test set; returns the JSON report."""
-    from qlbench import __version__, experiment
-    from qlbench.theory import checks, tracing
-
     try:
         model, data, rec = experiment.load_adapted(record, device=device)
     except (FileNotFoundError, ValueError, KeyError) as err:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qlbench import instructions, zoo
 from qlbench.adapters import queryable
 from qlbench.adapters.base import AdapterMethod
 from qlbench.adapters.queryable import QueryableConfig, QueryableLinear, QueryableMemory
@@ -81,16 +82,12 @@ def projection(dim: int, like: torch.Tensor) -> torch.Tensor:
 
 def sentences(functions: list[str], config: InstructQueryableConfig) -> list[str | None]:
     """The instruction sentence of each function under the config's source (None: a random vector)."""
-    from qlbench import zoo
-
     names = zoo.names()
     source = config.instruction_source
     if source == "card":
         return [zoo.card(f).instruction for f in functions]
     if source == "generic":
-        from qlbench.instructions import GENERIC_INSTRUCTION
-
-        return [GENERIC_INSTRUCTION for _ in functions]
+        return [instructions.GENERIC_INSTRUCTION for _ in functions]
     if source == "shuffled":  # a fixed derangement: the next card in name order
         return [zoo.card(names[(names.index(f) + 1) % len(names)]).instruction for f in functions]
     if source == "adversarial":
@@ -119,8 +116,6 @@ class InstructQueryable(AdapterMethod):
 
     def instructions(self, members: list[tuple[str, int]], config: InstructQueryableConfig) -> torch.Tensor:
         """e (E, INSTRUCTION_DIM) float64 for members (function, seed): each member its function's instruction."""
-        from qlbench import instructions, zoo
-
         functions = [f for f, _ in members]
         texts = sentences(functions, config)
         if config.instruction_source == "random":  # a seeded random vector with the card embedding's norm
