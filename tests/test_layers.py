@@ -1,6 +1,7 @@
-"""Imports go one way: no cycle among qlbench's modules (function-local imports included), library modules never
-import the command-line layer (qlbench.cli, qlbench.commands), and only qlbench.ray_executor imports Ray, inside its
-functions (Ray is an optional extra: `import qlbench` and the local executor never need it)."""
+"""Imports go one way: no cycle among qlbench's modules (function-local imports included), no module imports one of
+a higher layer (LAYERS, as docs/design.md draws them), library modules never import the command-line layer
+(qlbench.cli, qlbench.commands), and only qlbench.ray_executor imports Ray, inside its functions (Ray is an optional
+extra: `import qlbench` and the local executor never need it)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,56 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)):
             return found
     return None
+
+
+# Bottom to top. A module may import modules of its own layer (no cycle) or of a lower one; a package's modules
+# (qlbench.adapters.lora) sit in the package's layer.
+LAYERS = [
+    ["qlbench", "qlbench.seeding", "qlbench.store", "qlbench.soap", "qlbench.stacked", "qlbench.gradients"],
+    ["qlbench.text", "qlbench.progress", "qlbench.zoo"],
+    ["qlbench.backbones", "qlbench.instructions", "qlbench.results"],
+    ["qlbench.adapters"],
+    ["qlbench.engine"],
+    ["qlbench.experiment"],
+    ["qlbench.stats", "qlbench.theory", "qlbench.verify", "qlbench.bench", "qlbench.ray_executor"],
+    ["qlbench.diagnostics", "qlbench.ablation"],
+    ["qlbench.report"],
+    ["qlbench.commands"],
+    ["qlbench.cli"],
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a module or of the package it belongs to; KeyError for one LAYERS does not place."""
+    for i, layer in enumerate(LAYERS):
+        if module in layer or any(module.startswith(m + ".") for m in layer if m != "qlbench"):
+            return i
+    raise KeyError(module)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """module -> the modules of a higher layer it imports."""
+    return {m: sorted(d for d in deps if layer_of(d) > layer_of(m)) for m, deps in graph.items()}
+
+
+def test_every_module_has_a_layer():
+    unplaced = []
+    for m in import_graph():
+        try:
+            layer_of(m)
+        except KeyError:
+            unplaced.append(m)
+    assert not unplaced, f"add these modules to LAYERS (and to docs/design.md): {unplaced}"
+
+
+def test_no_module_imports_a_higher_layer():
+    assert {m: up for m, up in upward_imports(import_graph()).items() if up} == {}
+
+
+def test_the_layer_check_finds_a_planted_upward_import():
+    graph = import_graph()
+    graph["qlbench.zoo"] = graph["qlbench.zoo"] | {"qlbench.engine"}
+    assert upward_imports(graph)["qlbench.zoo"] == ["qlbench.engine"]
 
 
 def test_cycle_finder_finds_a_planted_cycle():
