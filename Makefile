@@ -3,9 +3,9 @@
 #   make test     the default test suite (what CI runs, after make lint)
 #   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
-#   make bench    speed benchmarks (side by side, one run)
+#   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
 #   make results-snapshot  the quick deep-narrow sweep (9 functions, every method) and its report in docs/results
-#   make diag-snapshot     the "Why does it win?" measurements: both backbone inits, 3 functions, into $(DIAG)
+#   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

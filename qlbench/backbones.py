@@ -7,7 +7,7 @@ Both take x (E, N, 2) and return predictions (E, N), and list the linears an ada
 Target linears are called as `layer(x, ctx)` so an adapter can read and write the per-forward ForwardContext.
 
 Backbone initialisation (`build_backbone(..., init=...)`, `qlbench run --backbone-init`): "default" is PyTorch's
-default (the paper's), under which the deep-narrow MLP is a constant function of its input (README). "kaiming" and
+default (the paper's), under which the deep-narrow MLP is a constant function of its input (docs/why.md). "kaiming" and
 "orthogonal" re-draw the deep-narrow's 32 hidden layers variance-preserving for GELU (see `GELU_GAIN`).
 """
 

@@ -85,7 +85,7 @@ def auto_threads(arch: str, members: int, requested: int | None = None) -> int |
     below 16 members, else PyTorch's default (None).
 
     Its 32-wide layers at batch 64 are too small to split across cores, and a second thread stalls whenever another
-    process holds a core; from about 16 members, and for the Transformer, more threads help (README, Speed).
+    process holds a core; from about 16 members, and for the Transformer, more threads help (docs/speed.md).
     """
     if requested is not None:
         return requested
@@ -215,7 +215,7 @@ def compiled(model: nn.Module) -> nn.Module:
 
 # Budgets whose training step `--compile auto` compiles, per device type. On CPU the measured cold warm-up (about 16 s
 # for LoRA, 57 s for Queryable LoRA on the deep-narrow stack; seconds when Inductor's cache is warm) is repaid only by
-# the paper budget's 35,000 steps per member, not by a quick run's 2,800 (README, Speed). On CUDA, where CUDA graphs
+# the paper budget's 35,000 steps per member, not by a quick run's 2,800 (docs/speed.md). On CUDA, where CUDA graphs
 # remove per-kernel launch cost, every budget but smoke (seconds long, where the warm-up would dominate); not
 # measured on this project's machines, which have no GPU.
 COMPILE_BUDGETS = {"cpu": ("paper",), "cuda": ("paper", "quick")}

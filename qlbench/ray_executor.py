@@ -12,7 +12,7 @@ here, so `import qlbench` never needs it.
 A unit of work is one method's stack over a group of (function, seed) members: by default all of the method's
 unfinished functions, the very stack the local executor trains (so the numbers are identical); `group_size`
 splits it into groups of that many functions, so a task fits one device (float32 numbers then move at rounding
-level: README, "Determinism"). A task asks Ray for one GPU when the plan's device is CUDA, else for its CPU
+level: docs/design.md, "Determinism"). A task asks Ray for one GPU when the plan's device is CUDA, else for its CPU
 threads. The results folder must be one every node sees (a shared file system): tasks read the backbone cache and
 write their records there, and the driver checks that it sees them.
 """

@@ -70,7 +70,7 @@ def bmm_add(input: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, alpha: floa
 
     Eager: one `torch.baddbmm`. Under torch.compile: a bmm and an add, which Inductor fuses into the element-wise
     kernel that follows (the GELU) instead of paying baddbmm's copy of `input` into its output before the matmul
-    (measured: README, Speed). Both give the same values up to float rounding order.
+    (measured: docs/speed.md). Both give the same values up to float rounding order.
     """
     if torch.compiler.is_compiling():
         y = torch.bmm(b1, b2)

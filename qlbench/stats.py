@@ -2,7 +2,7 @@
 counts across functions, and paired log-ratios. Pandas/scipy on the tidy frame of `results.load`; the method groups
 (full fine-tuning, static, routed, reference) come from the registry's kinds (`adapters.of_kind`).
 
-Conventions (the README's "qlbench interpretation" section says the same in prose):
+Conventions (docs/methods.md, "Interpretations in the statistics", says the same in prose):
 
 - **Diverged = inf.** A seed whose status is "diverged" scores +inf in every ranking, "best" mark and test, whatever
   finite value its metric column holds (that value is the best before it blew up). The paper writes "inf" for such

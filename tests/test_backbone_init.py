@@ -51,7 +51,7 @@ def test_signal_survives_32_layers_with_a_variance_preserving_init_and_collapses
     """The spread of the hidden features across the target inputs after layer 32 over after layer 1, at init:
     below 1e-6 with PyTorch's default (a constant network) and between 0.05 and 100 with kaiming / orthogonal
     (measured over the nine functions x 5 seeds: 0.15 to 55; GELU is not homogeneous, so a fixed gain lets the
-    spread drift, mostly upwards for the zoo's input boxes; README, "Why does it win?")."""
+    spread drift, mostly upwards for the zoo's input boxes; docs/why.md)."""
     profile = diagnostics.signal_profile(
         "deep-narrow", function, ["default", "kaiming", "orthogonal"], "smoke", seeds=3, pretrained=False
     )

@@ -5,7 +5,7 @@ code paths (registry, Method.build / inject, Method.optimizer, engine.fit):
 - isolation: optimisation steps change only the method's trainable parameters, all named with its prefix;
 - stacking: a stack of E = 3 members equals three E = 1 runs with the same per-member generators;
 - state: a state_dict saved and loaded into a differently initialised model reproduces its outputs exactly;
-- counting: the trainable-parameter count equals the method's formula (methods.md) on the full-size backbones.
+- counting: the trainable-parameter count equals the method's formula (docs/methods.md) on the full-size backbones.
 
 Method-specific checks follow the matrix (DoRA's zero-row norm, materialised factors, HyRA's head blocks, ...).
 Small backbones keep the training checks fast; identity and counting also run at full size.
@@ -156,7 +156,7 @@ def test_state_dict_round_trip_reproduces_outputs(name, arch):
     assert torch.equal(fresh(d.x_test), model(d.x_test))
 
 
-# Trainable-parameter formulas, written out from methods.md for the full-size backbones.
+# Trainable-parameter formulas, written out from docs/methods.md for the full-size backbones.
 R = 8
 H_REPLORA, D_E, H_HYRA, MLP_HEADS = 64, 32, 128, 4
 M, D_K, N_BLOCKS = 8, 16, 4

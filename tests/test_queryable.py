@@ -1,4 +1,4 @@
-"""Queryable LoRA: the limits and structure methods.md and the paper's Algorithm 2 promise, on the real module."""
+"""Queryable LoRA: the limits and structure docs/methods.md and the paper's Algorithm 2 promise, on the real module."""
 
 from __future__ import annotations
 

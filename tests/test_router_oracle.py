@@ -105,7 +105,7 @@ def layer_norm(v: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 def block_entries(n_layers: int, n_blocks: int) -> list[int]:
     """Contiguous blocks of near-equal size: layer l is in block floor(l B / L); the block of each layer.
-    (qlbench's partition, README; the paper only says "continuous blocks".)"""
+    (qlbench's partition, docs/methods.md; the paper only says "continuous blocks".)"""
     return [layer * n_blocks // n_layers for layer in range(n_layers)]
 
 

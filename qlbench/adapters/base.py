@@ -66,7 +66,7 @@ def check_nonnegative(config, *names: str) -> None:
 
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW as pretraining and every element-wise method use it: fused (one kernel over all tensors; faster than
-    foreach on the deep-narrow stack, README Speed) and exact on stacked leaves, since it acts element by
+    foreach on the deep-narrow stack, docs/speed.md) and exact on stacked leaves, since it acts element by
     element."""
     return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, fused=True)
 
@@ -84,7 +84,7 @@ class Method:
     """One comparison row. Subclasses set `name`, `summary`, `kind` and `config_cls` and implement `build`."""
 
     name: str
-    summary: str  # one line, shown by `qlbench run --help` and in the README method table
+    summary: str  # one line, shown by `qlbench run --help`
     kind: str  # one of KINDS: how statistics, reports, diagnostics and the benchmark group the method
     config_cls: type = NoConfig
     trains: bool = True  # False for rows that are evaluated without any training (frozen, mean)

@@ -1,6 +1,6 @@
 """DoRAN (arXiv 2510.04331): DoRA with a learnable stabiliser and generated factors.
 
-qlbench interpretation (methods.md): DoRA (dora.py) with the two stabilisers the paper names,
+qlbench interpretation (docs/methods.md): DoRA (dora.py) with the two stabilisers the paper names,
 
     V = W0 + s B A,   g = m / (stopgrad(||V||_row) + tau_l),   tau_l = softplus(rho_l),   y = g * (V x) + b0
 

@@ -29,7 +29,7 @@ class FullFineTune(Method):
 
 @dataclass
 class SoapConfig:
-    """pytorch_optimizer.SOAP's defaults, as methods.md fixes them."""
+    """pytorch_optimizer.SOAP's defaults, as docs/methods.md states them."""
 
     betas: tuple[float, float] = (0.95, 0.95)
     precondition_frequency: int = 10

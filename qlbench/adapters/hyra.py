@@ -1,7 +1,7 @@
 """HyRA (arXiv 2510.04295): a hypernetwork shared across layers generates every layer's LoRA factors, coupling
 the heads of a projection through one generator.
 
-qlbench interpretation (methods.md; the public record is thin):
+qlbench interpretation (docs/methods.md; the public record is thin):
 
     H(e) = W_out gelu(W_in e),  e in R^{2 d_e}  (no biases; d_e = 32, hidden 128)
     y = W0 x + b0 + s B (A x)
@@ -11,7 +11,7 @@ qlbench interpretation (methods.md; the public record is thin):
   MLP hidden layer, fc1, fc2) is treated as 4 heads of width d_out / 4;
 - W_out = [W_out_A; W_out_B] emits the flattened factors. The output rows of the projection are split into H head
   blocks; block j's B rows (d_out / H, r) come from H([e_l; h_j]). A (r, d_in) is one matrix per layer, as in LoRA,
-  and comes from the head-free input H([e_l; 0]) (qlbench's reading: methods.md only splits B over the heads);
+  and comes from the head-free input H([e_l; 0]) (qlbench's reading: only B is split over the heads);
 - init: e_l, h_j ~ N(0, 1); W_in Kaiming-uniform (U(+-1/sqrt(2 d_e))); W_out_B = 0, so B = 0 and the model equals
   the frozen one at step 0; W_out_A ~ U(+-1/sqrt(d_in)) divided by the RMS over layers of ||gelu(W_in [e_l; 0])||,
   so the generated A's entries have LoRA's variance 1 / (3 d_in) (averaged over the key's layers, per member).

@@ -1,12 +1,12 @@
 """Instruction-Queryable LoRA: Queryable LoRA with the instruction channels on (the paper's title method).
 
-    tau_lang = lambda_ctx = 1 (methods.md), e(c) = the frozen embedding of the task's instruction sentence
+    tau_lang = lambda_ctx = 1 (docs/methods.md), e(c) = the frozen embedding of the task's instruction sentence
 
 Everything else (atoms, router, adapted layers) is queryable.py's. The instruction of member (function, seed) is
 its function card's sentence, so in a sweep every stacked member routes with its own function's instruction.
 
 qlbench interpretation: all-MiniLM-L6-v2 gives a 384-d e(c); Q_ctx and R_ctx on 384 dimensions would add 12,288
-trainable parameters (1.8x LoRA's on the deep-narrow MLP, against methods.md's 10% budget). So e(c) enters the
+trainable parameters (1.8x LoRA's on the deep-narrow MLP, against the 10% parameter budget). So e(c) enters the
 router through a frozen, seeded orthonormal projection to INSTRUCTION_DIM = 8 dimensions, scaled by sqrt(384 / 8)
 so that norms are kept on average (Johnson-Lindenstrauss): the router's instruction input is e = sqrt(384/8) P
 MiniLM(c), P (8, 384) with orthonormal rows. The theory (Lipschitz in e) is about that router input.

@@ -65,7 +65,7 @@ def merges(d_in: int, d_out: int, r: int) -> bool:
     Per step, merging adds the weight gradient of a full d_out x d_in matrix (2 N d_in d_out FLOPs for N rows) and
     saves the rank-r matmuls of the unmerged form and their gradients (about 6 N r (d_in + d_out)), so it pays
     when d_in d_out < 3 r (d_in + d_out), whatever N: the deep-narrow's 32 x 32 layers merge, the Transformer's
-    256-wide projections do not (both measured; README, Speed).
+    256-wide projections do not (both measured; docs/speed.md).
     """
     return d_in * d_out < 3 * r * (d_in + d_out)
 

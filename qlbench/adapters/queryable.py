@@ -11,7 +11,7 @@ block per sample (per sequence in the Transformer) from:
   - and a language prior p = softmax(rho) fused as zeta + tau_lang log p.
 The router itself is in routing.py (pure functions shared with the theorem checks).
 
-qlbench choices where the paper leaves room (documented in the README):
+qlbench choices where the paper leaves room (documented in docs/methods.md):
   - the layer prior w is kept per block (only the block-entry layer's w_l is ever used);
   - in the Transformer a layer's rank state (for block summaries) is its token-averaged Q/K/V state; O and FFN
     projections use S_b but do not feed the summaries (no circular dependence, as the paper's appendix A);
@@ -226,7 +226,7 @@ class RoutedLinear(torch.autograd.Function):
 
     x (E, N, d_in); s = A x (E, N, r); S_t (E, r, r, N), the block's S in route()'s samples-last storage; g (E,)
     the gate; W0 (E, d_out, d_in), b0 (E, d_out), B (E, d_out, r) -> y (E, N, d_out). The eager path: one node
-    instead of autograd's chain of views, broadcasts and sum-reductions (faster eager, measured in README Speed);
+    instead of autograd's chain of views, broadcasts and sum-reductions (faster eager, measured in docs/speed.md);
     under torch.compile the plain ops are used, which Inductor fuses better. The backward is checked against finite
     differences and the plain formula (tests/test_queryable.py).
     """

@@ -1,6 +1,6 @@
 """RepLoRA (Truong et al., ICML 2025, arXiv 2502.03044): LoRA factors produced by shared generator MLPs.
 
-qlbench interpretation (methods.md; the public record is thin):
+qlbench interpretation (docs/methods.md; the public record is thin):
 
     A = G_A(A~) row-wise,  B = G_B(B~) column-wise,  G(u) = u + W2 gelu(W1 u)  (no biases, hidden h = 64)
     y = W0 x + b0 + s B (A x)

@@ -1,7 +1,7 @@
 """The Queryable LoRA router as pure functions (paper Section 3, Algorithm 2, appendix eqs. app_prequery to
 app_active_router).
 
-The adapter module (queryable.py), the theory checks (qlbench/theory.py, tests/properties) and `qlbench verify`
+The adapter module (queryable.py), the theory checks (qlbench/theory/, tests/properties) and `qlbench verify`
 all call these same functions, so a theorem checked here is checked on the code that trains.
 
 Shapes: parameters carry the member dimension E first; activations are (E, N, ...) with N samples (sequences).

@@ -29,7 +29,7 @@ def test_rmsnorm_jacobian_formula(x, eps):
 
 @given(x=vectors().filter(lambda v: v.abs().max() > 1e-3), eps=rms_eps_values)
 def test_rmsnorm_gradcheck(x, eps):
-    """Finite differences agree with autograd (DESIGN: gradcheck for custom math)."""
+    """Finite differences agree with autograd (docs/design.md, Style: gradcheck for custom math)."""
     x = (x / x.abs().max()).requires_grad_(True)  # unit scale: finite-difference steps of 1e-6 resolve it
     assert torch.autograd.gradcheck(lambda v: rmsnorm(v, eps), (x,))
 

@@ -1,0 +1,181 @@
+"""The documentation holds together: the README stays a user's manual of at most README_MAX_LINES lines, every
+relative Markdown link in README.md and docs/ resolves, and no text file of the repository names a repository file
+that is not in it (a docstring pointing at a page that moved, a module that became a package)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 350
+
+# `[text](target)` and `![alt](target)`, with an optional "title" after the target.
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+EXTERNAL_SCHEMES = ("http://", "https://", "mailto:")
+
+# A repository path: one of the repository's top-level folders, then a file name with an extension the repository
+# holds. The look-behind makes the match start at the beginning of a path, so a path under a folder that is not
+# one of these roots never matches part-way: `results/...` (the user's output folder, created at run time, never a
+# repository file), `<out>/records/...`, `/shared/...`. Placeholder characters are matched so that the whole token
+# can be skipped below.
+ROOTS = ("qlbench", "tests", "docs", "functions", "notebooks", "figures")
+EXTENSIONS = ("py", "md", "toml", "ipynb", "png", "pdf", "json", "csv", "tex")
+PATH_TOKEN = re.compile(
+    rf"(?<![\w./<>*{{}}$-])((?:{'|'.join(ROOTS)})/[\w./<>*{{}},$-]*\.(?:{'|'.join(EXTENSIONS)}))(?!\w)"
+)
+# Placeholders and patterns, not paths: `functions/<name>.toml`, `docs/results/diagnostics/*/x.md`,
+# `figures/route-map-{a,b}.png`, `$(DIAG)/...`.
+PLACEHOLDER = re.compile(r"[<>*{}$]")
+# Documents of the project's shared reference folder, outside this repository. A bare mention (no folder) is
+# dangling unless a file of that name sits next to the mentioning file (a relative link inside docs/).
+OUTSIDE_NAMES = ("methods.md", "DESIGN.md", "function-zoo.md", "queryable-lora-paper.tex")
+BARE_NAME = re.compile(rf"(?<![\w./-])({'|'.join(re.escape(n) for n in OUTSIDE_NAMES)})(?![\w-])")
+
+# The text files scanned for references: sources and documentation. Data files (csv, tex, json) and binaries are
+# left out; a notebook contributes its cells' sources, not their outputs.
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".ipynb"}
+TEXT_NAMES = {"Makefile", ".ci/run"}
+# This file names made-up paths on purpose (the planted trees below, the outside names above).
+THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()
+
+
+def repository_files(root: Path) -> list[str]:
+    """The repository's files, relative to `root`: tracked and untracked-but-not-ignored ones that exist on disk (a
+    file deleted in the working tree but still in the index is gone). Skips the test outside a git checkout."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    run = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0:
+        pytest.skip("not a git checkout")
+    return sorted({f for f in run.stdout.split("\0") if f and (root / f).is_file()})
+
+
+def is_text_file(name: str) -> bool:
+    return Path(name).suffix in TEXT_SUFFIXES or name in TEXT_NAMES
+
+
+def text_of(path: Path) -> str:
+    """A file's text as a reader sees it; for a notebook, its cells' sources only (outputs are generated)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".ipynb":
+        cells = json.loads(text).get("cells", [])
+        text = "\n".join("".join(c.get("source", [])) for c in cells)
+    return text
+
+
+def missing_references(root: Path, files: list[str]) -> list[str]:
+    """'file: reference' for every repository path or bare outside-document name that a text file among `files`
+    mentions and that is not among `files`."""
+    known = set(files)
+    missing = []
+    for name in files:
+        if not is_text_file(name):
+            continue
+        text = text_of(root / name)
+        for token in dict.fromkeys(m.group(1) for m in PATH_TOKEN.finditer(text)):
+            if not PLACEHOLDER.search(token) and token not in known:
+                missing.append(f"{name}: {token}")
+        for bare in dict.fromkeys(m.group(1) for m in BARE_NAME.finditer(text)):
+            if (Path(name).parent / bare).as_posix().removeprefix("./") not in known:
+                missing.append(f"{name}: {bare}")
+    return missing
+
+
+def broken_links(md: Path) -> list[str]:
+    """The relative link targets of a Markdown file that resolve to nothing (anchors stripped; web and mail links,
+    and links to an anchor of the same page, skipped)."""
+    broken = []
+    for target in LINK.findall(md.read_text(encoding="utf-8")):
+        if target.startswith(EXTERNAL_SCHEMES) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        if not (md.parent / path).exists():
+            broken.append(target)
+    return broken
+
+
+def markdown_pages(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+# --- the repository ---------------------------------------------------------------------------------------------
+
+
+def test_readme_is_a_manual_of_at_most_350_lines():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    broken = {str(md.relative_to(ROOT)): b for md in markdown_pages(ROOT) if (b := broken_links(md))}
+    assert not broken, f"links to nothing: {broken}"
+
+
+def test_no_text_file_refers_to_a_repository_file_that_is_not_there():
+    missing = [m for m in missing_references(ROOT, repository_files(ROOT)) if not m.startswith(f"{THIS_FILE}: ")]
+    assert not missing, "references to files not in the repository:\n" + "\n".join(missing)
+
+
+# --- the checkers themselves, on planted files -------------------------------------------------------------------
+
+
+def plant(root: Path, files: dict[str, str]) -> list[str]:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    return sorted(files)
+
+
+def test_the_reference_scanner_finds_a_planted_missing_path_and_nothing_else(tmp_path):
+    notebook = {
+        "cells": [
+            {"cell_type": "markdown", "source": ["See qlbench/zoo.py and ", "docs/lost.png", "."]},
+            {"cell_type": "code", "source": ["x = 1"], "outputs": [{"text": "docs/only-in-output.md"}]},
+        ]
+    }
+    files = plant(
+        tmp_path,
+        {
+            "qlbench/zoo.py": '"""Cards in functions/<name>.toml; figures/route-map-{a,b}.png; docs/x/*/t.md."""',
+            "qlbench/adapters/lora.py": '"""The form: methods.md. See qlbench/gone.py and qlbench/zoo.py."""',
+            "docs/page.md": "Writes results/bench/bench.json and <out>/records/a.json; see [m](methods.md).",
+            "docs/methods.md": "The forms. Also in docs/methods.md and qlbench/zoo.py.",
+            "notebooks/n.ipynb": json.dumps(notebook),
+            "figures/f.png": "not text",
+            "Makefile": "# see tests/absent.py\n",
+        },
+    )
+    assert missing_references(tmp_path, files) == [
+        "Makefile: tests/absent.py",
+        "notebooks/n.ipynb: docs/lost.png",
+        "qlbench/adapters/lora.py: qlbench/gone.py",
+        "qlbench/adapters/lora.py: methods.md",
+    ]
+
+
+def test_the_reference_scanner_passes_a_clean_tree(tmp_path):
+    files = plant(tmp_path, {"qlbench/a.py": '"""See qlbench/b.py, tests/t.py::test_x."""', "qlbench/b.py": ""})
+    files += plant(tmp_path, {"tests/t.py": "", "README.md": "Run `qlbench/a.py`; the report in results/report.md."})
+    assert missing_references(tmp_path, files) == []
+
+
+def test_the_link_checker_finds_a_broken_link_and_skips_web_links_and_anchors(tmp_path):
+    plant(tmp_path, {"docs/a.md": "", "figures/f.png": ""})
+    page = tmp_path / "docs" / "index.md"
+    page.write_text(
+        "[a](a.md#part) ![f](../figures/f.png) [dir](../docs/) [web](https://example.org/x.md) [mail](mailto:a@b.c) "
+        '[here](#top) [t](a.md "title") [gone](gone.md) ![lost](../figures/lost.png)',
+        encoding="utf-8",
+    )
+    assert broken_links(page) == ["gone.md", "../figures/lost.png"]
