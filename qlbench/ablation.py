@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qlbench import engine, experiment, results, stats
+from qlbench import engine, experiment, results, stats, text
 
 METHOD = "instruct-queryable"
 REFERENCE = "correct"
@@ -78,8 +78,6 @@ def evaluation_time(record: Path, repeats: int = 3) -> tuple[float, float]:
 def table(records: dict[str, Path]) -> pd.DataFrame:
     """One row per variant: the three metrics (mean ± std over seeds, diverged seeds as inf), evaluation time and
     latency per sample, and the paired difference to the correct instruction on test MSE at the best-train epoch."""
-    from qlbench.report import num, run_cell  # the tables' number and cell formats
-
     frame = results.load(list(records.values()))
     variant_of = {str(path): name for name, path in records.items()}
     frame["variant"] = frame["record"].map(variant_of)
@@ -96,7 +94,7 @@ def table(records: dict[str, Path]) -> pd.DataFrame:
         row = {"variant": name, "trainable": f"{int(g['trainable_params'].iloc[0]):,}", "diverged": f"{n_div}/{len(g)}"}
         for metric in stats.METRICS:  # mean ± std over the n seeds; "inf (k ok: ...)" when a seed diverged
             (summary,) = stats.summarize(g, stats.metric_column(metric)).itertuples()
-            row[metric] = run_cell(summary)
+            row[metric] = text.seed_cell(summary)
         seconds, latency = evaluation_time(path)
         row["eval s"] = f"{seconds:.3f}"
         row["µs / sample"] = f"{1e6 * latency:.2f}"
@@ -106,7 +104,7 @@ def table(records: dict[str, Path]) -> pd.DataFrame:
             mine = by_seed(g, column)
             test = stats.paired_test(mine.to_numpy(), reference.to_numpy())
             row["diff vs correct [95% CI], p"] = (
-                f"{num(test['mean_diff'], 3)} [{num(test['ci_low'], 2)}, {num(test['ci_high'], 2)}], "
+                f"{text.num(test['mean_diff'], 3)} [{text.num(test['ci_low'], 2)}, {text.num(test['ci_high'], 2)}], "
                 f"p = {test['p']:.2g}"
             )
         rows.append(row)

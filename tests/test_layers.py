@@ -120,7 +120,7 @@ def test_cycle_finder_finds_a_planted_cycle():
 def test_graph_sees_function_local_imports():
     graph = import_graph()
     assert "qlbench.commands.run" in graph["qlbench.cli"]
-    assert "qlbench.experiment" in graph["qlbench.commands.run"]  # imported inside run()
+    assert "qlbench.report" in graph["qlbench.commands.run"]  # imported inside run()
 
 
 def test_no_import_cycle():

@@ -13,7 +13,7 @@ import pytest
 from matplotlib.figure import Figure
 from test_stats import Div, make_frame
 
-from qlbench import cli, report
+from qlbench import cli, report, text
 
 from helpers import one_line_error
 
@@ -151,7 +151,7 @@ def test_method_table_shows_seeds_divergence_and_failure(frame):
     assert t.loc["replora", "status"] == "failed" and t.loc["replora", "best train MSE"] == "failed"
     assert t.loc["lora", "best train MSE"] == "1.05 ± 0.11" and t.loc["lora", "n"] == 5
     assert t.loc["lora", "× LoRA"] == "1.000" and t.loc["frozen", "× LoRA"] == "-"
-    assert report.markdown(t.reset_index()).splitlines()[0].startswith("| method ")
+    assert text.markdown(t.reset_index()).splitlines()[0].startswith("| method ")
 
 
 def test_method_table_keeps_budgets_apart():

@@ -6,13 +6,12 @@ import sys
 import time
 from pathlib import Path
 
+from qlbench import ablation, experiment, text, zoo
+from qlbench.backbones import ARCHS
 from qlbench.commands import usage_errors
 
 
 def register(subparsers) -> None:
-    from qlbench import ablation, zoo
-    from qlbench.backbones import ARCHS
-
     p = subparsers.add_parser(
         "ablate",
         help="the instruction-router ablation of instruct-queryable (eight variants)",
@@ -32,8 +31,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from qlbench import ablation, experiment, report
-
     log = lambda message: print(message, file=sys.stderr, flush=True)
     with usage_errors():
         plans = ablation.plans(
@@ -56,7 +53,7 @@ def run(args) -> int:
         log(f"variant {name}")
         (records[name],) = experiment.run(plan, progress=not args.no_progress, log=log)
     table = ablation.table(records)
-    print(report.markdown(table))
+    print(text.markdown(table))
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {first.store.root / 'records'}")
     failed = table.loc[table["best-train"] == "failed", "variant"]
     for name in failed:

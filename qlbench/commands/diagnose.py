@@ -12,13 +12,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from qlbench import diagnostics, results, store, text, zoo
+from qlbench.backbones import ARCHS, INITS
 from qlbench.commands import UsageError, usage_errors
 
 
 def register(subparsers) -> None:
-    from qlbench import diagnostics, zoo
-    from qlbench.backbones import ARCHS, INITS
-
     p = subparsers.add_parser(
         "diagnose",
         help="routing and gradient diagnostics of a trained queryable cell: route maps, atom usage, entropies",
@@ -40,8 +39,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from qlbench import diagnostics, report, results, store
-    from qlbench.backbones import ARCHS, INITS
+    from qlbench import report  # imported here: seaborn and matplotlib would slow qlbench --help and bad input
 
     if args.method not in diagnostics.ROUTED:
         raise UsageError(f"unknown routed method {args.method!r}; valid: {', '.join(diagnostics.ROUTED)}")
@@ -80,14 +78,14 @@ def run(args) -> int:
     table = diagnostics.block_table(s, seeds)
     top_k = model.shared["queryable"].config.top_k
     print(f"\n### Routing over the target test set ({alpha.shape[2]} inputs, top-{top_k} of {alpha.shape[-1]} atoms)\n")
-    print(report.markdown(table.round(3)))
+    print(text.markdown(table.round(3)))
     atoms = {f"seed {seed}": [f"{v:.3f}" for v in s["atom_block_entropy"][e].tolist()] for e, seed in enumerate(seeds)}
     print("\nper-atom usage entropy across blocks (nats; max log B; nan = unused):")
     for seed, values in atoms.items():
         print(f"  {seed}: {', '.join(values)}")
 
     files = []
-    save = lambda fig, stem: files.append(_save(fig, out / stem, store))
+    save = lambda fig, stem: files.append(_save(fig, out / stem))
     maps = diagnostics.route_maps(model, args.function, args.grid)
     label = f"{name}, seed {seeds[member]}"
     save(report.route_map_figure(maps, member, f"Route maps: {label}"), f"{args.method}-route-map")
@@ -106,7 +104,7 @@ def run(args) -> int:
     if len(grads):
         comparison = diagnostics.compare_concentration(diagnostics.concentration_per_seed(grads))
         print(f"\n### Gradient concentration ({', '.join(sorted(set(grads['method'])))})\n")
-        print(report.markdown(report.concentration_table(comparison)))
+        print(text.markdown(report.concentration_table(comparison)))
         save(report.gradient_profile_figure(grads), "gradient-profile")
         save(report.concentration_figure(grads), "gradient-concentration")
     else:
@@ -115,7 +113,7 @@ def run(args) -> int:
     return 0
 
 
-def _save(fig, stem: Path, store) -> Path:
+def _save(fig, stem: Path) -> Path:
     path = stem.with_suffix(".png")
     store.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     return path

@@ -7,14 +7,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from qlbench import results, stats
+from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, usage_errors
 
 FORMATS = ("md", "latex", "csv")  # report.FORMATS (not imported here: it loads seaborn)
 
 
 def register(subparsers) -> None:
-    from qlbench.stats import METRICS
-
     p = subparsers.add_parser(
         "report",
         help="paper-style tables, paired statistics and figures from a results folder",
@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--metric",
         default="test-at-best-train",
-        help=f"the test table's metric, one of: {', '.join(METRICS)} (default test-at-best-train; the "
+        help=f"the test table's metric, one of: {', '.join(stats.METRICS)} (default test-at-best-train; the "
         "train table always shows best-train)",
     )
     p.add_argument("--format", default="md,latex,csv", help=f"comma-separated from: {', '.join(FORMATS)}")
@@ -41,8 +41,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from qlbench import report, results, stats
-    from qlbench.backbones import ARCHS
+    from qlbench import report  # imported here: seaborn and matplotlib would slow qlbench --help and bad input
 
     with usage_errors():
         stats.metric_column(args.metric)  # unknown metric: one line naming the valid ones

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from qlbench import results, text
 from qlbench.commands import UsageError
 
 
@@ -20,15 +21,13 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from qlbench import report, results
-
     if not args.folder.is_dir():
         raise UsageError(f"results folder {args.folder} does not exist")
     table = results.index(args.folder, on_damaged=lambda m: print(f"qlbench results: {m}", file=sys.stderr))
     if table.empty:
         raise UsageError(f"no records under {args.folder / 'records'}; `qlbench run --out {args.folder}` writes some")
     table = table.drop(columns=["record"]).assign(has_model=table["has_model"].map({True: "yes", False: "no"}))
-    print(report.markdown(table))
+    print(text.markdown(table))
     counts = table.groupby(["arch", "budget"]).size()
     print("\n" + "; ".join(f"{arch}/{budget}: {n} record(s)" for (arch, budget), n in counts.items()))
     return 0

@@ -10,12 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+from qlbench import adapters, engine, experiment, ray_executor, results, text, zoo
+from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, parse_overrides, split_list, usage_errors
 
 
 def register(subparsers) -> None:
-    from qlbench import zoo
-
     p = subparsers.add_parser(
         "run",
         help="pretrain, adapt with every method over seeds, print a mean ± std table",
@@ -94,8 +94,6 @@ def check_executor(args) -> str:
         raise UsageError(f"--group-size must be >= 1 (functions per Ray task), got {args.group_size}")
     if args.ray_retries is not None and args.ray_retries < 0:
         raise UsageError(f"--ray-retries must be >= 0, got {args.ray_retries}")
-    from qlbench import ray_executor
-
     try:
         ray_executor.require()
     except ValueError:
@@ -104,9 +102,6 @@ def check_executor(args) -> str:
 
 
 def add_experiment_options(p: argparse.ArgumentParser) -> None:
-    from qlbench import adapters, engine
-    from qlbench.backbones import ARCHS
-
     methods_help = "; ".join(f"{n}: {m.summary}" for n, m in adapters.REGISTRY.items())
     p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
     p.add_argument(
@@ -154,7 +149,7 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args, functions: list[str]) -> int:
-    from qlbench import experiment, report, results
+    from qlbench import report  # imported here: seaborn and matplotlib would slow qlbench --help and bad input
 
     if args.methods is not None and not split_list(args.methods):
         raise UsageError("--methods is empty; give a comma-separated list, or leave it out for the default set")
@@ -191,8 +186,6 @@ def run(args, functions: list[str]) -> int:
             # every choice is checked before Ray starts; the device is resolved by the cluster's GPUs once it runs
             plan = experiment.plan(**kwargs, cuda=None if executor == "local" else True)
             if executor == "ray":
-                from qlbench import ray_executor
-
                 cluster = stack.enter_context(ray_executor.connect(args.ray_address))
                 plan = experiment.plan(**kwargs, cuda=cluster.gpus > 0)
                 ray_executor.check(plan, cluster)
@@ -219,7 +212,7 @@ def run(args, functions: list[str]) -> int:
     frame = results.load([p for p in paths if p.exists()], on_damaged=log)
     print()
     if len(frame):
-        print(report.markdown(report.method_table(frame)))
+        print(text.markdown(report.method_table(frame)))
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {plan.store.root / 'records' / plan.arch}")
     failed = frame[frame["cell_status"] == "failed"].drop_duplicates("record") if len(frame) else frame
     for row in failed.itertuples():

@@ -10,13 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from qlbench import diagnostics, engine, progress, store, text, zoo
+from qlbench.backbones import ARCHS, INITS, check_init
 from qlbench.commands import UsageError, split_list, usage_errors
 
 
 def register(subparsers) -> None:
-    from qlbench import engine, zoo
-    from qlbench.backbones import ARCHS, INITS
-
     p = subparsers.add_parser(
         "signal",
         help="per-layer spread of a backbone's hidden features across inputs, at init and after pretraining",
@@ -47,10 +46,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from tqdm.auto import tqdm
-
-    from qlbench import diagnostics, engine, report, store, zoo
-    from qlbench.backbones import check_init
+    from qlbench import report  # imported here: seaborn and matplotlib would slow qlbench --help and bad input
 
     inits = split_list(args.backbone_init)
     if not inits:
@@ -69,7 +65,7 @@ def run(args) -> int:
     seeds = b.seeds if args.seeds is None else args.seeds
     with (
         engine.num_threads(args.threads),
-        tqdm(desc="pretrain", unit="step", disable=args.no_progress, leave=False) as bar,
+        progress.bar(desc="pretrain", unit="step", disable=args.no_progress, leave=False) as bar,
     ):
         profile = diagnostics.signal_profile(
             args.arch,
@@ -89,7 +85,7 @@ def run(args) -> int:
         f"qlbench signal: {args.arch}, {args.function}, budget {args.budget} ({seeds} seeds): spread of the hidden "
         "features across the target test inputs, mean over seeds (layer 0: after the input layer)\n"
     )
-    print(report.markdown(wide.map(lambda v: f"{v:.3g}").reset_index()))
+    print(text.markdown(wide.map(lambda v: f"{v:.3g}").reset_index()))
     figure = args.figure or args.out / "signal" / f"{args.arch}-{args.function}-{args.budget}.png"
     fig = report.signal_figure(profile)
     store.atomic_write(figure, lambda tmp: fig.savefig(tmp, format="png", dpi=120))

@@ -1,0 +1,259 @@
+"""Results as tables: the run table (one row per method), the paper tables (one row per function, one column per
+method, one per (arch, budget) and metric), the paired statistics and the gradient concentration, as DataFrames of
+text, with their legends. Numbers and Markdown come from `qlbench.text`; rendering to LaTeX and files is
+`qlbench.report.write`'s.
+
+A cell says how many seeds it stands on, and a diverged seed makes the cell inf (see `qlbench.stats`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from qlbench import stats, text
+
+# --------------------------------------------------------------------------------------------------------------
+# The run table: one row per method, what `qlbench run` prints.
+
+
+def _cell_status(g: pd.DataFrame) -> str:
+    if (g["status"] == "failed").any() or (g["cell_status"] == "failed").any():
+        return "failed"
+    return "diverged" if (g["status"] == "diverged").any() else "ok"
+
+
+def method_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (function, arch, budget, method): status (ok | diverged: some seed diverged | failed), n seeds,
+    diverged k/n, trainable parameters and their ratio to LoRA, and each metric.
+
+    A metric reads mean ± sample std over the n seeds when none diverged. With k diverged seeds it reads
+    "inf (n-k ok: mean ± std)": inf is the cell's value in every ranking and test (a diverged seed counts as
+    MSE = inf), and the survivors' mean is shown with the count it stands on, never alone. A failed cell is a row
+    with status failed. Budgets are never mixed: key columns that vary are kept.
+    """
+    keys = ["function", "arch", "budget"]
+    metrics = stats.METRICS.values()
+    summaries = {m.column: stats.summarize(frame, m.column).set_index(stats.CELL + ["method"]) for m in metrics}
+    rows = []
+    for (function, arch, budget), cell in frame.groupby(keys, sort=False):
+        lora = cell.loc[cell["method"] == "lora", "trainable_params"]
+        for method, g in cell.groupby("method", sort=False):
+            params = g["trainable_params"].iloc[0]
+            n_div = int((g["status"] == "diverged").sum())
+            row = {
+                "function": function,
+                "arch": arch,
+                "budget": budget,
+                "method": method,
+                "status": _cell_status(g),
+                "n": len(g),
+                "diverged": f"{n_div}/{len(g)}",
+                "trainable": "-" if pd.isna(params) else f"{int(params):,}",
+                "× LoRA": f"{params / lora.iloc[0]:.3f}" if len(lora) and not pd.isna(params) and params else "-",
+            }
+            key = (arch, budget, function, method)
+            row |= {m.label: text.seed_cell(summaries[m.column].loc[key]) for m in metrics}
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    drop = [k for k in keys if table[k].nunique() <= 1] if len(table) else []
+    return table.drop(columns=drop)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paper-layout tables: one row per function, one column per method, one table per (arch, budget) and metric.
+
+# The marks of a paper table per output format: best overall, best adapter, significant vs LoRA, ±, <.
+MARKS = {
+    "md": {"bold": "**bold**", "italic": "*italic*", "dagger": "†", "pm": "±", "lt": "<"},
+    "latex": {
+        "bold": r"\textbf{bold}",
+        "italic": r"\textit{italic}",
+        "dagger": r"\textsuperscript{$\dagger$}",
+        "pm": r"$\pm$",
+        "lt": "$<$",
+    },
+}
+
+
+def table_data(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Long form of the paper tables, one row per (arch, budget, function, method): metric, the `stats.summarize`
+    columns, best_overall / best_adapter (lowest inf-aware mean among non-reference methods / adapters), p_vs_lora,
+    vs_lora (win | tie | loss) and sig_vs_lora (the table's † mark). This is what the CSV holds."""
+    data = stats.summarize(frame, stats.metric_column(metric))
+    data["best_overall"] = stats.best_mask(data, lambda m: m not in stats.REFERENCE)
+    data["best_adapter"] = stats.best_mask(data, stats.is_adapter)
+    vs = stats.compare(frame, metric, "lora")[stats.CELL + ["method", "p", "outcome"]]
+    data = data.merge(
+        vs.rename(columns={"p": "p_vs_lora", "outcome": "vs_lora"}), on=stats.CELL + ["method"], how="left"
+    )
+    data["sig_vs_lora"] = data["vs_lora"].isin(["win", "loss"]) & ~data["method"].isin(stats.REFERENCE)
+    return data.assign(metric=metric)[["metric", *data.columns]]
+
+
+def one_slice(data: pd.DataFrame) -> tuple[str, str]:
+    """The (arch, budget) of a paper table's data; ValueError when it mixes several (tables never mix them)."""
+    slices = data[["arch", "budget"]].drop_duplicates()
+    if len(slices) != 1:
+        raise ValueError(f"a paper table holds one (arch, budget), got {len(slices)}: split the frame first")
+    return tuple(slices.iloc[0])
+
+
+def _seeds(data: pd.DataFrame) -> int:
+    """The seed count most cells stand on (others are marked n=k)."""
+    return int(data["n"].mode().iloc[0])
+
+
+def _cell_text(r, n_common: int, fmt: str) -> str:
+    """One paper-table cell: mean ± std, "inf (k/n div.)", "failed"; (n=k) when not n_common seeds; † when the
+    method differs significantly from LoRA."""
+    if r.n_diverged:
+        cell = f"inf ({r.n_diverged}/{r.n} div.)"
+    elif r.n_ok == 0:
+        cell = "failed" if r.n_failed else "n/a"
+    else:
+        cell = text.mean_std(r.mean_ok, r.std_ok, r.n_ok, fmt) + ("" if r.n_ok == n_common else f" (n={r.n_ok})")
+    return cell + (MARKS[fmt]["dagger"] if r.sig_vs_lora else "")
+
+
+def grid(data: pd.DataFrame, fmt: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(text, bold, italic), each function x method (methods in stats.method_order, "-" = not run)."""
+    n_common = _seeds(data)
+    data = data.assign(text=[_cell_text(r, n_common, fmt) for r in data.itertuples()])
+    functions, methods = sorted(data["function"].unique()), stats.method_order(data["method"])
+
+    def wide(col: str) -> pd.DataFrame:  # (functions, methods)
+        return data.pivot(index="function", columns="method", values=col).reindex(index=functions, columns=methods)
+
+    cells = wide("text").fillna("-")
+    cells.columns.name, cells.index.name = "function", None
+    return cells, wide("best_overall").eq(True), wide("best_adapter").eq(True)
+
+
+def legend(data: pd.DataFrame, fmt: str) -> str:
+    """What the marks mean, the seed count, inf = diverged."""
+    k = MARKS[fmt]
+    return (
+        f"{k['bold']} = lowest mean overall; {k['italic']} = lowest mean among adapters (full fine-tuning excluded); "
+        f"{k['dagger']} = differs from LoRA, paired by seed, p {k['lt']} 0.05 (paired t-test; Wilcoxon signed-rank "
+        "when a seed diverged; at least 3 pairs); inf (k/n div.) = k of n seeds diverged, counted as MSE = inf in "
+        f"every mark and test; frozen and mean are reference columns, never marked; mean {k['pm']} sample std over "
+        f"n = {_seeds(data)} seeds unless marked (n=k); - = not run."
+    )
+
+
+def title(data: pd.DataFrame) -> str:
+    """A paper table's title: metric, arch, budget."""
+    arch, budget = one_slice(data)
+    return f"{stats.metric(data['metric'].iloc[0]).label}, {arch}, budget {budget}"
+
+
+def paper_markdown(data: pd.DataFrame) -> str:
+    """The Markdown paper table of one (arch, budget) slice of `table_data`, its legend below."""
+    one_slice(data)
+    cells, bold, italic = grid(data, "md")
+    wrap = pd.DataFrame(
+        np.select([bold & italic, bold, italic], ["***", "**", "*"], ""), index=cells.index, columns=cells.columns
+    )
+    body = (wrap + cells + wrap).reset_index().rename(columns={"index": "function"})
+    return f"{text.markdown(body)}\n\n{legend(data, 'md')}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paired statistics tables (stats.compare / stats.win_tie_loss rendered as text).
+
+STATS_LEGEND = (
+    "Paired by seed within the function; diff = method - baseline (negative = lower MSE). t p and the "
+    "CI are n/a when a seed diverged (inf); Wilcoxon ranks a diverged seed above every finite one. result:"
+    " win/loss when p < 0.05 (t-test, else Wilcoxon) with at least 3 pairs, else tie. An exact two-sided "
+    "Wilcoxon cannot go below 0.25 with 3 pairs and 0.0625 with 5. Sign test: wins vs losses across "
+    "functions, ties dropped."
+)
+
+
+def _method_key(col: pd.Series) -> pd.Series:
+    """Sort key: methods in stats.method_order, anything else as is."""
+    if col.name != "method":
+        return col
+    order = {m: i for i, m in enumerate(stats.method_order(col))}
+    return col.map(order)
+
+
+def _diff_text(r) -> str:
+    """mean paired difference [95% CI]; the CI is n/a when a seed diverged (inf)."""
+    if math.isnan(r.mean_diff):
+        return "n/a"
+    if math.isinf(r.mean_diff):
+        return f"{r.mean_diff:+g}"
+    ci = "n/a" if math.isnan(r.ci_low) else f"{text.num(r.ci_low, 2)}, {text.num(r.ci_high, 2)}"
+    return f"{text.num(r.mean_diff, 3)} [{ci}]"
+
+
+def comparison_table(comparison: pd.DataFrame) -> pd.DataFrame:
+    """`stats.compare` as text, one row per (function, method): baseline, n pairs, diverged seeds (method/baseline),
+    mean diff [95% CI] (method - baseline; negative = lower MSE), Wilcoxon p, t p, result."""
+    c = comparison.sort_values(["function", "method"], key=_method_key)
+    return pd.DataFrame(
+        {
+            "function": c["function"],
+            "method": c["method"],
+            "baseline": c["baseline"],
+            "n": c["n"],
+            "diverged": [f"{a}/{b}" for a, b in zip(c["n_div"], c["n_div_base"])],
+            "mean diff [95% CI]": [_diff_text(r) for r in c.itertuples()],
+            "Wilcoxon p": c["wilcoxon_p"].map(text.p_value),
+            "t p": c["t_p"].map(text.p_value),
+            "result": c["outcome"],
+        }
+    )
+
+
+def wtl_table(wtl: pd.DataFrame) -> pd.DataFrame:
+    """`stats.win_tie_loss` as text: method, functions, wins/ties/losses, sign-test p."""
+    w = wtl.sort_values("method", key=_method_key)
+    return pd.DataFrame(
+        {
+            "method": w["method"],
+            "functions": w["functions"],
+            "W/T/L": [f"{a}/{b}/{c}" for a, b, c in zip(w["wins"], w["ties"], w["losses"])],
+            "sign test p": w["sign_p"].map(text.p_value),
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Gradient concentration (data from qlbench.diagnostics).
+
+CONCENTRATION_LEGEND = (
+    "Gradient concentration index = max / mean of the per-layer adapter gradient norms (1 = every layer gets the "
+    "same norm, L = one layer gets everything; lower is better, the paper's reading), from the last training step "
+    "of each evaluated epoch, averaged over those epochs per seed; mean ± sample std over seeds. diff = method - "
+    "LoRA paired by seed with its 95% t-interval; win = significantly lower (less concentrated), p < 0.05 (paired "
+    "t, else Wilcoxon) with at least 3 pairs."
+)
+
+
+def concentration_table(comparison: pd.DataFrame) -> pd.DataFrame:
+    """`diagnostics.compare_concentration` as text: function, method, n, concentration mean ± std, paired diff vs
+    the baseline [95% CI], t p, Wilcoxon p, result."""
+    c = comparison.sort_values(["function", "method"], key=_method_key)
+    diff = [
+        "baseline"
+        if pd.isna(r.mean_diff) and r.method == "lora"
+        else ("n/a" if pd.isna(r.mean_diff) else _diff_text(r))
+        for r in c.itertuples()
+    ]
+    return pd.DataFrame(
+        {
+            "function": c["function"],
+            "method": c["method"],
+            "n": c["n"],
+            "concentration": [text.mean_std(m, sd, n) for m, sd, n in zip(c["mean"], c["std"], c["n"])],
+            "diff vs LoRA [95% CI]": diff,
+            "t p": c["t_p"].map(text.p_value),
+            "Wilcoxon p": c["wilcoxon_p"].map(text.p_value),
+            "result": c["outcome"].fillna("-"),
+        }
+    )
