@@ -3,7 +3,7 @@ variants, every one with the same trainable parameters, each a normal cell of th
 
     no-instruction     tau_lang = lambda_ctx = 0: state-only routing (the instruction channels exist, unused)
     generic            "a smooth two-dimensional function" for every task
-    correct            the function card's sentence (the method's default)
+    card               the function card's sentence (the method's default, instruction_source "card")
     shuffled           another card's sentence (a fixed derangement: the next card in name order)
     adversarial        the card's sentence describing a very different surface
     random             a seeded random embedding with the norm of the card's
@@ -21,11 +21,11 @@ import pandas as pd
 from qlbench import engine, experiment, results, stats, text
 
 METHOD = "instruct-queryable"
-REFERENCE = "correct"
+REFERENCE = "card"  # the variant every other is compared with
 VARIANTS: dict[str, dict] = {
     "no-instruction": dict(tau_lang=0.0, lambda_ctx=0.0),
     "generic": dict(instruction_source="generic"),
-    "correct": dict(),
+    "card": dict(),
     "shuffled": dict(instruction_source="shuffled"),
     "adversarial": dict(instruction_source="adversarial"),
     "random": dict(instruction_source="random"),
@@ -77,7 +77,7 @@ def evaluation_time(record: Path, repeats: int = 3) -> tuple[float, float]:
 
 def table(records: dict[str, Path]) -> pd.DataFrame:
     """One row per variant: the three metrics (mean ± std over seeds, diverged seeds as inf), evaluation time and
-    latency per sample, and the paired difference to the correct instruction on test MSE at the best-train epoch."""
+    latency per sample, and the paired difference to the card's instruction on test MSE at the best-train epoch."""
     frame = results.load(list(records.values()))
     variant_of = {str(path): name for name, path in records.items()}
     frame["variant"] = frame["record"].map(variant_of)
@@ -99,11 +99,11 @@ def table(records: dict[str, Path]) -> pd.DataFrame:
         row["eval s"] = f"{seconds:.3f}"
         row["µs / sample"] = f"{1e6 * latency:.2f}"
         if name == REFERENCE:
-            row["diff vs correct [95% CI], p"] = "-"
+            row[f"diff vs {REFERENCE} [95% CI], p"] = "-"
         else:
             mine = by_seed(g, column)
             test = stats.paired_test(mine.to_numpy(), reference.to_numpy())
-            row["diff vs correct [95% CI], p"] = (
+            row[f"diff vs {REFERENCE} [95% CI], p"] = (
                 f"{text.num(test['mean_diff'], 3)} [{text.num(test['ci_low'], 2)}, {text.num(test['ci_high'], 2)}], "
                 f"p = {test['p']:.2g}"
             )

@@ -143,7 +143,7 @@ def test_run_instruction_then_verify_the_trained_instruct_queryable_cell(capsys,
 
 
 def test_ablate_prints_a_row_per_variant_and_stores_every_cell(capsys, tmp_path, monkeypatch):
-    variants = {k: ablation.VARIANTS[k] for k in ("no-instruction", "correct", "shuffled", "instruction-only")}
+    variants = {k: ablation.VARIANTS[k] for k in ("no-instruction", "card", "shuffled", "instruction-only")}
     monkeypatch.setattr(ablation, "VARIANTS", variants)
     argv = ["ablate", "--function", "matyas", "--budget", "smoke", "--seeds", "3", "--out", str(tmp_path)]
     assert cli.main([*argv, "--no-progress"]) == 0
@@ -151,7 +151,7 @@ def test_ablate_prints_a_row_per_variant_and_stores_every_cell(capsys, tmp_path,
     rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [r.split("|")[1].strip() for r in rows] == list(variants)
     assert all("18,016" in r or "18016" in r for r in rows)
-    assert all("p = " in r for r in rows if "| correct" not in r)  # paired difference to the correct instruction
+    assert all("p = " in r for r in rows if "| card" not in r)  # paired difference to the card's instruction
     frame = results.load(tmp_path)
     assert len(set(frame["config_hash"])) == len(variants) and set(frame["status"]) == {"ok"}
 

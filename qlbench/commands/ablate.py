@@ -18,7 +18,7 @@ def register(subparsers) -> None:
         description="Train instruct-queryable with every instruction variant ("
         + ", ".join(ablation.VARIANTS)
         + ") on one function and print a table "
-        "with the paired difference to the correct instruction.",
+        "with the paired difference to the card's instruction.",
     )
     p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
     p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
