@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
+import torch
 
 from qlbench import adapters, bench, cli, engine
 
@@ -33,7 +35,7 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     rows = {(r["method"], r["members"]): r for r in report["throughput"]}
     assert set(rows) == {("lora", 5), ("queryable", 5), ("instruct-queryable", 5)}  # `mean` does not train
     for r in rows.values():
-        assert r["stacked"] > 0 and r["naive"] > 0 and r["step_gflop"] > 0
+        assert r["stacked"] > 0 and r["per_seed"] > 0 and r["step_gflop"] > 0
         assert r["gflops"] == pytest.approx(r["step_gflop"] * r["stacked"] / 5)
         assert 0 < r["peak_share"] < 1
     inference = {r["method"]: r for r in report["inference"]}
@@ -49,7 +51,7 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     est = report["paper_estimate"]
     assert set(est["methods"]) == {"lora", "queryable", "instruct-queryable"} and est["measured_at"] == 5
     assert "Estimate: the full deep-narrow paper table" in (tmp_path / "bench.md").read_text()
-    a = report["anchor"]
+    a = report["plain"]
     assert a["floor_e5"] > 0 and a["floor_e5_vs_plain"] > 0
     assert "Kernel floor" in (tmp_path / "bench.md").read_text()
 
@@ -66,8 +68,6 @@ def test_bench_bad_input(argv, word, capsys):
 
 def test_markdown_renders_every_section(tmp_path):
     """The full report's sections (compile rows only appear outside --quick) render from a report's fields."""
-    from qlbench import bench
-
     row = dict(arch="deep-narrow", method="lora", members=5, threads=1)
     inference_row = lambda method, ms, per_s, gflop: dict(
         arch="deep-narrow", method=method, latency_ms=ms, samples_per_s=per_s, gflop=gflop
@@ -82,10 +82,10 @@ def test_markdown_renders_every_section(tmp_path):
         peak_gflops=100.0,
         meta={"threads": 2},
         settings={"rounds": 3, "inference_rounds": 9},
-        anchor=dict(
+        plain=dict(
             plain=70.0,
             plain_1_thread=90.0,
-            qlbench_e1=100.0,
+            per_seed=100.0,
             stacked_e5=500.0,
             stacked_e5_vs_plain=7.1,
             stacked_e45_compiled=2200.0,
@@ -93,7 +93,9 @@ def test_markdown_renders_every_section(tmp_path):
             floor_e5=1000.0,
             floor_e5_vs_plain=13.9,
         ),
-        throughput=[row | dict(stacked=500.0, naive=100.0, speedup=5.0, step_gflop=0.1, gflops=10.0, peak_share=0.1)],
+        throughput=[
+            row | dict(stacked=500.0, per_seed=100.0, speedup=5.0, step_gflop=0.1, gflops=10.0, peak_share=0.1)
+        ],
         overhead=[
             dict(
                 arch="deep-narrow",
@@ -117,6 +119,7 @@ def test_markdown_renders_every_section(tmp_path):
     needles += ("E = 45 compiled 2200 model-steps/s = x31.4 the plain loop",)
     needles += ("at E = 5 1000 model-steps/s = x13.9 the plain loop, of which the engine reaches 50%",)
     needles += ("compiled forward vs LoRA compiled", "| +137%")  # the compiled forwards at E
+    needles += ("qlbench per-seed loop 100;", "| per-seed loop model-steps/s |", "| 100.0 ")
     for needle in needles:
         assert needle in text, needle
     inference = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[-3:-1]] for line in text.splitlines()
@@ -126,8 +129,6 @@ def test_markdown_renders_every_section(tmp_path):
 
 
 def test_soap_row_times_both_optimizers_on_the_same_parameters():
-    import torch
-
     row = bench.soap_row("deep-narrow", 2, bench.Settings.make(quick=True), torch.device("cpu"))
     assert row["members"] == 2 and row["batched_ms"] > 0 and row["per_member_ms"] > 0
     assert row["speedup"] == pytest.approx(row["per_member_ms"] / row["batched_ms"], rel=1.0)  # paired median
@@ -165,13 +166,12 @@ def test_paper_estimate_uses_compiled_rates_only_where_the_paper_budget_compiles
 
 @pytest.mark.slow
 def test_compiled_bench_paths_measure_every_arm():
-    """The paths `qlbench bench` takes outside --quick: the anchor's stacks eager and compiled, Queryable LoRA
-    against LoRA compiled, and a compile row, at a tiny size (compilation dominates: about two minutes)."""
-    import torch
-
+    """The paths `qlbench bench` takes outside --quick: the plain-loop comparison's stacks eager and compiled,
+    Queryable LoRA against LoRA compiled, and a compile row, at a tiny size (compilation dominates: about two
+    minutes)."""
     s = bench.Settings({"deep-narrow": 2}, 1, (2,), 1, 1, True)
     cpu = torch.device("cpu")
-    a = bench.anchor(s, cpu)
+    a = bench.plain_loop(s, cpu)
     assert {"stacked_e2", "stacked_e2_compiled", "stacked_e2_vs_plain", "stacked_e2_compiled_vs_plain"} <= set(a)
     assert a["floor_e2_vs_plain"] == pytest.approx(a["floor_e2"] / a["plain"])
     assert a["stacked_e2_compiled_vs_plain"] == pytest.approx(a["stacked_e2_compiled"] / a["plain"])  # one round
@@ -223,10 +223,6 @@ def test_paper_estimate_adds_the_parallel_line_only_when_tasks_fit_side_by_side(
 
 def test_side_by_side_runs_real_worker_processes():
     """Spawned workers, each its own stack: worker 0 alone, then all at once, one round (eager, tiny windows)."""
-    import os
-
-    import torch
-
     s = bench.Settings({"deep-narrow": 2}, 1, (2,), 1, 1, False, side_by_side_s=0.3)
     (row,) = bench.side_by_side("deep-narrow", ["lora"], 2, s, torch.device("cpu"))
     assert row["workers"] == max(1, (os.cpu_count() or 1) // row["threads"]) and row["compiled"] is False
@@ -235,8 +231,6 @@ def test_side_by_side_runs_real_worker_processes():
 
 
 def test_a_dead_side_by_side_worker_is_one_error_not_a_hang():
-    import torch
-
     s = bench.Settings({"deep-narrow": 2}, 1, (2,), 1, 1, False, side_by_side_s=0.3)
     with pytest.raises(RuntimeError, match="side-by-side benchmark worker exited with code"):
         bench.side_by_side("deep-narrow", ["no-such-method"], 2, s, torch.device("cpu"))
@@ -281,12 +275,10 @@ def test_paper_estimate_slows_parallel_tasks_by_the_measured_side_by_side_ratio(
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("plant", [None, "scale", "adam"])
 def test_lora_floor_step_trains_exactly_like_the_engine(plant, compile):
-    """The anchor's kernel floor (eager, and compiled under -m slow) must do the work of a real step, no less: its
+    """The kernel floor (eager, and compiled under -m slow) must do the work of a real step, no less: its
     hand-written backward and fused AdamW update move the LoRA factors as engine.make_step (autograd,
     torch.optim.AdamW) does, over steps that change B from zero. A planted error (the floor run with s = 1 instead
     of alpha / r; a wrong AdamW beta) fails."""
-    import torch
-
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     data = [(x.double(), y.double()) for x, y in bench.batches(3, cpu, n=2)]

@@ -5,15 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from qlbench import adapters, bench, engine
+from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, split_list, usage_errors
+from qlbench.store import Store, write_json, write_text
 
 
 def register(subparsers) -> None:
-    from qlbench.backbones import ARCHS
-
     p = subparsers.add_parser(
         "bench",
-        help="speed benchmarks: stacked vs naive, matmul-peak share, inference",
+        help="speed benchmarks: stacked engine vs per-seed loop and plain PyTorch, matmul-peak share, inference",
         description="Speed, measured side by side in one process and reported as ratios.",
     )
     p.add_argument("--quick", action="store_true", help="few steps, E = 5 only, no compile")
@@ -32,10 +33,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from qlbench import adapters, bench, engine
-    from qlbench.backbones import ARCHS
-    from qlbench.store import Store, write_json, write_text
-
     archs = split_list(args.archs)
     if not archs or (bad := [a for a in archs if a not in ARCHS]):
         raise UsageError(f"unknown arch {', '.join(bad) if archs else repr(args.archs)}; valid: {', '.join(ARCHS)}")

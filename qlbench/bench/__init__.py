@@ -1,0 +1,72 @@
+"""`qlbench bench`: speed, measured side by side in one process, reported as ratios.
+
+The tables:
+  - adaptation throughput (model-steps/s at batch 64) of every method on both backbones: the stacked engine at
+    E = 5 and E = 45 members against the per-seed loop (the same modules, one member at a time, eager, PyTorch's
+    default threads), plus the plain PyTorch loop (nn.Linear + LoRA, the loop a user would write) so the per-seed
+    loop can be seen not to be artificially slow, and the kernel floor of the stacked LoRA steps measured against
+    it (the same LoRA step with its backward written out and nothing else, compiled where the run compiles), the
+    rate the engine would reach without the fixed cost of autograd and per-tensor optimizer bookkeeping;
+  - the share of this machine's dense matmul peak the stacked engine reaches (FLOPs counted with
+    torch.utils.flop_counter over one real step; the peak is the best large-sgemm rate timed at the start and at
+    the end of the same run);
+  - inference efficiency like the paper's: forward latency at batch 64, overhead against LoRA, samples/s and FLOP
+    overhead against LoRA, for every method on both backbones;
+  - outside --quick: every trained method's deep-narrow stack at the largest E compiled against eager (warm-up and
+    steady rate), Queryable LoRA against LoRA compiled, and the plain-loop comparison's stacks compiled, so the
+    estimate of the full deep-narrow paper table counts the steps as the paper budget runs them (`--compile
+    auto`), in one process and, when `threads` lets several stacks fit on the machine, that many at once: the rates
+    of a few stacks run side by side in separate processes (as Ray's workers run a sweep's tasks) are measured
+    against their rates alone, and the estimate slows every task by that ratio.
+Measurements alternate between the compared variants in rounds (A B A B ...) and report medians, so slow drift of
+a shared machine hits both sides alike. Nothing here asserts a speed: the numbers are reported, not tested.
+
+The modules: `timing` (Settings, alternating rounds, timed chunks, the matmul peak, FLOP counts), `models` (what is
+timed: qlbench's stacks, the plain PyTorch loop, the kernel floor), `cases` (the measured cases and `run`),
+`parallel` (tasks side by side in separate processes), `estimate` (the paper-table estimate) and `output` (the
+Markdown).
+"""
+
+from __future__ import annotations
+
+from qlbench.bench.cases import (
+    COMPILED_FORWARDS,
+    compile_row,
+    inference,
+    overhead,
+    plain_loop,
+    profile_row,
+    run,
+    soap_row,
+    tasks,
+    throughput,
+)
+from qlbench.bench.estimate import list_schedule, paper_estimate
+from qlbench.bench.models import batches, lora_floor_step, plain_deep_narrow_lora, plain_step, stacked_model
+from qlbench.bench.output import markdown
+from qlbench.bench.parallel import side_by_side
+from qlbench.bench.timing import BATCH, Settings
+
+__all__ = [
+    "BATCH",
+    "COMPILED_FORWARDS",
+    "Settings",
+    "batches",
+    "compile_row",
+    "inference",
+    "list_schedule",
+    "lora_floor_step",
+    "markdown",
+    "overhead",
+    "paper_estimate",
+    "plain_deep_narrow_lora",
+    "plain_loop",
+    "plain_step",
+    "profile_row",
+    "run",
+    "side_by_side",
+    "soap_row",
+    "stacked_model",
+    "tasks",
+    "throughput",
+]

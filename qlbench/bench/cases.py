@@ -1,0 +1,418 @@
+"""The measured cases of `qlbench bench`, each returning its rows: the plain PyTorch loop against the per-seed loop,
+the stacked engine and the kernel floor; every method's throughput; Queryable LoRA's overhead against LoRA; a
+profile of one step; torch.compile against eager; inference; full-soap's optimizer step; and `run`, which takes
+them in order (`tasks`) and adds the peak and the paper-table estimate."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
+
+from qlbench import adapters, engine, results, zoo
+from qlbench.bench.estimate import paper_estimate
+from qlbench.bench.models import batches, lora_floor_step, plain_deep_narrow_lora, plain_step, stacked_model
+from qlbench.bench.parallel import side_by_side
+from qlbench.bench.timing import (
+    BATCH,
+    Settings,
+    alternate,
+    chunk,
+    forward_flops,
+    matmul_peak,
+    median_ratio,
+    step_flops,
+    sync,
+)
+from qlbench.progress import bar as progress_bar
+
+
+def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """The stacked engine at E members (with the engine's thread setting) against the per-seed loop: the same
+    modules and step, one member at a time, with PyTorch's default threads."""
+    n = s.steps[arch]
+    model, opt = stacked_model(arch, method, E, device)
+    step, data = engine.make_step(model, opt), batches(E, device)
+    seed_model, seed_opt = stacked_model(arch, method, 1, device)
+    per_seed, seed_data = engine.make_step(seed_model, seed_opt), batches(1, device)
+    threads = s.threads_for(arch, E, device)
+    for fn, d in ((step, data), (per_seed, seed_data)):
+        chunk(fn, d, 2)()  # warm-up (SOAP's first step only builds its basis)
+    with engine.num_threads(1):  # counting FLOPs is not timed
+        flops = step_flops(model, step, data)
+    r = alternate(
+        {"stacked": (chunk(step, data, n, threads), E * n), "per_seed": (chunk(per_seed, seed_data, n), n)},
+        s.rounds,
+        device,
+    )
+    stacked = statistics.median(r["stacked"])
+    return dict(
+        arch=arch,
+        method=method,
+        members=E,
+        threads=threads or torch.get_num_threads(),
+        stacked=stacked,
+        eval_s=evaluation_seconds(model, E, threads, s.rounds, device),
+        per_seed=statistics.median(r["per_seed"]),
+        speedup=median_ratio(r["stacked"], r["per_seed"]),
+        step_gflop=flops / 1e9,
+        gflops=flops / 1e9 * stacked / E,
+    )
+
+
+def evaluation_seconds(model, E: int, threads, rounds: int, device) -> float:
+    """Median seconds of one evaluation as the engine runs it every `eval_every` epochs: train and test MSE of all
+    E members on the target's 400 + 800 samples (zoo.TARGET_TRAIN of zoo.TARGET_SIZE)."""
+
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(rounds):
+        x = torch.rand(E, zoo.TARGET_SIZE, 2, generator=g).to(device)
+        y = torch.rand(E, x.shape[1], generator=g).to(device)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad(), engine.num_threads(threads):
+            engine.evaluate(model, x[:, : zoo.TARGET_TRAIN], y[:, : zoo.TARGET_TRAIN])
+            engine.evaluate(model, x[:, zoo.TARGET_TRAIN :], y[:, zoo.TARGET_TRAIN :])
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def overhead(arch: str, E: int, s: Settings, device) -> dict:
+    """Queryable LoRA's training-step and forward cost against LoRA's, alternating the two; with `s.compile` also
+    the compiled training steps and compiled forwards of both, the arms of each taking turns in the same rounds."""
+    n = s.steps[arch]
+    out = dict(arch=arch, members=E)
+    threads = s.threads_for(arch, E, device)
+    variants = [("lora", False), ("queryable", False)]
+    compiled_pair = ("lora", "queryable") if s.compile else ()  # the paper budget compiles both backbones
+    variants += [(m, True) for m in compiled_pair]
+    steps, fwds, eager_models = {}, {}, {}
+    x = batches(E, device)[0][0]
+
+    def forward(model):
+        def run():
+            with torch.no_grad(), engine.num_threads(threads):
+                for _ in range(s.forward_reps):
+                    model(x)
+
+        return run, E * BATCH * s.forward_reps
+
+    for m, comp in variants:
+        model, opt = stacked_model(arch, m, E, device)
+        data = batches(E, device)
+        steps[m + "_compiled" * comp] = (chunk(engine.make_step(model, opt, compile=comp), data, n, threads), E * n)
+        if not comp:
+            eager_models[m] = model
+            fwds[m] = forward(model)
+    fwds |= {f"{m}_compiled": forward(engine.compiled(eager_models[m])) for m in compiled_pair}  # no-grad forwards
+    for fn, _ in (steps | fwds).values():  # warm-up, compilation included
+        fn()
+    r = alternate(steps, s.rounds, device)
+    out["train_step_overhead_pct"] = (median_ratio(r["lora"], r["queryable"]) - 1) * 100
+    if "lora_compiled" in r:
+        out["compiled_train_step_overhead_pct"] = (median_ratio(r["lora_compiled"], r["queryable_compiled"]) - 1) * 100
+    r = alternate(fwds, s.rounds, device)
+    out["forward_overhead_pct"] = (median_ratio(r["lora"], r["queryable"]) - 1) * 100
+    if "lora_compiled" in r:
+        out["compiled_forward_overhead_pct"] = (median_ratio(r["lora_compiled"], r["queryable_compiled"]) - 1) * 100
+    return out
+
+
+def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """torch.compile against eager for one stack: the warm-up (compilation) and the steady rate, alternating."""
+    n = s.steps[arch]
+    eager_model, eager_opt = stacked_model(arch, method, E, device)
+    comp_model, comp_opt = stacked_model(arch, method, E, device)
+    data = batches(E, device)
+    eager = engine.make_step(eager_model, eager_opt)
+    comp = engine.make_step(comp_model, comp_opt, compile=True)
+    threads = s.threads_for(arch, E, device)
+    chunk(eager, data, 2, threads)()
+    t0 = time.perf_counter()
+    chunk(comp, data, 2, threads)()  # compiles (one batch shape)
+    warmup = time.perf_counter() - t0
+    r = alternate(
+        {"eager": (chunk(eager, data, n, threads), E * n), "compiled": (chunk(comp, data, n, threads), E * n)},
+        s.rounds,
+        device,
+    )
+    return dict(
+        arch=arch,
+        method=method,
+        members=E,
+        threads=threads or torch.get_num_threads(),
+        warmup_s=warmup,
+        eager=statistics.median(r["eager"]),
+        compiled=statistics.median(r["compiled"]),
+        speedup=median_ratio(r["compiled"], r["eager"]),
+    )
+
+
+def plain_loop(s: Settings, device) -> dict:
+    """The plain PyTorch deep-narrow LoRA loop a user would write (PyTorch's default threads, and one thread), next
+    to qlbench's per-seed loop (E = 1, default threads), the stacked engine at each E of the run (its own thread
+    setting), eager and, with `s.compile`, compiled as the paper budget runs it on CPU, and at each E the kernel
+    floor (`lora_floor_step`: the same step's kernels alone, compiled with `s.compile`); all taking turns."""
+    n = s.steps["deep-narrow"]
+    plain, opt = plain_deep_narrow_lora()
+    pstep = plain_step(plain.to(device), opt)
+    model, qopt = stacked_model("deep-narrow", "lora", 1, device)
+    qstep = engine.make_step(model, qopt)
+    data = batches(1, device)
+    fns = {
+        "plain": (chunk(pstep, data, n), n),
+        "plain_1_thread": (chunk(pstep, data, n, 1), n),
+        "per_seed": (chunk(qstep, data, n), n),
+    }
+    for E in s.members:
+        threads = s.threads_for("deep-narrow", E, device)
+        for comp in (False, True) if s.compile else (False,):
+            stack, sopt = stacked_model("deep-narrow", "lora", E, device)
+            step = engine.make_step(stack, sopt, compile=comp)
+            fns[f"stacked_e{E}" + "_compiled" * comp] = (chunk(step, batches(E, device), n, threads), E * n)
+        floor = lora_floor_step(*stacked_model("deep-narrow", "lora", E, device), compile=s.compile)
+        fns[f"floor_e{E}"] = (chunk(floor, batches(E, device), n, threads), E * n)
+    for fn, _ in fns.values():  # warm-up (compilation included, after every arm is built)
+        fn()
+    r = alternate(fns, s.rounds, device)
+    out = {k: statistics.median(v) for k, v in r.items()}
+    for k in fns:
+        if k.startswith(("stacked_", "floor_")):
+            out[f"{k}_vs_plain"] = median_ratio(r[k], r["plain"])
+    return out
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """Send file descriptor 2 to /dev/null inside the block: the profiler's native library prints two "USDT: ...
+    profiler_start/stop" lines per use that a Python-level redirect cannot catch."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm")
+
+
+def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """Where a training step's time goes (torch.profiler over a few steps): the number of ATen ops dispatched per
+    step, the step's wall time (timed without the profiler), and the shares of the profiled steps' wall time spent
+    inside matmul kernels and in GELU forward/backward (the same steps, so a slow spell of a shared machine between
+    two timings cannot push a share past 1; the profiler's own overhead makes them slight underestimates). Many tiny
+    ops and a small matmul share mean the step is bound by per-op dispatch and element-wise work, not by arithmetic
+    the matmul peak measures."""
+    n = max(2, s.steps[arch] // 4)
+    model, opt = stacked_model(arch, method, E, device)
+    step, data = engine.make_step(model, opt), batches(E, device)
+    threads = s.threads_for(arch, E, device)
+    chunk(step, data, 2, threads)()
+    sync(device)
+    t0 = time.perf_counter()
+    chunk(step, data, n, threads)()  # wall time without the profiler's own overhead
+    sync(device)
+    wall = (time.perf_counter() - t0) / n
+    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        chunk(step, data, n, threads)()
+        sync(device)
+        profiled = (time.perf_counter() - t0) / n  # the shares' denominator: the same steps the ops were timed in
+    events = prof.key_averages()
+    # top-level ATen calls only would need the call tree; count every ATen op (nested ones included) and the
+    # self time of the matmul kernels, which is where the arithmetic happens
+    ops = sum(e.count for e in events if e.key.startswith("aten::")) / n
+    matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6 / n
+    gelu = sum(e.self_cpu_time_total for e in events if e.key in ("aten::gelu", "aten::gelu_backward")) / 1e6 / n
+    return dict(
+        arch=arch,
+        method=method,
+        members=E,
+        threads=threads or torch.get_num_threads(),
+        step_ms=1e3 * wall,
+        aten_ops=ops,
+        matmul_share=matmul / profiled,
+        gelu_share=gelu / profiled,
+        us_per_op=1e6 * wall / ops,
+    )
+
+
+# methods whose inference forward is also timed compiled when the run compiles: LoRA (what the overhead columns
+# compare with) and the routed methods
+COMPILED_FORWARDS = ("lora", *adapters.of_kind("routed"))
+
+
+def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
+    """Forward latency of one model at batch 64 (no grad), every method taking turns in each round; with `s.compile`
+    also the compiled forwards of COMPILED_FORWARDS, in the same rounds."""
+    x = batches(1, device, n=1)[0][0]
+    models = {m: stacked_model(arch, m, 1, device)[0].eval() for m in methods}
+    threads = s.threads_for(arch, 1, device)
+
+    def forward(model):
+        def run():
+            with torch.no_grad(), engine.num_threads(threads):
+                for _ in range(s.forward_reps):
+                    model(x)
+
+        return run
+
+    fns = {m: (forward(model), s.forward_reps) for m, model in models.items()}
+    compiled = [m for m in COMPILED_FORWARDS if m in models] if s.compile else []
+    fns |= {f"{m}_compiled": (forward(engine.compiled(models[m])), s.forward_reps) for m in compiled}
+    for fn, _ in fns.values():
+        fn()  # warm-up, compilation included
+    r = alternate(fns, s.inference_rounds, device)  # forwards per second
+    with engine.num_threads(1):
+        flops = {m: forward_flops(model, x) for m, model in models.items()}
+    rows = []
+    for m in models:
+        row = dict(
+            arch=arch,
+            method=m,
+            latency_ms=1e3 / statistics.median(r[m]),
+            samples_per_s=BATCH * statistics.median(r[m]),
+            gflop=flops[m] / 1e9,
+        )
+        if "lora" in models:
+            row["latency_overhead_pct"] = (median_ratio(r["lora"], r[m]) - 1) * 100
+            row["flop_overhead_pct"] = (flops[m] / flops["lora"] - 1) * 100
+        if m in compiled:
+            row["compiled_latency_ms"] = 1e3 / statistics.median(r[f"{m}_compiled"])
+            if "lora" in compiled:
+                row["compiled_latency_overhead_pct"] = (median_ratio(r["lora_compiled"], r[f"{m}_compiled"]) - 1) * 100
+        rows.append(row)
+    return rows
+
+
+def soap_row(arch: str, E: int, s: Settings, device) -> dict:
+    """`full-soap`'s optimizer step alone: the batched StackedSoap against pytorch_optimizer.SOAP stepped once per
+    member over aliases of the member's slices (what full-soap did before), on the backbone's parameters with
+    fixed random gradients, alternating; optimizer steps per second of the whole stack."""
+    from pytorch_optimizer import SOAP  # here, not at the top: importing pytorch_optimizer takes seconds
+
+    threads = s.threads_for(arch, E, device)
+    model, batched = stacked_model(arch, "full-soap", E, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator(device=device).manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 1e-3
+    aliases = [[nn.Parameter(p.data[e]) for p in params] for e in range(E)]  # views: SOAP updates in place
+    per_member = [SOAP(a, lr=5e-4, weight_decay=0.01) for a in aliases]
+
+    def loop():  # as full-soap stepped before StackedSoap: each member's gradient slices, then its own SOAP
+        for e, (opt, members) in enumerate(zip(per_member, aliases)):
+            for alias, p in zip(members, params):
+                alias.grad = p.grad[e]
+            opt.step()
+
+    n = max(2, s.steps[arch] // 4)
+    for _ in range(2):  # past SOAP's initialising first step
+        batched.step()
+        loop()
+    no_data = [()]  # the optimizer steps take no batch
+    r = alternate(
+        {"batched": (chunk(batched.step, no_data, n, threads), n), "per-member": (chunk(loop, no_data, n, threads), n)},
+        s.rounds,
+        device,
+    )
+    return dict(
+        arch=arch,
+        members=E,
+        threads=threads or torch.get_num_threads(),
+        batched_ms=1e3 / statistics.median(r["batched"]),
+        per_member_ms=1e3 / statistics.median(r["per-member"]),
+        speedup=median_ratio(r["batched"], r["per-member"]),
+    )
+
+
+# mean's model is a constant (each member's training-label mean), no network: its forward is not timed. Not a kind:
+# frozen, the other reference row, is the backbone's own forward and is timed.
+UNTIMED_FORWARDS = ("mean",)
+
+
+def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dict) -> list[tuple[str, Callable]]:
+    """The measurements of a run, in order, as (label, fn) pairs; each fn adds its rows to `report`."""
+    out = []
+    add = lambda key, fn: lambda: report[key].append(fn())
+    if "deep-narrow" in archs:
+        out.append(("plain loop", lambda: report.update(plain=plain_loop(s, device))))
+    trained = [m for m in methods if adapters.get(m).trains]
+    pair = [m for m in ("lora", "queryable") if m in methods]  # on purpose: Queryable LoRA against the LoRA it extends
+    forwarded = [m for m in methods if m not in UNTIMED_FORWARDS]
+    for arch in archs:
+        for E in s.members:
+            for m in trained:
+                if arch == "transformer" and m == "full-soap" and E > 5:
+                    continue  # 45 per-member SOAP states of a 6.3M-parameter model
+                out.append(
+                    (f"{arch} {m} E={E}", add("throughput", lambda a=arch, m=m, E=E: throughput(a, m, E, s, device)))
+                )
+            if len(pair) == 2:
+                out.append((f"{arch} overhead E={E}", add("overhead", lambda a=arch, E=E: overhead(a, E, s, device))))
+            for m in pair:
+                out.append(
+                    (
+                        f"{arch} profile {m} E={E}",
+                        add("profile", lambda a=arch, m=m, E=E: profile_row(a, m, E, s, device)),
+                    )
+                )
+        if "full-soap" in methods:
+            for E in s.members:
+                if arch == "transformer" and E > 5:
+                    continue  # 45 per-member SOAP states of a 6.3M-parameter model
+                out.append((f"{arch} SOAP E={E}", add("soap", lambda a=arch, E=E: soap_row(a, E, s, device))))
+        if s.compile and arch == "deep-narrow":  # every trained method at the largest E: the paper estimate's rates
+            E = max(s.members)
+            for m in trained:
+                row = lambda a=arch, m=m, E=E: compile_row(a, m, E, s, device)
+                out.append((f"{arch} compile {m} E={E}", add("compile", row)))
+            # on purpose: three tasks of unlike weight (full-soap's per-member SOAP step, LoRA, Queryable LoRA); the
+            # estimate slows the others by the mean of their ratios
+            paired = [m for m in ("full-soap", "lora", "queryable") if m in trained]
+            if torch.device(device).type == "cpu" and s.side_by_side_for(arch, E)[1] > 1 and paired:
+                row = lambda a=arch, E=E, p=paired: report["side_by_side"].extend(side_by_side(a, p, E, s, device))
+                out.append((f"{arch} side by side E={E}", row))
+        out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
+    return out
+
+
+@engine.flush_denormals()
+def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: bool = True) -> dict:
+    """Every measurement of `tasks`, with a progress bar; returns the report (JSON-ready)."""
+    report = dict(
+        meta=results.meta_info(device),
+        settings=vars(s) | {"batch": BATCH},
+        throughput=[],
+        overhead=[],
+        compile=[],
+        inference=[],
+        profile=[],
+        soap=[],
+        side_by_side=[],
+    )
+    report["peak_gflops_start"] = matmul_peak(device)
+    todo = tasks(archs, methods, s, device, report)
+    with progress_bar(todo, desc="bench", unit="measurement", disable=not progress) as bar:
+        for label, fn in bar:
+            bar.set_description(f"bench: {label}")
+            fn()
+    report["peak_gflops_end"] = matmul_peak(device)
+    report["peak_gflops"] = max(report["peak_gflops_start"], report["peak_gflops_end"])
+    for row in report["throughput"]:
+        row["peak_share"] = row["gflops"] / report["peak_gflops"]
+    report["paper_estimate"] = paper_estimate(report, compiled=engine.compile_by_default(device, "paper"))
+    return report

@@ -1,0 +1,66 @@
+"""The paper-table estimate of `qlbench bench`: the wall time of the full paper table of an arch, predicted from
+the rates the run measured, in one process and with as many tasks at once as fit on the machine."""
+
+from __future__ import annotations
+
+import statistics
+
+from qlbench import engine, zoo
+
+
+def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = False) -> dict | None:
+    """Wall time of the full paper table of `arch` (nine functions x five seeds = 45 members per method) predicted
+    from the measured rates at the largest E of the run: per method, the adaptation steps (5,000 epochs of the
+    400-sample target at batch 64 per member) at the stacked rate plus its evaluations (every 10 epochs and at 0) at
+    the measured evaluation time, scaled linearly from E to 45 members. With `compiled` (the paper budget compiles
+    its training step on this device, engine.compile_by_default) a method's compiled rate at that E is used where
+    the run measured one, plus its measured compile warm-up; evaluation always runs eager. Pretraining is not
+    included (it is cached and shared by the methods). None when the run has no throughput row of `arch`."""
+
+    rows = [r for r in report["throughput"] if r["arch"] == arch]
+    if not rows:
+        return None
+    E = max(r["members"] for r in rows)
+    budget = engine.BUDGETS[arch]["paper"]
+    members = 9 * budget.seeds
+    steps = engine.steps(budget.adapt, zoo.TARGET_TRAIN)  # per member
+    evaluations = budget.adapt.epochs // budget.eval_every + 1
+    comp = {r["method"]: r for r in report.get("compile", []) if r["arch"] == arch and r["members"] == E}
+    methods = {}
+    for r in rows:
+        if r["members"] != E:
+            continue
+        c = comp.get(r["method"]) if compiled else None
+        rate = c["compiled"] if c else r["stacked"]  # model-steps/s
+        train = members * steps / rate + (c["warmup_s"] if c else 0.0)
+        evaluation = evaluations * r["eval_s"] * members / E
+        methods[r["method"]] = dict(
+            train_s=train, eval_s=evaluation, total_s=train + evaluation, mode="compiled" if c else "eager"
+        )
+    out = dict(
+        arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
+    )
+    threads = max(r["threads"] for r in rows if r["members"] == E)
+    workers = (report.get("meta", {}).get("cpu_count") or 1) // threads
+    if workers > 1:  # what `sweep --executor ray --threads <threads>` would run at once on this machine
+        out["parallel"] = dict(workers=workers, threads=threads, total_s=list_schedule(methods, workers))
+        measured = {
+            r["method"]: r["together_vs_alone"]
+            for r in report.get("side_by_side", [])
+            if r["arch"] == arch and r["members"] == E and r["workers"] == workers and r["method"] in methods
+        }
+        if measured:  # each task slowed by its measured side-by-side ratio (the mean of those measured elsewhere)
+            mean = statistics.mean(measured.values())
+            slowed = {m: dict(total_s=v["total_s"] / measured.get(m, mean)) for m, v in methods.items()}
+            out["parallel"] |= dict(measured_total_s=list_schedule(slowed, workers), together_vs_alone=measured)
+    return out
+
+
+def list_schedule(methods: dict[str, dict], workers: int) -> float:
+    """Makespan of the methods' tasks (total_s each) on `workers`, each task taken in the given order by the first
+    worker to be free, as Ray runs a sweep's tasks in submission order; tasks assumed to keep their rates."""
+    free = [0.0] * workers
+    for m in methods.values():
+        i = free.index(min(free))
+        free[i] += m["total_s"]
+    return max(free)

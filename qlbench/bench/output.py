@@ -1,0 +1,226 @@
+"""The Markdown of a `qlbench bench` report (what it prints and writes to bench.md): a few sentences, then one table
+per list of rows in the report, each a list of column specs (`qlbench.text.Column`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from qlbench.bench.timing import BATCH
+from qlbench.text import Column, fixed, pct, share, table, times
+
+
+def digits(d: int):
+    """`fixed` with `d` digits."""
+    return partial(fixed, digits=d)
+
+
+def hours(seconds: float) -> str:
+    return f"{seconds / 3600:.2f}"
+
+
+STACK = [Column("arch", "arch"), Column("method", "method"), Column("E", "members"), Column("threads", "threads")]
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table of the report: the rows under `key`, their columns, and the heading above them; shown when it has
+    rows, or always when `always`."""
+
+    key: str
+    heading: str
+    columns: list[Column]
+    always: bool = False
+
+
+THROUGHPUT = Table(
+    "throughput",
+    "Adaptation throughput: stacked engine vs per-seed loop",
+    STACK
+    + [
+        Column("stacked model-steps/s", "stacked", digits(0)),
+        Column("per-seed loop model-steps/s", "per_seed", digits(1)),
+        Column("speed-up", "speedup", times),
+        Column("GFLOP/s", "gflops", digits(2)),
+        Column("% of peak", "peak_share", lambda v: f"{100 * v:.1f}"),
+    ],
+    always=True,
+)
+
+ESTIMATE = [  # rows: est["methods"], one per method
+    Column("method", "method"),
+    Column("adaptation h", "train_s", hours),
+    Column("evaluation h", "eval_s", hours),
+    Column("total h", "total_s", hours),
+    Column("training step", "mode"),
+]
+
+# after the estimate, in this order
+TABLES = [
+    Table(
+        "overhead",
+        "Queryable LoRA against LoRA (paired, same E)",
+        [
+            Column("arch", "arch"),
+            Column("E", "members"),
+            Column("training step vs LoRA", "train_step_overhead_pct", pct),
+            Column("compiled training step vs LoRA compiled", "compiled_train_step_overhead_pct", pct),
+            Column("forward vs LoRA", "forward_overhead_pct", pct),
+            Column("compiled forward vs LoRA compiled", "compiled_forward_overhead_pct", pct),
+        ],
+    ),
+    Table(
+        "profile",
+        "Profile of one training step (torch.profiler; ops include nested calls)",
+        STACK
+        + [
+            Column("step ms", "step_ms", digits(2)),
+            Column("ATen ops / step", "aten_ops", digits(0)),
+            Column("µs per op", "us_per_op", digits(1)),
+            Column("matmul share of step", "matmul_share", share),
+            Column("GELU fwd+bwd share", "gelu_share", share),
+        ],
+    ),
+    Table(
+        "soap",
+        "full-soap's optimizer step: batched vs one SOAP per member (paired)",
+        [
+            Column("arch", "arch"),
+            Column("E", "members"),
+            Column("threads", "threads"),
+            Column("batched StackedSoap ms/step", "batched_ms", digits(1)),
+            Column("pytorch_optimizer.SOAP per member ms/step", "per_member_ms", digits(1)),
+            Column("speed-up", "speedup", times),
+        ],
+    ),
+    Table(
+        "compile",
+        "torch.compile (model-steps/s after warm-up)",
+        STACK
+        + [
+            Column("warm-up s", "warmup_s", digits(1)),
+            Column("eager", "eager", digits(0)),
+            Column("compiled", "compiled", digits(0)),
+            Column("speed-up", "speedup", partial(times, digits=2)),
+        ],
+    ),
+    Table(
+        "side_by_side",
+        "Tasks side by side (separate processes, as Ray's workers; rate of one process alone against each of them at "
+        "once, paired)",
+        STACK
+        + [
+            Column("processes at once", "workers"),
+            Column("step", lambda r: "compiled" if r["compiled"] else "eager"),
+            Column("alone model-steps/s", "alone", digits(0)),
+            Column("each, side by side", "together", digits(0)),
+            Column("side by side vs alone", "together_vs_alone", partial(times, digits=2)),
+        ],
+    ),
+    Table(
+        "inference",
+        "Inference: forward at batch 64, one model (no grad; compiled: the same model through torch.compile)",
+        [
+            Column("arch", "arch"),
+            Column("method", "method"),
+            Column("latency ms", "latency_ms", digits(2)),
+            Column("vs LoRA", "latency_overhead_pct", pct),
+            Column("samples/s", "samples_per_s", digits(0)),
+            Column("GFLOP", "gflop", digits(4)),
+            Column("FLOPs vs LoRA", "flop_overhead_pct", partial(pct, digits=1)),
+            Column("compiled ms", "compiled_latency_ms", digits(2), optional=True),
+            Column("compiled vs LoRA compiled", "compiled_latency_overhead_pct", pct, optional=True),
+        ],
+        always=True,
+    ),
+]
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown tables (what `qlbench bench` prints and writes to bench.md)."""
+    out = [header(report), *plain_lines(report.get("plain"))]
+    out += section(THROUGHPUT, report)
+    if est := report.get("paper_estimate"):
+        out += estimate(est)
+    for spec in TABLES:
+        out += section(spec, report)
+    return "\n".join(out) + "\n"
+
+
+def section(spec: Table, report: dict) -> list[str]:
+    rows = report.get(spec.key)
+    return [f"\n### {spec.heading}\n", table(rows, spec.columns)] if rows or spec.always else []
+
+
+def header(report: dict) -> str:
+    return (
+        f"Matmul peak (float32 2048^3 sgemm, best at the start and end of the run): "
+        f"{report['peak_gflops']:.1f} GFLOP/s; threads "
+        f"{report['meta']['threads']}; batch {BATCH}; medians of {report['settings']['rounds']} alternating rounds "
+        f"({report['settings']['inference_rounds']} for inference)."
+    )
+
+
+def plain_lines(a: dict | None) -> list[str]:
+    """The plain PyTorch loop against the per-seed loop and the stacked engine's stacks, and the kernel floors."""
+    if a is None:
+        return []
+    stacks = "; ".join(
+        f"stacked engine at E = {k.split('_')[1][1:]}{' compiled' if k.endswith('compiled') else ''} "
+        f"{a[k]:.0f} model-steps/s = x{a[k + '_vs_plain']:.1f} the plain loop"
+        for k in a
+        if k.startswith("stacked_") and not k.endswith("_vs_plain")
+    )
+    out = [
+        f"\nPlain PyTorch loop (deep-narrow LoRA, steps/s of one seed): nn.Linear + LoRA {a['plain']:.0f} (default "
+        f"threads), {a['plain_1_thread']:.0f} (one thread); qlbench per-seed loop {a['per_seed']:.0f}; {stacks}."
+    ]
+    if floors := kernel_floors(a):
+        out.append(
+            f"\nKernel floor (the same LoRA stack's step with its backward written out and one fused AdamW "
+            f"update: no autograd graph, no per-tensor optimizer bookkeeping; compiled when the run compiles, so "
+            f"Inductor fuses it as it fuses the engine's step; a bound measured for engines on these kernels, "
+            f"not a proven one): {floors}."
+        )
+    return out
+
+
+def kernel_floors(a: dict) -> str:
+    """The kernel floors, each with the share of it the engine's faster stack (eager or compiled) of that E
+    reaches."""
+    parts = []
+    for k, rate in a.items():
+        if k.startswith("floor_e") and not k.endswith("_vs_plain"):
+            E = k[len("floor_e") :]
+            engine_rate = max(a.get(f"stacked_e{E}", 0.0), a.get(f"stacked_e{E}_compiled", 0.0))
+            parts.append(
+                f"at E = {E} {rate:.0f} model-steps/s = x{a[k + '_vs_plain']:.1f} the plain loop, of which the "
+                f"engine reaches {100 * engine_rate / rate:.0f}%"
+            )
+    return "; ".join(parts)
+
+
+def estimate(est: dict) -> list[str]:
+    """The paper-table estimate: its heading, one row per method, and the line for tasks side by side."""
+    rows = [dict(method=m, mode="eager") | v for m, v in est["methods"].items()]
+    out = [
+        f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
+        f"from the rates at E = {est['measured_at']}, linear in members; training steps compiled where "
+        f"`--compile auto` compiles the paper budget on this device, warm-up included; one process; pretraining "
+        f"not included): {est['total_s'] / 3600:.2f} h for the methods measured\n",
+        table(rows, ESTIMATE),
+    ]
+    if par := est.get("parallel"):
+        measured = ""
+        if "measured_total_s" in par:
+            ratios = ", ".join(f"{m} x{v:.2f}" for m, v in par["together_vs_alone"].items())
+            measured = (
+                f"; {par['measured_total_s'] / 3600:.2f} h with each task slowed by its measured side-by-side ratio "
+                f"({ratios}; the mean of these for the others)"
+            )
+        out.append(
+            f"\nWith {par['workers']} such tasks at once (`qlbench sweep --executor ray --threads "
+            f"{par['threads']}` on this machine; tasks taken in this order by the first free worker): "
+            f"{par['total_s'] / 3600:.2f} h if each task kept the rate measured here alone{measured}."
+        )
+    return out

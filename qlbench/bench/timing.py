@@ -1,0 +1,116 @@
+"""Timing primitives of `qlbench bench`: how much to measure (`Settings`), rounds in which the compared variants
+take turns (`alternate`) and their paired ratios, timed chunks of steps, the machine's matmul peak, and FLOP
+counts of one real step or forward."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from qlbench import engine
+
+BATCH = 64
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Settings:
+    """How much to measure. `quick` (for CI) runs the same code paths with fewer steps and members."""
+
+    steps: dict[str, int]  # timed steps per round, per arch
+    rounds: int  # alternating rounds; medians are reported
+    members: tuple[int, ...]  # stacked sizes E
+    forward_reps: int
+    inference_rounds: int  # more rounds than training: a round of nine models' forwards is short
+    compile: bool  # also measure the torch.compile path (warm-up included)
+    threads: int | None = None  # intra-op threads of every stacked measurement (None: engine.auto_threads)
+    side_by_side_s: float = 8.0  # seconds per timed window of `side_by_side`
+
+    @classmethod
+    def make(cls, quick: bool, threads: int | None = None) -> Settings:
+        if quick:
+            return cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, 2, False, threads)
+        return cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, 9, True, threads)
+
+    def threads_for(self, arch: str, E: int, device) -> int | None:
+        """Intra-op threads of a stack of E members: `threads` if set, else the engine's choice (CPU only)."""
+        if torch.device(device).type != "cpu":
+            return None
+        return engine.auto_threads(arch, E, self.threads)
+
+    def side_by_side_for(self, arch: str, E: int) -> tuple[int, int]:
+        """(threads, workers) of `side_by_side` on this CPU: the stack's intra-op threads and how many such stacks
+        fit on the machine at once (cpu_count // threads)."""
+        threads = self.threads_for(arch, E, "cpu") or torch.get_num_threads()
+        return threads, (os.cpu_count() or 1) // threads
+
+
+def alternate(fns: dict[str, tuple[Callable, int]], rounds: int, device) -> dict[str, list[float]]:
+    """Rates (units/s) of each fn per round, the fns taking turns within every round; fn() runs one timed chunk
+    and the int is the units (model-steps, samples) it processes."""
+    rates = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, (fn, units) in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            rates[name].append(units / (time.perf_counter() - t0))
+    return rates
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def chunk(step, data, n, threads: int | None = None):
+    """n steps over `data` with `threads` intra-op threads (None: PyTorch's default)."""
+
+    def run():
+        with engine.num_threads(threads):
+            for i in range(n):
+                step(*data[i % len(data)])
+
+    return run
+
+
+def matmul_peak(device, n: int = 2048, reps: int = 3, trials: int = 5) -> float:
+    """GFLOP/s of a large float32 matmul, the best of `trials` timings of `reps` products (the dense peak the
+    engine is compared with; the best, since on a shared machine a slow sample measures the neighbours)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    for _ in range(2):
+        a @ b
+    best = 0.0
+    for _ in range(trials):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync(device)
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def step_flops(model, step, data) -> int:
+    """FLOPs (matmul-type ops, forward + backward) of one training step, counted on the real step."""
+    with FlopCounterMode(display=False) as counter:
+        step(*data[0])
+    return counter.get_total_flops()
+
+
+def forward_flops(model, x) -> int:
+    """FLOPs of one forward (counted with autograd on: the counter's module hooks need it; nothing is
+    backpropagated)."""
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    return counter.get_total_flops()
