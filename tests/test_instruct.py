@@ -152,8 +152,17 @@ def test_ablate_prints_a_row_per_variant_and_stores_every_cell(capsys, tmp_path,
     assert [r.split("|")[1].strip() for r in rows] == list(variants)
     assert all("18,016" in r or "18016" in r for r in rows)
     assert all("p = " in r for r in rows if "| card" not in r)  # paired difference to the card's instruction
+    assert "One task: e(c) is the same for every sample" in out  # what a single-task ablation cannot show
     frame = results.load(tmp_path)
     assert len(set(frame["config_hash"])) == len(variants) and set(frame["status"]) == {"ok"}
+
+
+def test_ablation_variants_are_named_for_what_they_remove():
+    """`no-language-prior` drops the language prior only (the instruction still enters the query); the paper's
+    "state-query-only" router drops both, which is `no-instruction`."""
+    assert "no-prior" not in ablation.VARIANTS
+    assert ablation.VARIANTS["no-language-prior"] == dict(tau_lang=0.0)
+    assert ablation.VARIANTS["no-instruction"] == dict(tau_lang=0.0, lambda_ctx=0.0)
 
 
 def test_a_stack_of_functions_binds_each_members_own_instruction():

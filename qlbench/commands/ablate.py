@@ -54,6 +54,7 @@ def run(args) -> int:
         (records[name],) = experiment.run(plan, progress=not args.no_progress, log=log)
     table = ablation.table(records)
     print(text.markdown(table))
+    print(f"\n{ablation.LIMITATION}")
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {first.store.root / 'records'}")
     failed = table.loc[table["best-train"] == "failed", "variant"]
     for name in failed:
