@@ -7,8 +7,9 @@ Both take x (E, N, 2) and return predictions (E, N), and list the linears an ada
 Target linears are called as `layer(x, ctx)` so an adapter can read and write the per-forward ForwardContext.
 
 Backbone initialisation (`build_backbone(..., init=...)`, `qlbench run --backbone-init`): "default" is PyTorch's
-default (the paper's), under which the deep-narrow MLP is a constant function of its input (docs/why.md). "kaiming" and
-"orthogonal" re-draw the deep-narrow's 32 hidden layers variance-preserving for GELU (see `GELU_GAIN`).
+default (the paper does not specify one), under which the deep-narrow MLP is a constant function of its input
+(docs/why.md). "kaiming" and "orthogonal" re-draw the deep-narrow's 32 hidden layers variance-preserving for GELU
+(see `GELU_GAIN`).
 """
 
 from __future__ import annotations
@@ -264,8 +265,8 @@ def project_group(layers, x: torch.Tensor, ctx: ForwardContext) -> list[torch.Te
 def build_backbone(arch: str, seeds: list, *, device=None, dtype=torch.float32, init: str = "default") -> nn.Module:
     """A freshly initialised stack, member e seeded from `seeds[e]` (any hashable member key).
 
-    init "default": PyTorch's default everywhere (the paper's). "kaiming" / "orthogonal" (deep-narrow only): the same
-    default draws, then the hidden layers re-drawn from a generator of their own (`DeepNarrowMLP.reinit_hidden`),
+    init "default": PyTorch's default everywhere (the paper does not specify one). "kaiming" / "orthogonal"
+    (deep-narrow only): the same default draws, then the hidden layers re-drawn from a generator of their own (`DeepNarrowMLP.reinit_hidden`),
     so the input layer and head equal the default init's."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
