@@ -266,8 +266,8 @@ def build_backbone(arch: str, seeds: list, *, device=None, dtype=torch.float32, 
     """A freshly initialised stack, member e seeded from `seeds[e]` (any hashable member key).
 
     init "default": PyTorch's default everywhere (the paper does not specify one). "kaiming" / "orthogonal"
-    (deep-narrow only): the same default draws, then the hidden layers re-drawn from a generator of their own (`DeepNarrowMLP.reinit_hidden`),
-    so the input layer and head equal the default init's."""
+    (deep-narrow only): the same default draws, then the hidden layers re-drawn from a generator of their own
+    (`DeepNarrowMLP.reinit_hidden`), so the input layer and head equal the default init's."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, init)

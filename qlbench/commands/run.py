@@ -129,8 +129,8 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         "--backbone-init",
         default="default",
         help="the backbone's initialisation: default (PyTorch's; the paper does not specify one), kaiming or "
-        "orthogonal (variance-preserving for GELU; deep-narrow only); part of the cache key and of a non-default cell's "
-        "config hash",
+        "orthogonal (variance-preserving for GELU; deep-narrow only); part of the cache key and of a non-default "
+        "cell's config hash",
     )
     p.add_argument("--out", default="results", help="results folder (default ./results)")
     p.add_argument(
