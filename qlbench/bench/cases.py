@@ -34,6 +34,13 @@ from qlbench.bench.timing import (
 from qlbench.progress import bar as progress_bar
 
 
+def stack_row(arch: str, method: str | None, E: int, threads: int | None, **fields) -> dict:
+    """A measured stack's row: what names the stack (arch, method unless None, E as `members`, the intra-op threads
+    it ran with) and then `fields`."""
+    row = dict(arch=arch, method=method, members=E, threads=threads or torch.get_num_threads())
+    return ({k: v for k, v in row.items() if v is not None}) | fields
+
+
 def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
     """The stacked engine at E members (with the engine's thread setting) against the per-seed loop: the same
     modules and step, one member at a time, with PyTorch's default threads."""
@@ -53,11 +60,11 @@ def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
         device,
     )
     stacked = statistics.median(r["stacked"])
-    return dict(
-        arch=arch,
-        method=method,
-        members=E,
-        threads=threads or torch.get_num_threads(),
+    return stack_row(
+        arch,
+        method,
+        E,
+        threads,
         stacked=stacked,
         eval_s=evaluation_seconds(model, E, threads, s.rounds, device),
         per_seed=statistics.median(r["per_seed"]),
@@ -145,11 +152,11 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         s.rounds,
         device,
     )
-    return dict(
-        arch=arch,
-        method=method,
-        members=E,
-        threads=threads or torch.get_num_threads(),
+    return stack_row(
+        arch,
+        method,
+        E,
+        threads,
         warmup_s=warmup,
         eager=statistics.median(r["eager"]),
         compiled=statistics.median(r["compiled"]),
@@ -237,11 +244,11 @@ def profile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     ops = sum(e.count for e in events if e.key.startswith("aten::")) / n
     matmul = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / 1e6 / n
     gelu = sum(e.self_cpu_time_total for e in events if e.key in ("aten::gelu", "aten::gelu_backward")) / 1e6 / n
-    return dict(
-        arch=arch,
-        method=method,
-        members=E,
-        threads=threads or torch.get_num_threads(),
+    return stack_row(
+        arch,
+        method,
+        E,
+        threads,
         step_ms=1e3 * wall,
         aten_ops=ops,
         matmul_share=matmul / profiled,
@@ -329,10 +336,11 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
         s.rounds,
         device,
     )
-    return dict(
-        arch=arch,
-        members=E,
-        threads=threads or torch.get_num_threads(),
+    return stack_row(
+        arch,
+        None,
+        E,
+        threads,
         batched_ms=1e3 / statistics.median(r["batched"]),
         per_member_ms=1e3 / statistics.median(r["per-member"]),
         speedup=median_ratio(r["batched"], r["per-member"]),
