@@ -140,6 +140,32 @@ MUTANTS = [
     ),
     Mutant("depth_summary_dropped", ROUTING, "q = q0 + u @ Q_dep.transpose(1, 2)", "q = q0"),
     Mutant(
+        "depth_attention_uniform",
+        ROUTING,
+        "beta = xi.softmax(dim=-1)",
+        "beta = torch.full_like(xi, 1.0 / P)",
+    ),
+    Mutant(
+        "instruction_after_depth_attention",
+        ROUTING,
+        """    if lambda_ctx:
+        q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))  # + (E, 1, d_k)
+    u = beta = None
+    q = q0
+    if summaries is not None:
+        u, beta = depth_summary(q0, summaries, Q_dep_q, Q_dep_k, t_dep, eps)
+        q = q0 + u @ Q_dep.transpose(1, 2)  # (E, N, d_k)
+""",
+        """    u = beta = None
+    q = q0
+    if summaries is not None:
+        u, beta = depth_summary(q0, summaries, Q_dep_q, Q_dep_k, t_dep, eps)
+        q = q0 + u @ Q_dep.transpose(1, 2)  # (E, N, d_k)
+    if lambda_ctx:
+        q = q + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))  # + (E, 1, d_k)
+""",
+    ),
+    Mutant(
         "instruction_ignores_lambda_ctx",
         ROUTING,
         "q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))",
@@ -156,6 +182,12 @@ MUTANTS = [
     ),
     # the adapted layer s B (I + g S_b) A
     Mutant("gate_without_sigmoid", QUERYABLE, "g = torch.sigmoid(self.queryable_eta)", "g = self.queryable_eta"),
+    Mutant(
+        "gate_gradient_dropped",
+        QUERYABLE,
+        "grad_g = (grad_t * u_t).sum((1, 2)) if need[3] else None",
+        "grad_g = None",
+    ),
     Mutant("S_transposed", QUERYABLE, "d = (S * s.unsqueeze(-2)).sum(-1)", "d = (S * s.unsqueeze(-1)).sum(-2)"),
     Mutant("S_transposed_tokens", QUERYABLE, "d = s @ S.transpose(-1, -2)", "d = s @ S"),
 ]

@@ -187,3 +187,46 @@ def vectors(draw, *, max_dim: int = 8, max_count: int = 4):
     """(n, d) float64 vectors at a drawn scale (RMSNorm / Jacobian lemmas)."""
     d, n = draw(st.integers(1, max_dim)), draw(st.integers(1, max_count))
     return draw(tensors(n, d)) * draw(st.sampled_from([1.0, 1e-4, 1e-2, 30.0]))
+
+
+@st.composite
+def generic_router_cases(
+    draw, *, min_done: int = 2, max_done: int = 3, lam=positive_lambda_ctxs, max_samples: int = 3
+) -> RouterCase:
+    """A RouterCase whose arrays are Gaussian from a drawn seed (sizes, scalars and scales still drawn).
+
+    router_cases' element-wise arrays are mostly one repeated fill value: block summaries that are all the same
+    vector, router matrices of equal entries, so the depth weights come out uniform and the instruction does not move
+    them. Here every summary is distinct, every matrix generic, d_k >= 2, the instruction non-zero and, by default,
+    lambda_ctx > 0 and at least two completed blocks: the inputs on which a wrong block query (depth weights that
+    ignore the logits, the instruction left out of q0) shows."""
+    E = 1
+    N = draw(st.integers(1, max_samples))
+    r, d_k, d_c = draw(ranks), draw(st.integers(2, 8)), draw(instruction_dims)
+    M = draw(st.integers(1, 6))
+    k = draw(st.integers(1, M))
+    P = draw(st.integers(min_done, max_done))
+    state_scale, key_scale = draw(scales), draw(scales)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    randn = lambda *shape: torch.randn(shape, generator=g, dtype=torch.float64)
+    return RouterCase(
+        s_entry=randn(E, N, r) * state_scale,
+        summaries=randn(E, N, P, r) * state_scale if P else None,
+        w=randn(E, d_k),
+        Q_cur=randn(E, d_k, r),
+        Q_dep=randn(E, d_k, r),
+        Q_dep_q=randn(E, d_k, d_k),
+        Q_dep_k=randn(E, d_k, r),
+        keys=randn(E, M, d_k) * key_scale,
+        atoms=randn(E, M, r, r),
+        instruction=randn(E, d_c),
+        Q_ctx=randn(E, d_k, d_c),
+        R_ctx=randn(E, d_k, d_c),
+        top_k=k,
+        t_attn=draw(temperatures),
+        t_dep=draw(temperatures),
+        t_lang=draw(temperatures),
+        tau_lang=draw(tau_langs),
+        lambda_ctx=draw(lam),
+        eps=draw(rms_eps_values),
+    )

@@ -6,18 +6,26 @@ traced (tracing.trace: every layer's input x_l, rank state s_l = A_l x_l and rou
 the rank-space vectors t_l = s_l + g_l S_b s_l are captured where the layer hands them to low_rank_update
 (models.capture_rank_updates), and autograd provides dL/dS_b, dL/dalpha, dL/dzeta, dL/drho, dL/dC_m, dL/deta_l and
 r_l = dL/dt_l. The tests compare them with the paper's closed forms built from those captured quantities.
+
+Reading t_l needs the plain ops (models.capture_rank_updates switches queryable.ROUTED_NODE off), so the eager
+deep-narrow layer's own autograd node, RoutedLinear with its hand-written backward, is checked separately at the end:
+its gradients for every input, the gate included, against the layer update written from the paper (eq.
+app_layer_update) and, on the real model, against the plain ops.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qlbench.adapters import queryable
 from qlbench.theory import tracing
 
 from models import ModelCase, capture_rank_updates, model_cases
-from strategies import tol
+from strategies import reals, tensors, tol
 
 EXAMPLES = max(4, settings().max_examples // 6)
 ARCH_CASES = st.one_of(model_cases("deep-narrow"), model_cases("transformer", max_layers=2))
@@ -149,3 +157,96 @@ def test_compressed_gradient_identity(case):
         scale_terms = (G.abs() * U.abs()).flatten(1).sum(-1)
         close(mid, lhs, scale_terms)
         close(lhs * (1 - g), L.queryable_eta.grad, scale_terms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the eager layer's autograd node (queryable.RoutedLinear): its hand-written backward, the gate g = sigmoid(eta)
+# included, is the derivative of eq. app_layer_update
+
+
+def paper_layer_update(x, A, S, g, W0, b0, B, scale):
+    """y = (W0 + scale B (I_r + g S) A) x + b0 per member and sample, the matrix form of eq. app_layer_update:
+    x (E, N, d_in), A (E, r, d_in), S (E, N, r, r), g (E,), W0 (E, d_out, d_in), b0 (E, d_out), B (E, d_out, r)."""
+    E, N, _ = x.shape
+    eye = torch.eye(A.shape[1], dtype=x.dtype)
+    W = W0.unsqueeze(1) + scale * (B.unsqueeze(1) @ (eye + g.view(E, 1, 1, 1) * S) @ A.unsqueeze(1))
+    return (W @ x.unsqueeze(-1)).squeeze(-1) + b0.unsqueeze(1)  # (E, N, d_out)
+
+
+def loss_of(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (w * y + 0.5 * y**2).sum()
+
+
+@given(data=st.data())
+def test_routed_node_gradients_match_layer_update(data):
+    """For y = RoutedLinear(x, s = A x, S_b, g = sigmoid(eta), W0, b0, B, scale), called as QueryableLinear calls it
+    (S_b in route()'s samples-last storage), dL/d of x, A, S_b, eta, W0, b0 and B equal autograd's derivatives of the
+    plain matrix formula y = W0 x + b0 + scale B (I + g S_b) A x, for a non-linear loss L."""
+    E, N = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4))
+    d_in, d_out, r = (data.draw(st.integers(1, 4)) for _ in range(3))
+    leaves = dict(
+        x=data.draw(tensors(E, N, d_in)),
+        A=data.draw(tensors(E, r, d_in)),
+        S=data.draw(tensors(E, N, r, r)),
+        eta=data.draw(tensors(E, bound=4.0)),
+        W0=data.draw(tensors(E, d_out, d_in)),
+        b0=data.draw(tensors(E, d_out)),
+        B=data.draw(tensors(E, d_out, r)),
+    )
+    scale, w = data.draw(reals(0.1, 4.0)), data.draw(tensors(E, N, d_out))
+    for v in leaves.values():
+        v.requires_grad_(True)
+    x, A, S, eta, W0, b0, B = leaves.values()
+    s = torch.einsum("end,erd->enr", x, A)  # A x per sample
+    y = queryable.RoutedLinear.apply(x, s, S.permute(0, 2, 3, 1), torch.sigmoid(eta), W0, b0, B, scale)
+    y_ref = paper_layer_update(x, A, S, torch.sigmoid(eta), W0, b0, B, scale)
+    grads = torch.autograd.grad(loss_of(y, w), list(leaves.values()), allow_unused=True)
+    refs = torch.autograd.grad(loss_of(y_ref, w), list(leaves.values()))
+    # rounding allowance: the same sums with every term made non-negative bound the terms each result adds up
+    mag_leaves = [
+        v.detach().abs().requires_grad_(True) if k != "eta" else v.detach().requires_grad_(True)
+        for k, v in leaves.items()
+    ]
+    mx, mA, mS, meta, mW0, mb0, mB = mag_leaves
+    y_mag = paper_layer_update(mx, mA, mS, torch.sigmoid(meta), mW0, mb0, mB, scale)
+    mags = torch.autograd.grad(((w.abs() + y_mag.detach()) * y_mag).sum(), mag_leaves)
+    close(y, y_ref, y_mag, ops=64)
+    for name, got, want, mag in zip(leaves, grads, refs, mags):
+        got = torch.zeros_like(want) if got is None else got
+        torch.testing.assert_close(
+            got, want, rtol=0, atol=tol(mag, ops=256), msg=lambda m, name=name: f"dL/d{name} through RoutedLinear: {m}"
+        )
+
+
+def parameter_grads(model, x, e, w) -> dict[str, torch.Tensor | None]:
+    model.zero_grad(set_to_none=True)
+    loss_of(model(x, e), w).backward()
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters() if p.requires_grad}
+
+
+@given(case=model_cases("deep-narrow"))
+@settings(max_examples=EXAMPLES)
+def test_routed_node_real_model_gradients_match_plain_ops(case):
+    """On a real DeepNarrowMLP (every hidden layer one RoutedLinear node when queryable.ROUTED_NODE is on), the
+    gradient of a non-linear loss with respect to every trainable parameter (the gates eta_l, A_l, B_l, the atoms,
+    keys and router matrices) equals the one with ROUTED_NODE off, i.e. through autograd's plain ops."""
+    model = case.build()
+    x, e = case.inputs()
+    w = torch.randn(case.members, case.n_samples, generator=torch.Generator().manual_seed(case.seed + 2), dtype=x.dtype)
+    t = tracing.trace(model, x, e)
+    nodes = {type(c.out.grad_fn).__name__ for c in t.calls}
+    assert nodes == {"RoutedLinearBackward"}, f"the eager deep-narrow layers should run as RoutedLinear: {nodes}"
+    node = parameter_grads(model, x, e, w)
+    with mock.patch.object(queryable, "ROUTED_NODE", False):
+        plain = parameter_grads(model, x, e, w)
+    assert node.keys() == plain.keys()
+    size = float(t.output.detach().abs().max()) + float(w.abs().max())
+    for name in plain:
+        if plain[name] is None:  # unused here (e.g. the depth-summary matrices with one block)
+            assert node[name] is None or not node[name].any(), f"dL/d{name} should vanish"
+            continue
+        want = plain[name]
+        got = torch.zeros_like(want) if node[name] is None else node[name]
+        torch.testing.assert_close(
+            got, want, rtol=0, atol=tol(want, size, ops=4096), msg=lambda m, name=name: f"dL/d{name}: {m}"
+        )
