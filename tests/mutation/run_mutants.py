@@ -188,8 +188,19 @@ MUTANTS = [
         "grad_g = (grad_t * u_t).sum((1, 2)) if need[3] else None",
         "grad_g = None",
     ),
-    Mutant("S_transposed", QUERYABLE, "d = (S * s.unsqueeze(-2)).sum(-1)", "d = (S * s.unsqueeze(-1)).sum(-2)"),
-    Mutant("S_transposed_tokens", QUERYABLE, "d = s @ S.transpose(-1, -2)", "d = s @ S"),
+    # S s per sample in the eager RoutedLinear node (S stored samples-last as S_t (E, r, r, N)): S^T s instead
+    Mutant(
+        "S_transposed",
+        QUERYABLE,
+        "u_t = (S_t * s_t.unsqueeze(1)).sum(2)",
+        "u_t = (S_t * s_t.unsqueeze(2)).sum(1)",
+    ),
+    Mutant(
+        "S_transposed_tokens",
+        QUERYABLE,
+        "t = s + g * (s @ S.transpose(-1, -2))",
+        "t = s + g * (s @ S)",
+    ),
 ]
 
 IGNORE = shutil.ignore_patterns(
