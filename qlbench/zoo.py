@@ -325,3 +325,36 @@ def task(name: str) -> Task:
     c = card(name)
     target = ShiftedFunction(function(name, **c.target_coefficients), c.rotation_deg, c.out_scale, c.out_shift)
     return Task(name, c, function(name), target, c.instruction)
+
+
+def signal_to_noise(name: str, seeds: Sequence[int] = (0, 1, 2)) -> dict[str, float]:
+    """How much of the target is signal: measured on the target's seeded datasets (float64), averaged over `seeds`.
+
+    label_var   variance of the clean target labels f'(x) over the target's inputs (train and test)
+    noise_var   variance of the label noise, LABEL_NOISE ** 2
+    snr         label_var / noise_var
+    mean_mse    test MSE of predicting the mean training label (what the `mean` row scores)
+    shift_mse   test MSE of the source function itself on the target (what a frozen backbone that fitted the source
+                exactly would score: how far the shift moved the labels)
+    """
+    t = task(name)
+    rows = []
+    for seed in seeds:
+        x_train, y_train, x_test, y_test = t.target_data(seed, dtype=torch.float64)
+        clean = t.target(torch.cat([x_train, x_test]))  # (TARGET_SIZE,)
+        rows.append(
+            (
+                clean.var().item(),
+                (y_test - y_train.mean()).pow(2).mean().item(),
+                (y_test - t.source(x_test)).pow(2).mean().item(),
+            )
+        )
+    label_var, mean_mse, shift_mse = (sum(col) / len(rows) for col in zip(*rows))
+    noise_var = LABEL_NOISE**2
+    return dict(
+        label_var=label_var,
+        noise_var=noise_var,
+        snr=label_var / noise_var,
+        mean_mse=mean_mse,
+        shift_mse=shift_mse,
+    )

@@ -51,7 +51,11 @@ def test_functions_lists_the_zoo(capsys):
     assert cli.main(["functions"]) == 0
     out = capsys.readouterr().out
     assert "dropwave" in out and "[-5.12, 5.12] x [-5.12, 5.12]" in out and "-1 at (0, 0)" in out
-    assert len(out.strip().splitlines()) == 10  # header + nine functions
+    zoo_lines = out.split("\n\n")[0].strip().splitlines()
+    assert len(zoo_lines) == 10  # header + nine functions
+    snr_rows = [line for line in out.splitlines() if line.startswith("| ") and "signal / noise" not in line]
+    assert [r.split("|")[1].strip() for r in snr_rows] == [line.split()[0] for line in zoo_lines[1:]]
+    assert "| dropwave        | 0.0194         | 0.00250        | 7.8            |" in out
 
 
 def test_smoke_run_prints_the_table_and_writes_records(capsys, tmp_path):

@@ -230,3 +230,26 @@ def test_unknown_name_lists_valid_choices(lookup):
 def test_unknown_coefficient_lists_valid_ones():
     with pytest.raises(ValueError, match=r"unknown coefficient.*\bkk\b.*choose from: k, q, o"):
         zoo.function("dropwave", kk=1.0)
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_signal_to_noise_is_consistent_with_what_the_mean_row_scores(name):
+    """E[(y - mean)^2] = Var(f) + sigma^2 for noise independent of x: the `mean` row's MSE, measured on the noisy test
+    labels, must match the clean-label variance plus the noise variance (800 test samples: within 15%)."""
+    s = zoo.signal_to_noise(name)
+    assert s["noise_var"] == zoo.LABEL_NOISE**2
+    assert s["snr"] == s["label_var"] / s["noise_var"]
+    assert s["mean_mse"] == pytest.approx(s["label_var"] + s["noise_var"], rel=0.15)
+    assert s["shift_mse"] > 0.8 * s["noise_var"]  # the noise is a floor no predictor of the clean f can beat
+
+
+def test_signal_to_noise_of_dropwave_by_hand():
+    """Dropwave's target (the measured finding that makes its table rank noise): a clean-label variance of about 0.02
+    against the noise's 0.0025. By hand on seed 0: the variance of the clean target over its 1,200 inputs."""
+    t = zoo.task("dropwave")
+    x_train, _, x_test, _ = t.target_data(0, dtype=torch.float64)
+    assert zoo.signal_to_noise("dropwave", seeds=(0,))["label_var"] == pytest.approx(
+        t.target(torch.cat([x_train, x_test])).var().item(), rel=1e-12
+    )
+    s = zoo.signal_to_noise("dropwave")
+    assert 0.015 < s["label_var"] < 0.025 and 6 < s["snr"] < 10

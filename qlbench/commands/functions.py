@@ -1,16 +1,19 @@
-"""`qlbench functions`: the zoo, one line per card (name, domain, optimum)."""
+"""`qlbench functions`: the zoo, one line per card (name, domain, optimum), then how much of each target is signal."""
 
 from __future__ import annotations
 
+from qlbench import text, zoo
+from qlbench.text import Column
+
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("functions", help="list the function zoo (name, domain, optimum)")
+    p = subparsers.add_parser(
+        "functions", help="list the function zoo (name, domain, optimum) and each target's signal and noise"
+    )
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from qlbench import zoo
-
     rows = []
     for name in zoo.names():
         c = zoo.card(name)
@@ -21,4 +24,20 @@ def run(args) -> int:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
     for r in [head, *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    snr = [{"function": name, **zoo.signal_to_noise(name)} for name in zoo.names()]
+    sig = lambda v: text.num(v, 3)
+    print(
+        "\nTargets: signal and noise (the target's seeded datasets, seeds 0-2; label variance of the clean target, "
+        "noise variance, their ratio, the `mean` row's test MSE and the source function's own test MSE on the "
+        "target, i.e. how far the shift moved the labels)\n"
+    )
+    columns = [
+        Column("function", "function"),
+        Column("label variance", "label_var", sig),
+        Column("noise variance", "noise_var", sig),
+        Column("signal / noise", "snr", lambda v: f"{v:,.0f}" if v >= 100 else f"{v:.1f}"),
+        Column("mean MSE", "mean_mse", sig),
+        Column("source on target MSE", "shift_mse", sig),
+    ]
+    print(text.table(snr, columns))
     return 0
