@@ -483,15 +483,17 @@ def adapt(
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
     diagnostics: bool = True,
+    eps: float = adapters.EPS,
 ) -> AdaptResult:
     """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target; with
-    `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py)."""
+    `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `eps`: the optimiser's
+    epsilon (AdamW's, or SOAP's for full-soap)."""
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
     model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype)
     if method.trains:
-        optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay)
+        optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay, eps)
         order = [generator("order", "adapt", arch, f, s) for f, s in members]
         diagnose = None
         if diagnostics:

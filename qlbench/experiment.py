@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class Plan:
     threads: int | None = None  # intra-op threads; None: engine.auto_threads
     force: bool = False  # re-run cells that already have a finished record of the same config
     backbone_init: str = "default"  # backbones.INITS; hashed only when not the default (see cell_config)
+    eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
 
     @property
     def store(self) -> Store:
@@ -78,9 +80,11 @@ class Plan:
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused.
 
-        A non-default backbone init adds a "backbone_init" key; the default adds none, so the hashes (and the
-        records) of every store written before inits existed stay valid."""
+        A non-default backbone init adds a "backbone_init" key and a non-default optimiser epsilon an "eps" key; the
+        defaults add none, so the hashes (and the records) of every store written before either existed stay
+        valid."""
         extra = {} if self.backbone_init == "default" else {"backbone_init": self.backbone_init}
+        extra |= {} if self.eps == adapters.EPS else {"eps": self.eps}
         return extra | {
             "function": function,
             "arch": self.arch,
@@ -109,12 +113,15 @@ def plan(
     force: bool = False,
     cuda: bool | None = None,
     backbone_init: str = "default",
+    eps: float = adapters.EPS,
 ) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults. `cuda`: whether
     the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, backbone_init)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
     if not functions:
         raise ValueError(f"no function given; valid: {', '.join(zoo.names())}")
     for f in functions:
@@ -165,6 +172,7 @@ def plan(
         threads=threads,
         force=force,
         backbone_init=backbone_init,
+        eps=float(eps),
     )
 
 
@@ -347,7 +355,15 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
     t0 = time.perf_counter()
     try:
         res = engine.adapt(
-            pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype, progress=progress, compile=p.compile
+            pre,
+            method,
+            p.configs[method],
+            p.budget,
+            device=p.device,
+            dtype=dtype,
+            progress=progress,
+            compile=p.compile,
+            eps=p.eps,
         )
     except Exception as err:  # record the failure and go on with the other methods
         log(f"{method}: failed: {type(err).__name__}: {err}")

@@ -207,3 +207,35 @@ def test_plan_resolves_compile_auto_from_the_budget(tmp_path):
     assert experiment.plan(budget="quick", **kw).compile is False
     assert experiment.plan(budget="paper", compile="off", **kw).compile is False
     assert experiment.plan(budget="smoke", compile="on", **kw).compile is True
+
+
+def test_the_optimisers_eps_is_recorded_and_hashed_only_when_not_the_default(tmp_path):
+    make = lambda **kw: experiment.plan(
+        functions=["matyas"], arch="deep-narrow", methods=["lora"], budget="smoke", out_dir=tmp_path, **kw
+    )
+    default, same, tiny = make(), make(eps=1e-8), make(eps=1e-30)
+    assert "eps" not in default.cell_config("matyas", "lora")  # records written before eps existed keep their hash
+    assert default.record_path("matyas", "lora") == same.record_path("matyas", "lora")
+    assert tiny.cell_config("matyas", "lora")["eps"] == 1e-30
+    assert tiny.record_path("matyas", "lora") != default.record_path("matyas", "lora")
+
+
+@pytest.mark.parametrize("method", ["lora", "full-soap"])
+def test_the_optimisers_eps_reaches_the_update(method, tmp_path):
+    """An eps far above every |gradient| turns Adam's (and SOAP's) step g / (sqrt(v) + eps) into almost nothing: the
+    adapted model must then stay where it started, while the default eps moves it."""
+    curves = {}
+    for eps in (adapters.EPS, 1e3):
+        p = experiment.plan(
+            functions=["matyas"],
+            arch="deep-narrow",
+            methods=[method],
+            budget="smoke",
+            dtype="float64",
+            out_dir=tmp_path / str(eps),
+            eps=eps,
+        )
+        (path,) = experiment.run(p, progress=False)
+        curves[eps] = json.loads(path.read_text())["train_info"]["per_seed"][0]["train_curve"]
+    moved = lambda c: abs(c[-1] - c[0]) / c[0]
+    assert moved(curves[1e3]) < moved(curves[adapters.EPS]) / 10, curves  # measured: x100 (lora), x19 (full-soap)

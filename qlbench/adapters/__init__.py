@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from qlbench.adapters import dora, doran, full, hyra, instruct, lora, queryable, reference, replora
 from qlbench.adapters.base import (
+    EPS,
     KINDS,
     AdapterMethod,
     Method,
@@ -83,6 +84,7 @@ def get(name: str) -> Method:
 
 __all__ = [
     "AdapterMethod",
+    "EPS",
     "KINDS",
     "Method",
     "NoConfig",

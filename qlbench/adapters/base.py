@@ -64,11 +64,14 @@ def check_nonnegative(config, *names: str) -> None:
             )
 
 
-def adamw(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+EPS = 1e-8  # the optimisers' epsilon (AdamW's and SOAP's default; `qlbench run --eps` sets another, recorded)
+
+
+def adamw(params, lr: float, weight_decay: float, eps: float = EPS) -> torch.optim.Optimizer:
     """AdamW as pretraining and every element-wise method use it: fused (one kernel over all tensors; faster than
     foreach on the deep-narrow stack, docs/speed.md) and exact on stacked leaves, since it acts element by
     element."""
-    return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, fused=True)
+    return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, eps=eps, fused=True)
 
 
 # What a method is, as every table, test and benchmark groups it (display order: this order).
@@ -96,9 +99,11 @@ class Method:
         """
         raise NotImplementedError
 
-    def optimizer(self, model: nn.Module, config, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    def optimizer(
+        self, model: nn.Module, config, lr: float, weight_decay: float, eps: float = EPS
+    ) -> torch.optim.Optimizer:
         """AdamW over the trainable parameters: element-wise, so exact on stacked leaves."""
-        return adamw((p for p in model.parameters() if p.requires_grad), lr, weight_decay)
+        return adamw((p for p in model.parameters() if p.requires_grad), lr, weight_decay, eps)
 
     def bind(self, model: nn.Module, members: list[tuple[str, int]], config) -> None:
         """Attach what depends on the members (function, seed) beyond their data, once the model is built: the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qlbench.adapters.base import Method, check_positive_int
+from qlbench.adapters.base import EPS, Method, check_positive_int
 from qlbench.soap import StackedSoap
 
 
@@ -54,12 +54,13 @@ class FullSoap(FullFineTune):
     def __init__(self):
         super().__init__(self.name)
 
-    def optimizer(self, model, config: SoapConfig, lr, weight_decay):
+    def optimizer(self, model, config: SoapConfig, lr, weight_decay, eps=EPS):
         params = [p for p in model.parameters() if p.requires_grad]
         return StackedSoap(
             params,
             lr=lr,
             weight_decay=weight_decay,
+            eps=eps,
             betas=config.betas,
             precondition_frequency=config.precondition_frequency,
         )

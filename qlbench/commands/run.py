@@ -132,6 +132,14 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         "orthogonal (variance-preserving for GELU; deep-narrow only); part of the cache key and of a non-default "
         "cell's config hash",
     )
+    p.add_argument(
+        "--eps",
+        type=float,
+        default=None,
+        help="the adaptation optimiser's epsilon (AdamW's, SOAP's for full-soap; default 1e-8, PyTorch's); a "
+        "non-default value is part of the cell's config hash. Below about 1e-20 use --dtype float64: in float32 a "
+        "gradient's square underflows and so tiny an eps divides by zero",
+    )
     p.add_argument("--out", default="results", help="results folder (default ./results)")
     p.add_argument(
         "--hp",
@@ -179,6 +187,8 @@ def run(args, functions: list[str]) -> int:
         force=args.force,
         backbone_init=args.backbone_init,
     )
+    if args.eps is not None:
+        kwargs["eps"] = args.eps
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()  # the wall time printed includes starting (or reaching) Ray
     with contextlib.ExitStack() as stack:
