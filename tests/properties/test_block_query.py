@@ -5,11 +5,11 @@ app_depth_logits, app_final_query; Algorithm 2):
     xi_i = <RMSNorm(Q_dep,q q_b^(0)), RMSNorm(Q_dep,k sbar_i)> / (sqrt(d_k) T_dep),  beta_{i->b} = softmax_i(xi)
     u_{b-1} = sum_i beta_{i->b} sbar_i  (u_0 = 0),  q_b = q_b^(0) + Q_dep u_{b-1}
 
-The paper's bounds on u and q (tests/test_norm_bounds.py, test_lipschitz.py) hold just as well for depth weights
-that ignore the logits or for an instruction added after the depth attention, so these definitions are checked
-directly: `paper_query` below recomputes them one member and one sample at a time from the raw inputs, with its own
-RMSNorm and softmax (nothing from qlbench.adapters.routing), and the router's Route (routing.route, and the real
-model's routes read from ctx.scratch) must agree with it to float64 rounding.
+The paper's bounds on u and q (tests/properties/test_norm_bounds.py, test_lipschitz.py) hold just as well for depth
+weights that ignore the logits or for an instruction added after the depth attention, so these definitions are
+checked directly: `paper_query` below recomputes them one member and one sample at a time from the raw inputs,
+with its own RMSNorm and softmax (nothing from qlbench.adapters.routing), and the router's Route (routing.route,
+and the real model's routes read from ctx.scratch) must agree with it to float64 rounding.
 """
 
 from __future__ import annotations
