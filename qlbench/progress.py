@@ -120,6 +120,14 @@ class _Off:
         pass
 
 
+def _in_jupyter_kernel() -> bool:
+    """Whether this process is a Jupyter kernel (as tqdm.autonotebook tells): an IPython shell run by IPKernelApp.
+    Importing ipykernel or IPython (a test runner that executes notebooks does) is not enough."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
 def bar(
     iterable: Iterable | None = None,
     *,
@@ -136,7 +144,7 @@ def bar(
     if disable:
         return _Off(iterable)
     stream = file if file is not None else sys.stderr
-    notebook = "ipykernel" in sys.modules and stream is sys.stderr
+    notebook = stream is sys.stderr and _in_jupyter_kernel()
     if notebook or getattr(stream, "isatty", lambda: False)():
         return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, file=stream)
     return LogBar(iterable, total=total, desc=desc, unit=unit, file=stream)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 
 from tqdm import tqdm
 
@@ -66,6 +67,16 @@ def test_bar_picks_tqdm_on_a_terminal_lines_in_a_log_and_nothing_when_disabled()
     off.update(3)
     off.set_description("x")
     assert not isinstance(off, tqdm | progress.LogBar)
+
+
+def test_importing_ipykernel_does_not_make_a_process_a_notebook(monkeypatch):
+    """A test runner that executes notebooks imports ipykernel and IPython; its own stderr is still a log."""
+    import ipykernel  # noqa: F401
+    import IPython  # noqa: F401
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file, whatever terminal pytest runs in
+    assert not progress._in_jupyter_kernel()
+    assert isinstance(progress.bar(total=3), progress.LogBar)
 
 
 def test_a_run_logged_to_a_file_has_plain_progress_lines(tmp_path, capsys):
