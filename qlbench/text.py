@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+FORMATS = ("md", "latex", "csv")  # the table formats `qlbench report` writes
 PM = {"md": " ± ", "latex": r" $\pm$ "}  # mean ± std, per output format
 
 # ---------------------------------------------------------------------------------------------------------------

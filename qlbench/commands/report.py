@@ -7,11 +7,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlbench import results, stats
+from qlbench import results, stats, text
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, usage_errors
-
-FORMATS = ("md", "latex", "csv")  # report.FORMATS (not imported here: it loads seaborn)
 
 
 def register(subparsers) -> None:
@@ -34,7 +32,7 @@ def register(subparsers) -> None:
         help=f"the test table's metric, one of: {', '.join(stats.METRICS)} (default test-at-best-train; the "
         "train table always shows best-train)",
     )
-    p.add_argument("--format", default="md,latex,csv", help=f"comma-separated from: {', '.join(FORMATS)}")
+    p.add_argument("--format", default=",".join(text.FORMATS), help=f"comma-separated from: {', '.join(text.FORMATS)}")
     p.add_argument("--out", type=Path, help="folder for the tables and figures (default <RESULTS>/report)")
     p.add_argument("--no-figures", action="store_true", help="tables only")
     p.set_defaults(func=run)
@@ -46,9 +44,9 @@ def run(args) -> int:
     with usage_errors():
         stats.metric_column(args.metric)  # unknown metric: one line naming the valid ones
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
-    if not formats or (bad := [f for f in formats if f not in FORMATS]):
+    if not formats or (bad := [f for f in formats if f not in text.FORMATS]):
         raise UsageError(
-            f"unknown format {', '.join(bad) if formats else repr(args.format)}; valid: {', '.join(FORMATS)}"
+            f"unknown format {', '.join(bad) if formats else repr(args.format)}; valid: {', '.join(text.FORMATS)}"
         )
     if args.arch is not None and args.arch not in ARCHS:
         raise UsageError(f"unknown arch {args.arch!r}; valid: {', '.join(ARCHS)}")

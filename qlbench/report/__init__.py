@@ -30,7 +30,8 @@ from qlbench.report.tables import (
     table_data,
     wtl_table,
 )
-from qlbench.report.write import FORMATS, paper_latex, write_report
+from qlbench.report.write import paper_latex, write_report
+from qlbench.text import FORMATS
 
 __all__ = [
     "CONCENTRATION_LEGEND",

@@ -18,8 +18,6 @@ from matplotlib.figure import Figure
 from qlbench import diagnostics, stats, store, text
 from qlbench.report import figures, tables
 
-FORMATS = ("md", "latex", "csv")
-
 # --------------------------------------------------------------------------------------------------------------
 # LaTeX: booktabs table floats from the pandas Styler.
 
@@ -110,9 +108,9 @@ def _validate(frame: pd.DataFrame, metric: str, formats) -> None:
     if frame is None or len(frame) == 0:
         raise ValueError("no results to report: the results frame is empty")
     stats.metric_column(metric)
-    bad = [f for f in formats if f not in FORMATS]
+    bad = [f for f in formats if f not in text.FORMATS]
     if bad:
-        raise ValueError(f"unknown format {bad[0]!r}; valid: {', '.join(FORMATS)}")
+        raise ValueError(f"unknown format {bad[0]!r}; valid: {', '.join(text.FORMATS)}")
     required = ["function", "arch", "method", "budget", "seed", "status", *(m.column for m in stats.METRICS.values())]
     missing = [c for c in required if c not in frame]
     if missing:
@@ -225,7 +223,7 @@ def write_report(
     out_dir: Path,
     *,
     metric: str = "test-at-best-train",
-    formats=FORMATS,
+    formats=text.FORMATS,
     figures: bool = True,
     gradients: pd.DataFrame | None = None,
 ) -> dict:
