@@ -144,8 +144,9 @@ class StackedData:
     y_test: torch.Tensor
 
     @classmethod
-    def build(cls, members: list[Member], which: str, *, device, dtype) -> StackedData:
-        splits = [getattr(zoo.task(f), f"{which}_data")(seed, dtype=dtype, device=device) for f, seed in members]
+    def build(cls, members: list[Member], which: str, *, device, dtype, noise: str = zoo.DEFAULT_NOISE) -> StackedData:
+        """The members' "source" or "target" datasets, labels noised by the construction `noise` (zoo.NOISES)."""
+        splits = [getattr(zoo.task(f, noise), f"{which}_data")(seed, dtype=dtype, device=device) for f, seed in members]
         return cls(*(torch.stack([getattr(s, k) for s in splits]) for k in ("x_train", "y_train", "x_test", "y_test")))
 
 
@@ -367,13 +368,20 @@ class Pretrained:
 
 
 def _cache_paths(
-    arch: str, members: list[Member], phase: Phase, dtype, store: Store | None, init: str = "default"
+    arch: str,
+    members: list[Member],
+    phase: Phase,
+    dtype,
+    store: Store | None,
+    init: str = "default",
+    noise: str = zoo.DEFAULT_NOISE,
 ) -> list[Path | None]:
-    """Cache files keyed by everything the weights depend on; a non-default backbone init joins the key (the
-    default's keys are what they were before inits existed, so old caches stay valid)."""
+    """Cache files keyed by everything the weights depend on; a non-default backbone init and a label noise other
+    than the legacy one join the key (so the caches written before either setting existed keep their keys)."""
     if store is None:
         return [None] * len(members)
     extra = {} if init == "default" else {"init": init}
+    extra |= {} if noise == zoo.LEGACY_NOISE else {"noise": noise}
     return [
         store.backbone_path(
             arch, f, s, stable_hash(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype)) | extra)
@@ -383,10 +391,16 @@ def _cache_paths(
 
 
 def pretrain_needed(
-    arch: str, members: list[Member], phase: Phase, dtype, store: Store | None, init: str = "default"
+    arch: str,
+    members: list[Member],
+    phase: Phase,
+    dtype,
+    store: Store | None,
+    init: str = "default",
+    noise: str = zoo.DEFAULT_NOISE,
 ) -> bool:
     """Whether `pretrain` will train anything (some member is not in the cache)."""
-    return any(p is None or not p.exists() for p in _cache_paths(arch, members, phase, dtype, store, init))
+    return any(p is None or not p.exists() for p in _cache_paths(arch, members, phase, dtype, store, init, noise))
 
 
 @flush_denormals()
@@ -402,12 +416,13 @@ def pretrain(
     compile: bool = False,
     log: Callable[[str], None] = lambda message: None,
     init: str = "default",
+    noise: str = zoo.DEFAULT_NOISE,
 ) -> Pretrained:
     """Source-pretrained backbones for `members`. Members found in the store's backbone cache are loaded; the
     rest are trained together and cached one file per member, so any later stacking of the same members reuses
     them. A damaged cache file is reported through `log`, set aside and retrained. `init`: the backbone
-    initialisation (backbones.INITS), part of the cache key."""
-    paths = _cache_paths(arch, members, phase, dtype, store, init)
+    initialisation (backbones.INITS); `noise`: the source labels' noise (zoo.NOISES); both part of the cache key."""
+    paths = _cache_paths(arch, members, phase, dtype, store, init, noise)
     cached = {}
     for i, path in enumerate(paths):
         if path is not None and path.exists():
@@ -419,7 +434,7 @@ def pretrain(
     if todo:
         sub = [members[i] for i in todo]
         model = build_backbone(arch, sub, device=device, dtype=dtype, init=init)
-        data = StackedData.build(sub, "source", device=device, dtype=dtype)
+        data = StackedData.build(sub, "source", device=device, dtype=dtype, noise=noise)
         optimizer = adamw(model.parameters(), phase.lr, phase.weight_decay)
         order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
         curves = fit(
@@ -459,11 +474,14 @@ class AdaptResult:
     model: nn.Module  # the adapted stack, final state
 
 
-def build_model(pretrained: Pretrained, method_name: str, config, *, device, dtype) -> tuple[nn.Module, StackedData]:
+def build_model(
+    pretrained: Pretrained, method_name: str, config, *, device, dtype, noise: str = zoo.DEFAULT_NOISE
+) -> tuple[nn.Module, StackedData]:
     """`method` built on a fresh copy of the pretrained stack (member e's new parameters seeded by its function
-    and seed, its instruction bound when the method routes on one), and the members' target data."""
+    and seed, its instruction bound when the method routes on one), and the members' target data (labels noised
+    by `noise`, zoo.NOISES)."""
     arch, members = pretrained.arch, pretrained.members
-    data = StackedData.build(members, "target", device=device, dtype=dtype)
+    data = StackedData.build(members, "target", device=device, dtype=dtype, noise=noise)
     init = [generator("init", method_name, arch, f, s) for f, s in members]
     method = adapters.get(method_name)
     model = method.build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
@@ -484,14 +502,15 @@ def adapt(
     compile: bool = False,
     diagnostics: bool = True,
     eps: float = adapters.EPS,
+    noise: str = zoo.DEFAULT_NOISE,
 ) -> AdaptResult:
     """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target; with
     `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `eps`: the optimiser's
-    epsilon (AdamW's, or SOAP's for full-soap)."""
+    epsilon (AdamW's, or SOAP's for full-soap); `noise`: the target labels' noise (zoo.NOISES)."""
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
-    model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype)
+    model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype, noise=noise)
     if method.trains:
         optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay, eps)
         order = [generator("order", "adapt", arch, f, s) for f, s in members]

@@ -44,6 +44,7 @@ class Plan:
     force: bool = False  # re-run cells that already have a finished record of the same config
     backbone_init: str = "default"  # backbones.INITS; hashed only when not the default (see cell_config)
     eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
+    noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
 
     @property
     def store(self) -> Store:
@@ -58,7 +59,7 @@ class Plan:
     def pretrain_needed(self, members: list[engine.Member]) -> bool:
         """Whether `pretrain(members)` will train anything (some member's backbone is not in the store's cache)."""
         return engine.pretrain_needed(
-            self.arch, members, self.budget.pretrain, DTYPES[self.dtype], self.store, self.backbone_init
+            self.arch, members, self.budget.pretrain, DTYPES[self.dtype], self.store, self.backbone_init, self.noise
         )
 
     def pretrain(self, members: list[engine.Member], **kwargs) -> engine.Pretrained:
@@ -74,17 +75,19 @@ class Plan:
             store=self.store,
             compile=self.compile,
             init=self.backbone_init,
+            noise=self.noise,
             **kwargs,
         )
 
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused.
 
-        A non-default backbone init adds a "backbone_init" key and a non-default optimiser epsilon an "eps" key; the
-        defaults add none, so the hashes (and the records) of every store written before either existed stay
-        valid."""
+        A non-default backbone init adds a "backbone_init" key, a non-default optimiser epsilon an "eps" key and a
+        label noise other than the legacy "absolute" a "noise" key; the records written before these settings
+        existed (default init and eps, absolute noise) add none, so their hashes stay valid."""
         extra = {} if self.backbone_init == "default" else {"backbone_init": self.backbone_init}
         extra |= {} if self.eps == adapters.EPS else {"eps": self.eps}
+        extra |= {} if self.noise == zoo.LEGACY_NOISE else {"noise": self.noise}
         return extra | {
             "function": function,
             "arch": self.arch,
@@ -114,6 +117,7 @@ def plan(
     cuda: bool | None = None,
     backbone_init: str = "default",
     eps: float = adapters.EPS,
+    noise: str = zoo.DEFAULT_NOISE,
 ) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults. `cuda`: whether
     the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`)."""
@@ -122,6 +126,7 @@ def plan(
     check_init(arch, backbone_init)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
+    zoo.check_noise(noise)
     if not functions:
         raise ValueError(f"no function given; valid: {', '.join(zoo.names())}")
     for f in functions:
@@ -173,6 +178,7 @@ def plan(
         force=force,
         backbone_init=backbone_init,
         eps=float(eps),
+        noise=noise,
     )
 
 
@@ -223,9 +229,9 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     pretrain_phase = engine.Phase(**b["pretrain"])
     members = [(function, s) for s in cfg["seeds"]]
     dtype, dev = DTYPES[cfg["dtype"]], engine.resolve_device(device)
-    init = cfg.get("backbone_init", "default")
-    pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, store=store, init=init)
-    model, data = engine.build_model(pre, method_name, config, device=dev, dtype=dtype)
+    init, noise = cfg.get("backbone_init", "default"), cfg.get("noise", zoo.LEGACY_NOISE)
+    pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, store=store, init=init, noise=noise)
+    model, data = engine.build_model(pre, method_name, config, device=dev, dtype=dtype, noise=noise)
     path = Store.model_of(record)
     if not path.exists():
         raise FileNotFoundError(f"no saved weights for {method_name} at {path}")
@@ -364,6 +370,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
             progress=progress,
             compile=p.compile,
             eps=p.eps,
+            noise=p.noise,
         )
     except Exception as err:  # record the failure and go on with the other methods
         log(f"{method}: failed: {type(err).__name__}: {err}")

@@ -69,23 +69,32 @@ def test_spread_is_the_mean_std_across_inputs():
 
 
 def test_cache_keys_and_config_hashes(tmp_path):
-    """Literals computed by the code before backbone inits existed: the default's stores stay valid."""
-    make = lambda init: experiment.plan(
+    """Literals computed by the code before backbone inits and label-noise constructions existed: the stores written
+    then (default init, absolute noise) stay valid."""
+    make = lambda init, noise="absolute": experiment.plan(
         functions=["dropwave"], arch="deep-narrow", methods=["lora", "queryable"], budget="quick", device="cpu",
-        out_dir=tmp_path, backbone_init=init,
+        out_dir=tmp_path, backbone_init=init, noise=noise,
     )  # fmt: skip
-    default = make("default")
-    assert default.record_path("dropwave", "lora").name == "quick-a4bb5b0f5c2239af.json"
-    assert default.record_path("dropwave", "queryable").name == "quick-e0866099891a77ef.json"
-    path = lambda init: engine._cache_paths(
-        "deep-narrow", [("dropwave", 0)], default.budget.pretrain, torch.float32, Store(tmp_path), init
+    legacy = make("default")
+    assert legacy.record_path("dropwave", "lora").name == "quick-a4bb5b0f5c2239af.json"
+    assert legacy.record_path("dropwave", "queryable").name == "quick-e0866099891a77ef.json"
+    path = lambda init, noise="absolute": engine._cache_paths(
+        "deep-narrow", [("dropwave", 0)], legacy.budget.pretrain, torch.float32, Store(tmp_path), init, noise
     )[0]
     assert path("default").name == "deep-narrow-dropwave-seed0-14302198299531af.pt"
     names = {init: make(init).record_path("dropwave", "lora").name for init in ("default", "kaiming", "orthogonal")}
     assert len(set(names.values())) == 3
     assert len({path(i).name for i in ("default", "kaiming", "orthogonal")}) == 3
     assert make("kaiming").cell_config("dropwave", "lora")["backbone_init"] == "kaiming"
-    assert "backbone_init" not in default.cell_config("dropwave", "lora")
+    assert "backbone_init" not in legacy.cell_config("dropwave", "lora")
+    assert "noise" not in legacy.cell_config("dropwave", "lora")
+    # the default noise (relative) is a new construction: its own key, record and backbone cache
+    default = experiment.plan(
+        functions=["dropwave"], arch="deep-narrow", methods=["lora"], budget="quick", device="cpu", out_dir=tmp_path
+    )
+    assert default.noise == "relative" and default.cell_config("dropwave", "lora")["noise"] == "relative"
+    assert default.record_path("dropwave", "lora") != legacy.record_path("dropwave", "lora")
+    assert path("default", "relative") != path("default")
 
 
 def test_a_kaiming_cell_trains_caches_and_reloads(tmp_path):

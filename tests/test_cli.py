@@ -42,6 +42,7 @@ from helpers import one_line_error
         (["sweep", "--executor", "ray", "--group-size", "0"], ["--group-size must be >= 1"]),
         (["sweep", "--executor", "ray", "--ray-retries", "-1"], ["--ray-retries must be >= 0"]),
         (["run", "--function", "dropwave", "--executor", "ray"], ["unrecognized arguments: --executor ray"]),
+        (["run", "--function", "dropwave", "--noise", "loud"], ["unknown label noise 'loud'", "relative, absolute"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, expect):
@@ -58,7 +59,9 @@ def test_functions_lists_the_zoo(capsys):
     assert len(zoo_lines) == 10  # header + nine functions
     snr_rows = [line for line in out.splitlines() if line.startswith("| ") and "signal / noise" not in line]
     assert [r.split("|")[1].strip() for r in snr_rows] == [line.split()[0] for line in zoo_lines[1:]]
-    assert "| dropwave        | 0.0194         | 0.00250        | 7.8            |" in out
+    # the default (relative) noise's row, and the legacy absolute noise's ratio in the last column
+    assert "| dropwave        | 0.0194         | 4.69e-05       | 414            |" in out
+    assert out.split("| dropwave ")[1].splitlines()[0].rstrip().endswith("| 7.8                      |")
 
 
 def test_smoke_run_prints_the_table_and_writes_records(capsys, tmp_path):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from qlbench import adapters, engine, experiment, results
+from qlbench import adapters, engine, experiment, results, zoo
 from qlbench.store import Store
 
 F64 = torch.float64
@@ -239,3 +239,23 @@ def test_the_optimisers_eps_reaches_the_update(method, tmp_path):
         curves[eps] = json.loads(path.read_text())["train_info"]["per_seed"][0]["train_curve"]
     moved = lambda c: abs(c[-1] - c[0]) / c[0]
     assert moved(curves[1e3]) < moved(curves[adapters.EPS]) / 10, curves  # measured: x100 (lora), x19 (full-soap)
+
+
+@pytest.mark.parametrize("noise", ["relative", "absolute"])
+def test_a_cell_trains_and_reloads_with_its_own_label_noise(noise, tmp_path):
+    """The plan's label noise reaches the data: the record's last test MSE is reproduced by rebuilding the cell
+    from its record (which must read the noise back from the config) and evaluating on labels drawn with that noise,
+    and not on the other construction's labels."""
+    p = experiment.plan(
+        functions=["dropwave"], arch="deep-narrow", methods=["lora"], seeds=2, budget="smoke", dtype="float64",
+        out_dir=tmp_path, noise=noise,
+    )  # fmt: skip
+    (path,) = experiment.run(p, progress=False, log=lambda m: None)
+    rec = json.loads(path.read_text())
+    assert rec["run_info"]["config"].get("noise", "absolute") == noise
+    model, data, _ = experiment.load_adapted(path)
+    last = torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]], dtype=torch.float64)
+    torch.testing.assert_close(engine.evaluate(model, data.x_test, data.y_test), last, rtol=1e-9, atol=0)
+    other = "absolute" if noise == "relative" else "relative"
+    y_other = torch.stack([zoo.task("dropwave", other).target_data(s, torch.float64).y_test for s in (0, 1)])
+    assert not torch.allclose(engine.evaluate(model, data.x_test, y_other), last, rtol=1e-3)

@@ -200,18 +200,50 @@ def test_streams_are_independent():
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 4 / math.sqrt(len(a))
 
 
+def _noise_std(task, split_of, f):
+    """The sample std of the added noise y - f(x) over a split's train and test labels, and the sample count."""
+    x_train, y_train, x_test, y_test = split_of(0, F64)
+    noise = torch.cat([y_train - f(x_train), y_test - f(x_test)])
+    return noise.std().item(), noise.mean().item(), len(noise)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_label_noise_is_gaussian_005(name):
+def test_absolute_label_noise_is_gaussian_005(name):
     # y - f(x) is the added noise (labels come from f for the source and from the target for the target).
     # Sample std of n N(0, s^2) draws has std ~ s / sqrt(2n); allow 5 of those; the mean ~ s / sqrt(n).
+    task = zoo.task(name, "absolute")
+    for f, split_of in [(task.source, task.source_data), (task.target, task.target_data)]:
+        std, mean, n = _noise_std(task, split_of, f)
+        s = 0.05
+        assert abs(std - s) < 5 * s / math.sqrt(2 * n)
+        assert abs(mean) < 5 * s / math.sqrt(n)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_relative_label_noise_is_a_twentieth_of_the_functions_spread(name):
+    """The default noise: its std is 0.05 x the clean function's std. Oracle: the std of the clean labels of the
+    same seeded draw (uniform on the box, 3,000 or 1,200 points: within about 8% of the box's std), not the grid the
+    code measures on."""
     task = zoo.task(name)
-    for f, split in [(task.source, task.source_data(0, F64)), (task.target, task.target_data(0, F64))]:
-        for x, y in [(split.x_train, split.y_train), (split.x_test, split.y_test)]:
-            noise = y - f(x)
-            n, s = len(noise), zoo.LABEL_NOISE
-            assert abs(noise.std().item() - s) < 5 * s / math.sqrt(2 * n)
-            assert abs(noise.mean().item()) < 5 * s / math.sqrt(n)
-    assert zoo.LABEL_NOISE == 0.05
+    assert task.noise == "relative"
+    for f, split_of in [(task.source, task.source_data), (task.target, task.target_data)]:
+        x_train, _, x_test, _ = split_of(0, F64)
+        spread = f(torch.cat([x_train, x_test])).std().item()
+        std, mean, n = _noise_std(task, split_of, f)
+        assert std == pytest.approx(0.05 * spread, rel=0.12)
+        assert abs(mean) < 5 * std / math.sqrt(n)
+
+
+def test_unknown_noise_lists_the_constructions():
+    with pytest.raises(ValueError, match=r"unknown label noise 'gaussian'; valid: relative, absolute"):
+        zoo.task("dropwave", "gaussian")
+
+
+def test_the_grid_covers_the_box_with_cell_midpoints():
+    g = zoo.grid(torch.tensor([[0.0, -2.0], [1.0, 2.0]], dtype=F64), n=4)  # cells of 0.25 x 1
+    assert g.shape == (16, 2)
+    assert sorted(set(g[:, 0].tolist())) == [0.125, 0.375, 0.625, 0.875]
+    assert sorted(set(g[:, 1].tolist())) == [-1.5, -0.5, 0.5, 1.5]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,24 +264,33 @@ def test_unknown_coefficient_lists_valid_ones():
         zoo.function("dropwave", kk=1.0)
 
 
+@pytest.mark.parametrize("noise", zoo.NOISES)
 @pytest.mark.parametrize("name", zoo.names())
-def test_signal_to_noise_is_consistent_with_what_the_mean_row_scores(name):
+def test_signal_to_noise_is_consistent_with_what_the_mean_row_scores(name, noise):
     """E[(y - mean)^2] = Var(f) + sigma^2 for noise independent of x: the `mean` row's MSE, measured on the noisy test
     labels, must match the clean-label variance plus the noise variance (800 test samples: within 15%)."""
-    s = zoo.signal_to_noise(name)
-    assert s["noise_var"] == zoo.LABEL_NOISE**2
+    s = zoo.signal_to_noise(name, noise=noise)
+    assert s["noise_var"] == zoo.task(name, noise).noise_std("target") ** 2
     assert s["snr"] == s["label_var"] / s["noise_var"]
     assert s["mean_mse"] == pytest.approx(s["label_var"] + s["noise_var"], rel=0.15)
     assert s["shift_mse"] > 0.8 * s["noise_var"]  # the noise is a floor no predictor of the clean f can beat
 
 
+@pytest.mark.parametrize("name", zoo.names())
+def test_every_default_target_is_well_above_noise(name):
+    """The default construction keeps every target's signal to noise at or above 100 (about 400 by design)."""
+    assert zoo.signal_to_noise(name)["snr"] >= 100
+
+
 def test_signal_to_noise_of_dropwave_by_hand():
-    """Dropwave's target (the measured finding that makes its table rank noise): a clean-label variance of about 0.02
-    against the noise's 0.0025. By hand on seed 0: the variance of the clean target over its 1,200 inputs."""
+    """Dropwave's target under the legacy absolute noise (the measured finding that made its table rank noise): a
+    clean-label variance of about 0.02 against the noise's 0.0025. By hand on seed 0: the variance of the clean
+    target over its 1,200 inputs."""
     t = zoo.task("dropwave")
     x_train, _, x_test, _ = t.target_data(0, dtype=torch.float64)
     assert zoo.signal_to_noise("dropwave", seeds=(0,))["label_var"] == pytest.approx(
         t.target(torch.cat([x_train, x_test])).var().item(), rel=1e-12
     )
-    s = zoo.signal_to_noise("dropwave")
+    s = zoo.signal_to_noise("dropwave", noise="absolute")
     assert 0.015 < s["label_var"] < 0.025 and 6 < s["snr"] < 10
+    assert s["noise_var"] == 0.05**2

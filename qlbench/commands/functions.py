@@ -24,20 +24,31 @@ def run(args) -> int:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
     for r in [head, *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
-    snr = [{"function": name, **zoo.signal_to_noise(name)} for name in zoo.names()]
+    snr = [
+        {
+            "function": name,
+            **zoo.signal_to_noise(name),
+            "legacy_snr": zoo.signal_to_noise(name, noise=zoo.LEGACY_NOISE)["snr"],
+        }
+        for name in zoo.names()
+    ]
     sig = lambda v: text.num(v, 3)
+    ratio = lambda v: f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
     print(
-        "\nTargets: signal and noise (the target's seeded datasets, seeds 0-2; label variance of the clean target, "
-        "noise variance, their ratio, the `mean` row's test MSE and the source function's own test MSE on the "
-        "target, i.e. how far the shift moved the labels)\n"
+        f"\nTargets: signal and noise (the target's seeded datasets, seeds 0-2, default {zoo.DEFAULT_NOISE} label "
+        f"noise: std {zoo.NOISE_FRACTION:g} x the target's spread over its box). Label variance of the clean target, "
+        "noise variance, their ratio, the `mean` row's test MSE, the source function's own test MSE on the target "
+        f"(how far the shift moved the labels), and the ratio under --noise {zoo.LEGACY_NOISE} (std "
+        f"{zoo.LABEL_NOISE:g}, the construction of older records)\n"
     )
     columns = [
         Column("function", "function"),
         Column("label variance", "label_var", sig),
         Column("noise variance", "noise_var", sig),
-        Column("signal / noise", "snr", lambda v: f"{v:,.0f}" if v >= 100 else f"{v:.1f}"),
+        Column("signal / noise", "snr", ratio),
         Column("mean MSE", "mean_mse", sig),
         Column("source on target MSE", "shift_mse", sig),
+        Column(f"signal / noise, {zoo.LEGACY_NOISE}", "legacy_snr", ratio),
     ]
     print(text.table(snr, columns))
     return 0

@@ -140,6 +140,13 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         "non-default value is part of the cell's config hash. Below about 1e-20 use --dtype float64: in float32 a "
         "gradient's square underflows and so tiny an eps divides by zero",
     )
+    p.add_argument(
+        "--noise",
+        default="relative",
+        help="label noise: relative (default; std 0.05 x each function's own spread over its box, signal to noise "
+        "about 400 on every card) or absolute (std 0.05 in raw units, the construction of older records); part of "
+        "the cache key and of a relative cell's config hash",
+    )
     p.add_argument("--out", default="results", help="results folder (default ./results)")
     p.add_argument(
         "--hp",
@@ -186,6 +193,7 @@ def run(args, functions: list[str]) -> int:
         threads=args.threads,
         force=args.force,
         backbone_init=args.backbone_init,
+        noise=args.noise,
     )
     if args.eps is not None:
         kwargs["eps"] = args.eps
