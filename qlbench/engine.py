@@ -127,6 +127,21 @@ def num_threads(n: int | None):
 
 Member = tuple[str, int]  # (function name, seed)
 
+# Stack independence. A member's numbers must not depend on what else is in its stack (a cell run alone, inside a
+# sweep, in another Ray group or after a resume). Measured on CPU (float32, both backbones, every stack width from 2
+# to 17, one and two threads): every per-member kernel gives the same bits at any width E >= 2, but at E = 1 a
+# batched matmul with one output column (the regression head) takes a matrix-vector path whose last bits differ, and
+# training amplifies them (a 1e-3 weight difference after one Transformer epoch). So no stack is narrower than
+# MIN_STACK: a single member trains beside a copy of itself, whose results are dropped (twice the work, only for a
+# one-member stack; docs/speed.md). tests/test_stack_independence.py checks every method.
+MIN_STACK = 2
+
+
+def padded(members: list[Member]) -> list[Member]:
+    """`members`, with copies of the first appended up to MIN_STACK (the copies' results are dropped)."""
+    return list(members) + [members[0]] * (MIN_STACK - len(members)) if members else list(members)
+
+
 # qlbench interpretation of the paper's "inf": a member diverged when an evaluated MSE is non-finite or grows past
 # this factor times the larger of its own epoch-0 train MSE (where every method starts) and the variance of its
 # training labels (what predicting the mean scores). Relative, not the paper's absolute 1e5: the zoo's labels are
@@ -162,6 +177,19 @@ class Curves:
     grad_epochs: list[int] = field(default_factory=list)
     grad_layers: torch.Tensor | None = None  # (E, n_grad_epochs, L) per-layer gradient norms
     grad_shared: torch.Tensor | None = None  # (E, n_grad_epochs) the shared parameters' norm (None: none)
+
+    def first(self, n: int) -> Curves:
+        """The curves of the first n members (drops a padded stack's copies)."""
+        cut = lambda t: None if t is None else t[:n]
+        return Curves(
+            self.epochs,
+            self.train_mse[:n],
+            self.test_mse[:n],
+            self.diverged_epoch[:n],
+            self.grad_epochs,
+            cut(self.grad_layers),
+            cut(self.grad_shared),
+        )
 
     def member_summary(self, e: int) -> dict:
         """Best train MSE, best test MSE (test-selected, as the paper reports) and the test MSE at the
@@ -432,7 +460,7 @@ def pretrain(
                 log(f"{err}; moved to {set_aside(path).name}, retraining that backbone")
     todo = [i for i in range(len(members)) if i not in cached]
     if todo:
-        sub = [members[i] for i in todo]
+        sub = padded([members[i] for i in todo])  # trained as a stack of at least MIN_STACK
         model = build_backbone(arch, sub, device=device, dtype=dtype, init=init)
         data = StackedData.build(sub, "source", device=device, dtype=dtype, noise=noise)
         optimizer = adamw(model.parameters(), phase.lr, phase.weight_decay)
@@ -471,7 +499,7 @@ class AdaptResult:
     trainable_params: int
     total_params: int
     wall_time_s: float
-    model: nn.Module  # the adapted stack, final state
+    model: nn.Module  # the adapted stack, final state (members first; a padded stack's copies after them)
 
 
 def build_model(
@@ -510,10 +538,11 @@ def adapt(
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
+    pretrained = pretrained.select(padded(members))  # trained as a stack of at least MIN_STACK
     model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype, noise=noise)
     if method.trains:
         optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay, eps)
-        order = [generator("order", "adapt", arch, f, s) for f, s in members]
+        order = [generator("order", "adapt", arch, f, s) for f, s in pretrained.members]
         diagnose = None
         if diagnostics:
             groups = gradients.param_groups(model)
@@ -532,10 +561,10 @@ def adapt(
     else:
         tr = evaluate(model, data.x_train, data.y_train).cpu()
         te = evaluate(model, data.x_test, data.y_test).cpu()
-        curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None] * len(members))
+        curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None] * len(pretrained.members))
     return AdaptResult(
         members,
-        curves,
+        curves.first(len(members)),
         adapters.trainable_parameter_count(model),
         adapters.total_parameter_count(model),
         time.perf_counter() - t0,

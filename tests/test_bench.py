@@ -53,6 +53,11 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert "Estimate: the full deep-narrow paper table" in (tmp_path / "bench.md").read_text()
     a = report["plain"]
     assert a["floor_e5"] > 0 and a["floor_e5_vs_plain"] > 0
+    padding = {r["method"]: r for r in report["padding"]}
+    assert set(padding) == {"lora", "queryable"} and all(r["members"] == 1 for r in padding.values())
+    for r in padding.values():  # two members' work against one: more than nothing, less than four times
+        assert r["alone_ms"] > 0 and r["padded_ms"] > 0 and 0.8 < r["cost"] < 4
+    assert "Stack independence: a one-member cell" in (tmp_path / "bench.md").read_text()
     assert "Kernel floor" in (tmp_path / "bench.md").read_text()
 
 
@@ -107,6 +112,7 @@ def test_markdown_renders_every_section(tmp_path):
             )
         ],
         compile=[row | dict(warmup_s=7.5, eager=600.0, compiled=800.0, speedup=1.33)],
+        padding=[dict(arch="deep-narrow", method="lora", members=1, threads=1, alone_ms=2.0, padded_ms=2.5, cost=1.25)],
         profile=[row | dict(step_ms=12.5, aten_ops=2100.0, us_per_op=6.0, matmul_share=0.28, gelu_share=0.27)],
         inference=[
             inference_row("lora", 1.0, 64000.0, 0.005) | overheads(0.0, 0.0, 0.6, 0.0),
@@ -119,6 +125,7 @@ def test_markdown_renders_every_section(tmp_path):
     needles += ("E = 45 compiled 2200 model-steps/s = x31.4 the plain loop",)
     needles += ("at E = 5 1000 model-steps/s = x13.9 the plain loop, of which the engine reaches 50%",)
     needles += ("compiled forward vs LoRA compiled", "| +137%")  # the compiled forwards at E
+    needles += ("padded to two ms/step", "| 2.50 ", "x1.25")
     needles += ("qlbench per-seed loop 100;", "| per-seed loop model-steps/s |", "| 100.0 ")
     for needle in needles:
         assert needle in text, needle

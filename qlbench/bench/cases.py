@@ -347,6 +347,33 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
     )
 
 
+def padding_row(arch: str, method: str, s: Settings, device) -> dict:
+    """What stack independence costs (engine.MIN_STACK): a one-member cell trains as a stack of two, itself and a
+    copy. The training step of that padded stack against the unpadded one-member stack it replaces (same thread
+    setting, alternating); only one-member stacks pay it (one seed of one function, or a Ray group of one)."""
+    threads = s.threads_for(arch, 1, device)
+    n = s.steps[arch]
+    steps = {}
+    for E in (1, engine.MIN_STACK):
+        model, opt = stacked_model(arch, method, E, device)
+        steps[E] = (engine.make_step(model, opt), batches(E, device))
+        chunk(*steps[E], 2)()  # warm-up
+    r = alternate(
+        {"alone": (chunk(*steps[1], n, threads), n), "padded": (chunk(*steps[engine.MIN_STACK], n, threads), n)},
+        s.rounds,
+        device,
+    )
+    return stack_row(
+        arch,
+        method,
+        1,
+        threads,
+        alone_ms=1e3 / statistics.median(r["alone"]),
+        padded_ms=1e3 / statistics.median(r["padded"]),
+        cost=median_ratio(r["alone"], r["padded"]),
+    )
+
+
 # mean's model is a constant (each member's training-label mean), no network: its forward is not timed. Not a kind:
 # frozen, the other reference row, is the backbone's own forward and is timed.
 UNTIMED_FORWARDS = ("mean",)
@@ -378,6 +405,8 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                         add("profile", lambda a=arch, m=m, E=E: profile_row(a, m, E, s, device)),
                     )
                 )
+        for m in pair:
+            out.append((f"{arch} padding {m}", add("padding", lambda a=arch, m=m: padding_row(a, m, s, device))))
         if "full-soap" in methods:
             for E in s.members:
                 if arch == "transformer" and E > 5:
@@ -410,6 +439,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
         inference=[],
         profile=[],
         soap=[],
+        padding=[],
         side_by_side=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)

@@ -94,6 +94,16 @@ TABLES = [
         ],
     ),
     Table(
+        "padding",
+        "Stack independence: a one-member cell's training step, padded to two members, against the unpadded step",
+        STACK
+        + [
+            Column("one member ms/step", "alone_ms", digits(2)),
+            Column("padded to two ms/step", "padded_ms", digits(2)),
+            Column("cost", "cost", partial(times, digits=2)),
+        ],
+    ),
+    Table(
         "compile",
         "torch.compile (model-steps/s after warm-up)",
         STACK
