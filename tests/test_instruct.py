@@ -19,22 +19,68 @@ METHOD = adapters.get("instruct-queryable")
 
 
 def e_of(members, **overrides) -> torch.Tensor:
-    return METHOD.instructions(members, METHOD.make_config(**overrides))  # (E, 8)
+    return METHOD.instructions(members, METHOD.make_config(**overrides))  # (E, d_c)
 
 
 def test_the_projection_has_orthonormal_rows_scaled_to_keep_norms():
-    P = instruct.projection(384, torch.zeros((), dtype=F64))  # (8, 384)
+    P = instruct.projection(384, 8, torch.zeros((), dtype=F64))  # (8, 384)
     torch.testing.assert_close(P @ P.T, 48 * torch.eye(8, dtype=F64), rtol=0, atol=1e-10)
 
 
-def test_each_member_routes_with_its_own_functions_instruction():
+def test_the_router_reads_the_encoders_own_embedding_by_default():
+    """The paper's path: d_c = 384 and e(c) is MiniLM's embedding itself (the old default squeezed it to 8
+    numbers through a frozen projection); Q_ctx and R_ctx are learned on all 384 dimensions."""
+    assert METHOD.make_config().instruction_dim == instructions.DIM == 384
     members = [("dropwave", 0), ("levy", 0), ("dropwave", 1)]
     e = e_of(members)
-    P = instruct.projection(384, e)
     cards = instructions.embed([zoo.card(f).instruction for f, _ in members]).to(F64)  # (3, 384)
-    torch.testing.assert_close(e, cards @ P.T, rtol=0, atol=1e-6)
+    torch.testing.assert_close(e, cards, rtol=0, atol=0)
     torch.testing.assert_close(e[0], e[2])  # same function, other seed: the same sentence
     assert (e[0] - e[1]).norm() > 0.1 * e[0].norm()  # another function: another instruction
+    from qlbench.backbones import DeepNarrowMLP
+
+    model = METHOD.build(
+        DeepNarrowMLP(gens("bb", members=[0]), TINY_DEEP_NARROW, dtype=F64),
+        METHOD.make_config(n_blocks=2),
+        gens("init", members=[0]),
+        torch.zeros(1, 1, dtype=F64),
+    )
+    memory = model.shared["queryable"]
+    d_k = memory.keys.shape[-1]
+    assert memory.Q_ctx.shape == memory.R_ctx.shape == (1, d_k, 384)
+    assert memory.Q_ctx.requires_grad and memory.R_ctx.requires_grad
+
+
+def test_the_compressed_path_projects_the_embedding():
+    members = [("dropwave", 0), ("levy", 0)]
+    e = e_of(members, instruction_dim=8)
+    P = instruct.projection(384, 8, e)
+    cards = instructions.embed([zoo.card(f).instruction for f, _ in members]).to(F64)  # (2, 384)
+    torch.testing.assert_close(e, cards @ P.T, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, 385, 8.0])
+def test_instruction_dim_must_be_a_size_up_to_the_encoders(bad):
+    with pytest.raises(ValueError, match=r"instruction_dim must be an integer"):
+        METHOD.make_config(instruction_dim=bad)
+
+
+def test_the_compressed_path_distorts_the_cards_cosines_and_the_full_path_does_not():
+    """Oracle: the cosine matrix recomputed here with numpy from the embeddings and the projection. Measured
+    finding: squeezed to 8 numbers, some card sentences that the encoder finds alike (every pair's cosine is
+    positive) look opposite to the router."""
+    import numpy as np
+
+    raw = instructions.embed([zoo.card(f).instruction for f in zoo.names()]).to(F64).numpy()  # (9, 384)
+    P = instruct.projection(384, 8, torch.zeros((), dtype=F64)).numpy()  # (8, 384)
+    cos = lambda m: (m / np.linalg.norm(m, axis=1, keepdims=True)) @ (m / np.linalg.norm(m, axis=1, keepdims=True)).T
+    i, j = np.triu_indices(9, 1)
+    before, after = cos(raw)[i, j], cos(raw @ P.T)[i, j]
+    assert (before > 0).all()
+    d8 = instruct.cosine_distortion(8)
+    assert d8["max_abs_change"] == pytest.approx(np.abs(before - after).max(), abs=1e-6)
+    assert d8["sign_flips"] == pytest.approx(np.mean(after <= 0), abs=1e-9) and d8["sign_flips"] > 0
+    assert instruct.cosine_distortion(384) == dict(max_abs_change=0.0, mean_abs_change=0.0, sign_flips=0.0)
 
 
 def test_sources_pick_the_documented_sentences():
@@ -95,7 +141,7 @@ def test_every_ablation_variant_has_the_same_trainable_parameters(tmp_path):
         model = METHOD.build(bb, config, gens("x", members=1), torch.zeros(1, 1, device="meta"))
         counts.add(sum(p.numel() for p in model.parameters() if p.requires_grad))
         hashes.add(plan.record_path("matyas", ablation.METHOD).name)
-    assert counts == {18_016} and len(hashes) == len(ablation.VARIANTS)  # one parameter count, eight cells
+    assert counts == {30_048} and len(hashes) == len(ablation.VARIANTS)  # one parameter count, eight cells
 
 
 @pytest.mark.parametrize(
@@ -134,11 +180,10 @@ def test_run_instruction_then_verify_the_trained_instruct_queryable_cell(capsys,
     lipschitz = [r for r in report["statements"] if r["label"] in ("prop:app_summary_lipschitz",)]
     assert lipschitz and all(r["observed"] > 0 and "vacuous" not in (r.get("note") or "") for r in lipschitz)
 
-    # the trained model's bound e is the projected embedding of that sentence, not the card's
+    # the trained model's bound e is the embedding of that sentence, not the card's
     model, _, _ = experiment.load_adapted(record)
-    P = instruct.projection(384, torch.zeros((), dtype=F64))
-    want = instructions.embed([sentence]).to(F64) @ P.T  # (1, 8)
-    got = model.shared["queryable"].instruction.to(F64)  # (E, 8)
+    want = instructions.embed([sentence]).to(F64)  # (1, 384)
+    got = model.shared["queryable"].instruction.to(F64)  # (E, 384)
     assert got.shape[0] == 2 and math.isclose((got - want).abs().max().item(), 0, abs_tol=1e-5)
 
 
@@ -150,7 +195,7 @@ def test_ablate_prints_a_row_per_variant_and_stores_every_cell(capsys, tmp_path,
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [r.split("|")[1].strip() for r in rows] == list(variants)
-    assert all("18,016" in r or "18016" in r for r in rows)
+    assert all("30,048" in r or "30048" in r for r in rows)
     assert all("p = " in r for r in rows if "| card" not in r)  # paired difference to the card's instruction
     assert "One task: e(c) is the same for every sample" in out  # what a single-task ablation cannot show
     frame = results.load(tmp_path)
@@ -171,8 +216,7 @@ def test_a_stack_of_functions_binds_each_members_own_instruction():
     members = [("matyas", 0), ("levy", 0), ("matyas", 1), ("dropwave", 0)]
     pre = engine.pretrain("deep-narrow", members, engine.Phase(1, 1e-3), device="cpu", dtype=F64)
     model, _ = engine.build_model(pre, METHOD.name, METHOD.make_config(), device="cpu", dtype=F64)
-    bound = model.shared["queryable"].instruction  # (4, 8)
-    P = instruct.projection(384, bound)
+    bound = model.shared["queryable"].instruction  # (4, 384)
     for row, (function, _) in zip(bound, members):
-        want = instructions.embed([zoo.card(function).instruction]).to(F64)[0] @ P.T
+        want = instructions.embed([zoo.card(function).instruction]).to(F64)[0]
         torch.testing.assert_close(row, want, rtol=0, atol=1e-6)

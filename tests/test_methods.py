@@ -222,7 +222,7 @@ FORMULAS = {
     "hyra": lambda arch, s: hyra_count(s),
     "doran": lambda arch, s: replora_count(s) + sum(d_out + 1 for *_, d_out, _ in s),
     "queryable": lambda arch, s: queryable_count(s),
-    "instruct-queryable": lambda arch, s: queryable_count(s) + 2 * D_K * 8,  # Q_ctx, R_ctx on the 8-d projection
+    "instruct-queryable": lambda arch, s: queryable_count(s) + 2 * D_K * 384,  # Q_ctx, R_ctx on MiniLM's 384-d e(c)
 }
 
 

@@ -5,11 +5,13 @@
 Everything else (atoms, router, adapted layers) is queryable.py's. The instruction of member (function, seed) is
 its function card's sentence, so in a sweep every stacked member routes with its own function's instruction.
 
-qlbench interpretation: all-MiniLM-L6-v2 gives a 384-d e(c); Q_ctx and R_ctx on 384 dimensions would add 12,288
-trainable parameters (1.8x LoRA's on the deep-narrow MLP, against the 10% parameter budget). So e(c) enters the
-router through a frozen, seeded orthonormal projection to INSTRUCTION_DIM = 8 dimensions, scaled by sqrt(384 / 8)
-so that norms are kept on average (Johnson-Lindenstrauss): the router's instruction input is e = sqrt(384/8) P
-MiniLM(c), P (8, 384) with orthonormal rows. The theory (Lipschitz in e) is about that router input.
+As in the paper, the router reads the frozen encoder's embedding itself: e(c) = MiniLM(c), d_c = 384 (a unit
+vector), through the learned Q_ctx and R_ctx (d_k, 384) of queryable.py (2 x d_k x 384 trainable parameters, which
+the table's parameter column shows). `instruction_dim` below 384 is a compressed path kept as an option: e(c)
+enters through a frozen, seeded orthonormal projection to that many dimensions, scaled by sqrt(384 / d_c) so that
+norms are kept on average (Johnson-Lindenstrauss), e = sqrt(384 / d_c) P MiniLM(c), P (d_c, 384) with orthonormal
+rows. It distorts how alike the instructions look (`cosine_distortion`; docs/methods.md). The theory (Lipschitz in
+e) is about the router's input, whichever path.
 
 Ablation variants (`qlbench ablate`), all with the same trainable parameters:
     instruction_source  card | generic | shuffled | adversarial | random   (which sentence or vector is e(c))
@@ -32,7 +34,7 @@ from qlbench.adapters.routing import Route
 from qlbench.seeding import generator
 
 NAME = "instruct-queryable"
-INSTRUCTION_DIM = 8  # the router's instruction input (after the frozen projection)
+INSTRUCTION_DIM = instructions.DIM  # d_c, the router's instruction input: the encoder's own embedding
 SOURCES = ("card", "generic", "shuffled", "adversarial", "random", "text")
 QUERIES = ("full", "instruction-only")
 
@@ -52,8 +54,11 @@ class InstructQueryableConfig(QueryableConfig):
                 raise ValueError(f"instruction must be a non-empty sentence, got {self.instruction!r}")
             self.instruction_source = "text"
         super().__post_init__()
-        if self.instruction_dim != INSTRUCTION_DIM:
-            raise ValueError(f"instruction_dim is fixed at {INSTRUCTION_DIM} for {NAME} (the frozen projection)")
+        if not (isinstance(self.instruction_dim, int) and 1 <= self.instruction_dim <= INSTRUCTION_DIM):
+            raise ValueError(
+                f"instruction_dim must be an integer from 1 to {INSTRUCTION_DIM} (the encoder's dimension: the "
+                f"paper's path; below it a frozen projection compresses e(c)), got {self.instruction_dim!r}"
+            )
         if self.instruction_source not in SOURCES:
             raise ValueError(f"instruction_source must be one of {', '.join(SOURCES)}, got {self.instruction_source!r}")
         if self.instruction_source == "text" and self.instruction is None:
@@ -73,11 +78,41 @@ class InstructQueryableMemory(QueryableMemory):
         return super().route(block, s_entry, summaries, instruction)
 
 
-def projection(dim: int, like: torch.Tensor) -> torch.Tensor:
-    """The frozen (INSTRUCTION_DIM, dim) map sqrt(dim / INSTRUCTION_DIM) P, P with seeded orthonormal rows."""
-    g = generator("instruction-projection", dim, INSTRUCTION_DIM)
-    q = torch.linalg.qr(torch.randn(dim, INSTRUCTION_DIM, generator=g, dtype=torch.float64)).Q  # (dim, 8)
-    return (q.T * math.sqrt(dim / INSTRUCTION_DIM)).to(like)
+def projection(dim: int, out_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """The frozen (out_dim, dim) map sqrt(dim / out_dim) P of the compressed path, P with seeded orthonormal rows."""
+    g = generator("instruction-projection", dim, out_dim)
+    q = torch.linalg.qr(torch.randn(dim, out_dim, generator=g, dtype=torch.float64)).Q  # (dim, out_dim)
+    return (q.T * math.sqrt(dim / out_dim)).to(like)
+
+
+def router_input(raw: torch.Tensor, instruction_dim: int) -> torch.Tensor:
+    """The router's e (E, instruction_dim) from encoder embeddings raw (E, 384): raw itself at the encoder's
+    dimension, else its frozen compressed projection."""
+    if instruction_dim == raw.shape[1]:
+        return raw
+    return raw @ projection(raw.shape[1], instruction_dim, raw).T
+
+
+def cosine(e: torch.Tensor) -> torch.Tensor:
+    """(n, n) pairwise cosine similarities of the rows of e (n, d)."""
+    u = e / e.norm(dim=1, keepdim=True)
+    return u @ u.T
+
+
+def cosine_distortion(instruction_dim: int, texts: list[str] | None = None) -> dict[str, float]:
+    """How the compressed path changes how alike instructions look to the router, on `texts` (default: the nine
+    card sentences): the largest absolute change of a pairwise cosine similarity between the encoder's embeddings
+    and the router's input, its mean, and the share of pairs whose cosine changes sign."""
+    texts = [zoo.card(f).instruction for f in zoo.names()] if texts is None else texts
+    raw = instructions.embed(texts).to(torch.float64)  # (n, 384)
+    before, after = cosine(raw), cosine(router_input(raw, instruction_dim))  # (n, n)
+    pairs = torch.triu_indices(len(texts), len(texts), offset=1)
+    a, b = before[pairs[0], pairs[1]], after[pairs[0], pairs[1]]
+    return dict(
+        max_abs_change=(a - b).abs().max().item(),
+        mean_abs_change=(a - b).abs().mean().item(),
+        sign_flips=((a > 0) != (b > 0)).double().mean().item(),
+    )
 
 
 def sentences(functions: list[str], config: InstructQueryableConfig) -> list[str | None]:
@@ -115,7 +150,7 @@ class InstructQueryable(AdapterMethod):
         model.shared[self.family].bind_instruction(self.instructions(members, config))
 
     def instructions(self, members: list[tuple[str, int]], config: InstructQueryableConfig) -> torch.Tensor:
-        """e (E, INSTRUCTION_DIM) float64 for members (function, seed): each member its function's instruction."""
+        """e (E, instruction_dim) float64 for members (function, seed): each member its function's instruction."""
         functions = [f for f, _ in members]
         texts = sentences(functions, config)
         if config.instruction_source == "random":  # a seeded random vector with the card embedding's norm
@@ -129,7 +164,7 @@ class InstructQueryable(AdapterMethod):
             raw = raw / raw.norm(dim=1, keepdim=True) * cards.norm(dim=1, keepdim=True)
         else:
             raw = instructions.embed(texts).to(torch.float64)  # (E, 384)
-        return raw @ projection(raw.shape[1], raw).T  # (E, INSTRUCTION_DIM)
+        return router_input(raw, config.instruction_dim)  # (E, instruction_dim)
 
 
 METHOD = InstructQueryable()
