@@ -4,7 +4,7 @@
 #   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
-#   make results-snapshot  the quick deep-narrow sweep (9 functions, every method) and its report in docs/results
+#   make results-snapshot  the quick sweeps of both backbones (9 functions, every method) and their report in docs/results
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
 PYTHON ?= python3
 VENV ?= .venv
@@ -54,14 +54,15 @@ bench: setup
 
 results-snapshot: setup
 	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --out results
-	$(BIN)/qlbench report results --arch deep-narrow --budget quick --out docs/results
+	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --out results
+	$(BIN)/qlbench report results --budget quick --out docs/results
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley
 diag-snapshot: setup
 	for init in default kaiming; do \
 	  $(BIN)/qlbench sweep --functions $(DIAG_FUNCTIONS) --arch deep-narrow --budget quick --threads 1 \
-	    --backbone-init $$init --out $(DIAG) --no-progress || exit 1; done
+	    --backbone-init $$init --noise absolute --out $(DIAG) --no-progress || exit 1; done
 	$(BIN)/qlbench report $(DIAG) --arch deep-narrow --budget quick --format md,csv --out $(DIAG)/report
 	mkdir -p docs/results/diagnostics
 	for d in deep-narrow deep-narrow-kaiming; do mkdir -p docs/results/diagnostics/$$d; \
