@@ -538,7 +538,8 @@ def adapt(
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
-    pretrained = pretrained.select(padded(members))  # trained as a stack of at least MIN_STACK
+    if len(members) < MIN_STACK:  # trained as a stack of at least MIN_STACK (select copies the stacked state)
+        pretrained = pretrained.select(padded(members))
     model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype, noise=noise)
     if method.trains:
         optimizer = method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay, eps)
