@@ -220,3 +220,18 @@ def test_executor_ray_without_ray_is_one_line_before_any_work(capsys, tmp_path, 
         "valid executors: local, ray"
     )
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("dtype, warned", [("float32", True), ("float64", False)])
+def test_tiny_eps_in_float32_is_warned_before_work(capsys, tmp_path, dtype, warned):
+    """eps 1e-30 is valid, but in float32 it diverges (g^2 underflows): one warning line on stderr that names
+    the fix; in float64 none. Only `mean` runs, so nothing trains."""
+    argv = ["run", "--function", "matyas", "--budget", "smoke", "--methods", "mean", "--seeds", "1"]
+    code = cli.main(argv + ["--dtype", dtype, "--eps", "1e-30", "--out", str(tmp_path), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0
+    lines = [line for line in captured.err.splitlines() if "warning" in line]
+    if warned:
+        assert len(lines) == 1 and "eps 1e-30 in float32" in lines[0] and "--dtype float64" in lines[0], captured.err
+    else:
+        assert lines == [], captured.err

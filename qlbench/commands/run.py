@@ -136,9 +136,10 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         "--eps",
         type=float,
         default=None,
-        help="the adaptation optimiser's epsilon (AdamW's, SOAP's for full-soap; default 1e-8, PyTorch's); a "
-        "non-default value is part of the cell's config hash. Below about 1e-20 use --dtype float64: in float32 a "
-        "gradient's square underflows and so tiny an eps divides by zero",
+        help="the adaptation optimiser's epsilon (AdamW's, SOAP's for full-soap; default 1e-8, PyTorch's default and "
+        "the paper's protocol, which names no other); a non-default value is part of the cell's config hash. Below "
+        "1e-20 use --dtype float64 (warned otherwise): in float32 a gradient's square underflows and so tiny an eps "
+        "divides by zero",
     )
     p.add_argument(
         "--noise",
@@ -207,6 +208,8 @@ def run(args, functions: list[str]) -> int:
                 cluster = stack.enter_context(ray_executor.connect(args.ray_address))
                 plan = experiment.plan(**kwargs, cuda=cluster.gpus > 0)
                 ray_executor.check(plan, cluster)
+        for caveat in experiment.caveats(plan):
+            log(f"qlbench {args.command}: warning: {caveat}")
         b = plan.budget
         where = (
             f"; executor ray ({cluster.cpus} CPU(s) on the largest node, {cluster.gpus} GPU(s))"
