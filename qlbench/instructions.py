@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import zoo
+from qlbench import suites, zoo
 from qlbench.store import write_text
 
 MODEL = "all-MiniLM-L6-v2"  # the cache key and the shipped table's file name
@@ -103,23 +103,32 @@ def default_cache_dir() -> Path:
 
 def shipped_texts() -> list[str]:
     """The sentences the shipped table must hold: every card's instruction and adversarial instruction (the
-    ablation), then GENERIC_INSTRUCTION."""
+    ablation), then GENERIC_INSTRUCTION, then every suite's instructions and paraphrases (suites.py)."""
     cards = [zoo.card(n) for n in zoo.names()]
+    tasks = [t for n in suites.names() for t in suites.get(n).tasks]
     return list(
         dict.fromkeys(
-            [*(c.instruction for c in cards), *(c.adversarial_instruction for c in cards), GENERIC_INSTRUCTION]
+            [
+                *(c.instruction for c in cards),
+                *(c.adversarial_instruction for c in cards),
+                GENERIC_INSTRUCTION,
+                *(s for t in tasks for s in (t.instruction, *t.paraphrases)),
+            ]
         )
     )
 
 
 def write_shipped(path: str | os.PathLike | None = None, *, device: str = "cpu") -> Path:
-    """Encode shipped_texts() with the live encoder (ignoring table and cache) and write the table; returns its path.
+    """Write the table of shipped_texts(); returns its path. Rows the current table has are kept as they are (their
+    values are what earlier records trained on: the encoder pads a batch, which moves an embedding's last bits with
+    the batch's other texts); each new text is encoded alone with the live encoder (ignoring the cache).
 
     Default path: the source tree's qlbench/instruction_embeddings/all-MiniLM-L6-v2.json.
     """
     path = Path(path) if path is not None else Path(__file__).parent / SHIPPED
     texts = shipped_texts()
-    vectors = _encode(texts, device)  # (len(texts), DIM)
+    kept = _shipped()
+    vectors = [kept[t] if t in kept else _encode([t], device)[0] for t in texts]  # each (DIM,)
     import sentence_transformers  # heavy (transformers): imported only where the live encoder is needed
 
     table = {

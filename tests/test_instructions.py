@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qlbench import instructions as ins
-from qlbench import zoo
+from qlbench import suites, zoo
 
 NAMES = zoo.names()
 
@@ -70,6 +70,14 @@ def test_shipped_embedding_equals_live_encoder(name, live):
 
 def test_generic_instruction_equals_live_encoder(live):
     assert (ins._shipped()[ins.GENERIC_INSTRUCTION] - live[ins.GENERIC_INSTRUCTION]).abs().max().item() < 1e-5
+
+
+def test_suite_sentences_equal_live_encoder(live):
+    """Every suite instruction and paraphrase is shipped, and equals the encoder's embedding of it."""
+    shipped = ins._shipped()
+    texts = {s for n in suites.names() for t in suites.get(n).tasks for s in (t.instruction, *t.paraphrases)}
+    assert len(texts) > 100 and texts <= set(shipped)
+    assert max((shipped[t] - live[t]).abs().max().item() for t in texts) < 1e-5
 
 
 def test_default_run_needs_no_encoder(no_encoder, tmp_path):
@@ -210,6 +218,7 @@ def test_different_sentences_differ_and_same_sentence_is_deterministic(live, tmp
     assert torch.allclose(
         ins.embed([a], cache_dir=tmp_path / "c1"), ins.embed([a], cache_dir=tmp_path / "c2"), atol=1e-6
     )
-    cards = torch.stack([live[t] for t in ins.shipped_texts()])  # (10, DIM)
+    texts = [zoo.card(f).instruction for f in zoo.names()] + [ins.GENERIC_INSTRUCTION]
+    cards = torch.stack([live[t] for t in texts])  # (10, DIM)
     cos = cards @ cards.T
     assert (cos - torch.eye(len(cards))).max().item() < 0.95  # every card has its own e(c)

@@ -67,7 +67,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 LAYERS = [
     ["qlbench", "qlbench.seeding", "qlbench.store", "qlbench.soap", "qlbench.stacked", "qlbench.gradients"],
     ["qlbench.text", "qlbench.progress", "qlbench.zoo"],
-    ["qlbench.backbones", "qlbench.instructions", "qlbench.results"],
+    ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.suites"],
     ["qlbench.adapters"],
     ["qlbench.engine"],
     ["qlbench.experiment"],
