@@ -139,9 +139,14 @@ class DeepNarrowMLP(nn.Module):
         return [Target(f"hidden.{i}", "hidden", i) for i in range(self.n_layers)]
 
     def forward(
-        self, x: torch.Tensor, instruction: torch.Tensor | None = None, ctx: ForwardContext | None = None
+        self,
+        x: torch.Tensor,
+        instruction: torch.Tensor | None = None,
+        ctx: ForwardContext | None = None,
+        task: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        ctx = ctx or ForwardContext(self.shared, instruction)
+        """x (E, N, 2) -> (E, N); `task` (E, N) long: each sample's task in a multi-task suite (None: one task)."""
+        ctx = ctx or ForwardContext(self.shared, instruction, task)
         h = F.gelu(self.inp(x))  # (E, N, 32)
         for layer in self.hidden:
             h = F.gelu(layer(h, ctx))  # (E, N, 32)
@@ -240,9 +245,14 @@ class RegressionTransformer(nn.Module):
         return [Target(f"layers.{i}.{r}", r, i) for i in range(self.n_layers) for r in valid if r in roles]
 
     def forward(
-        self, x: torch.Tensor, instruction: torch.Tensor | None = None, ctx: ForwardContext | None = None
+        self,
+        x: torch.Tensor,
+        instruction: torch.Tensor | None = None,
+        ctx: ForwardContext | None = None,
+        task: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        ctx = ctx or ForwardContext(self.shared, instruction)
+        """x (E, N, 2) -> (E, N); `task` (E, N) long: each sample's task in a multi-task suite (None: one task)."""
+        ctx = ctx or ForwardContext(self.shared, instruction, task)
         h = x.unsqueeze(-1) * self.token.unsqueeze(1) + self.position.unsqueeze(1)  # (E, N, 2, d)
         for layer in self.layers:
             h = layer(h, ctx)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from qlbench import adapters, gradients, zoo
+from qlbench import adapters, gradients, suites, zoo
 from qlbench.adapters.base import adamw
 from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
@@ -151,18 +151,31 @@ DIVERGENCE_FACTOR = 100.0
 
 @dataclass
 class StackedData:
-    """Per-member datasets stacked on a leading dimension: x (E, N, 2), y (E, N)."""
+    """Per-member datasets stacked on a leading dimension: x (E, N, 2), y (E, N); in a multi-task suite also each
+    sample's task index, task (E, N) long (None: one task)."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    task_train: torch.Tensor | None = None
+    task_test: torch.Tensor | None = None
 
     @classmethod
     def build(cls, members: list[Member], which: str, *, device, dtype, noise: str = zoo.DEFAULT_NOISE) -> StackedData:
         """The members' "source" or "target" datasets, labels noised by the construction `noise` (zoo.NOISES)."""
         splits = [getattr(zoo.task(f, noise), f"{which}_data")(seed, dtype=dtype, device=device) for f, seed in members]
-        return cls(*(torch.stack([getattr(s, k) for s in splits]) for k in ("x_train", "y_train", "x_test", "y_test")))
+        return cls.stack(splits)
+
+    @classmethod
+    def stack(
+        cls, splits: list[zoo.Split], tasks: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> StackedData:
+        """One member per split; `tasks`: per member its (train, test) task indices (N,), or None."""
+        data = [torch.stack([getattr(s, k) for s in splits]) for k in ("x_train", "y_train", "x_test", "y_test")]
+        if tasks is not None:
+            data += [torch.stack([t[i] for t in tasks]).to(data[0].device) for i in (0, 1)]
+        return cls(*data)
 
 
 @dataclass
@@ -217,13 +230,27 @@ class Curves:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=None, chunk: int = 1024) -> torch.Tensor:
-    """Per-member MSE (E,) of model on x (E, N, 2), y (E, N), in chunks of samples to bound memory."""
-    sq = torch.cat(
-        [(model(x[:, i : i + chunk], instruction) - y[:, i : i + chunk]).pow(2) for i in range(0, x.shape[1], chunk)],
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=None, chunk: int = 1024, task=None
+) -> torch.Tensor:
+    """Per-member MSE (E,) of model on x (E, N, 2), y (E, N), in chunks of samples to bound memory; `task` (E, N)
+    long: each sample's task in a suite (None: one task)."""
+    return squared_errors(model, x, y, instruction, chunk, task).mean(dim=1)
+
+
+@torch.no_grad()
+def squared_errors(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=None, chunk: int = 1024, task=None
+) -> torch.Tensor:
+    """Per-sample squared errors (E, N) of model on x (E, N, 2), y (E, N), in chunks of samples."""
+    cut = lambda t, i: None if t is None else t[:, i : i + chunk]
+    return torch.cat(
+        [
+            (model(x[:, i : i + chunk], instruction, task=cut(task, i)) - y[:, i : i + chunk]).pow(2)
+            for i in range(0, x.shape[1], chunk)
+        ],
         dim=1,
     )
-    return sq.mean(dim=1)
 
 
 def compiled(model: nn.Module) -> nn.Module:
@@ -262,12 +289,19 @@ def make_step(
 
     Each member's loss is its own batch mean and the stack minimises their sum, so member e's gradient is the one
     it would get alone. `step(xb, yb, inspect)` calls inspect() after backward and before the optimizer step (the
-    gradients are in .grad; outside the compiled forward), e.g. to record gradient norms.
+    gradients are in .grad; outside the compiled forward), e.g. to record gradient norms. `step(..., task=tb)`
+    passes each sample's task index tb (E, b) in a multi-task suite.
     """
     forward = compiled(model) if compile else model
 
-    def step(xb: torch.Tensor, yb: torch.Tensor, inspect: Callable[[], None] | None = None) -> torch.Tensor:
-        loss = (forward(xb, instruction) - yb).pow(2).mean(dim=1)  # (E,)
+    def step(
+        xb: torch.Tensor,
+        yb: torch.Tensor,
+        inspect: Callable[[], None] | None = None,
+        task: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = forward(xb, instruction) if task is None else forward(xb, instruction, task=task)
+        loss = (out - yb).pow(2).mean(dim=1)  # (E,)
         loss.sum().backward()
         if inspect is not None:
             inspect()
@@ -317,8 +351,8 @@ def fit(
 
     def record(epoch: int) -> None:
         model.eval()
-        tr = evaluate(model, data.x_train, data.y_train, instruction)
-        te = evaluate(model, data.x_test, data.y_test, instruction)
+        tr = evaluate(model, data.x_train, data.y_train, instruction, task=data.task_train)
+        te = evaluate(model, data.x_test, data.y_test, instruction, task=data.task_test)
         model.train()
         if not initial:
             initial.append(torch.maximum(tr, data.y_train.var(dim=1, unbiased=False)))
@@ -338,11 +372,14 @@ def fit(
     for epoch in range(1, phase.epochs + 1):
         perm = torch.stack([torch.randperm(N, generator=g) for g in order]).to(device)  # (E, N)
         xs, ys = data.x_train[rows, perm], data.y_train[rows, perm]  # this epoch's order, (E, N, 2), (E, N)
+        ts = None if data.task_train is None else data.task_train[rows, perm]  # (E, N)
         evaluated = epoch % eval_every == 0 or epoch == phase.epochs
         for i in range(0, N, phase.batch_size):
             last = evaluated and diagnose is not None and i + phase.batch_size >= N
             inspect = (lambda: grads.append(diagnose())) if last else None
-            running += step(xs[:, i : i + phase.batch_size], ys[:, i : i + phase.batch_size], inspect)  # (E, b, 2)
+            batch = slice(i, i + phase.batch_size)
+            tb = None if ts is None else ts[:, batch]
+            running += step(xs[:, batch], ys[:, batch], inspect, task=tb)  # (E, b, 2)
         if progress is not None:
             progress(n_batches)
         if evaluated:
@@ -403,13 +440,16 @@ def _cache_paths(
     store: Store | None,
     init: str = "default",
     noise: str = zoo.DEFAULT_NOISE,
+    suite: bool = False,
 ) -> list[Path | None]:
     """Cache files keyed by everything the weights depend on; a non-default backbone init and a label noise other
-    than the legacy one join the key (so the caches written before either setting existed keep their keys)."""
+    than the legacy one join the key (so the caches written before either setting existed keep their keys); a
+    suite's backbone (members (suite card, seed), suites.py) is keyed as one."""
     if store is None:
         return [None] * len(members)
     extra = {} if init == "default" else {"init": init}
     extra |= {} if noise == zoo.LEGACY_NOISE else {"noise": noise}
+    extra |= {"suite_source": True} if suite else {}
     return [
         store.backbone_path(
             arch, f, s, stable_hash(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype)) | extra)
@@ -426,9 +466,11 @@ def pretrain_needed(
     store: Store | None,
     init: str = "default",
     noise: str = zoo.DEFAULT_NOISE,
+    suite: bool = False,
 ) -> bool:
     """Whether `pretrain` will train anything (some member is not in the cache)."""
-    return any(p is None or not p.exists() for p in _cache_paths(arch, members, phase, dtype, store, init, noise))
+    paths = _cache_paths(arch, members, phase, dtype, store, init, noise, suite)
+    return any(p is None or not p.exists() for p in paths)
 
 
 @flush_denormals()
@@ -445,12 +487,14 @@ def pretrain(
     log: Callable[[str], None] = lambda message: None,
     init: str = "default",
     noise: str = zoo.DEFAULT_NOISE,
+    suite: bool = False,
 ) -> Pretrained:
     """Source-pretrained backbones for `members`. Members found in the store's backbone cache are loaded; the
     rest are trained together and cached one file per member, so any later stacking of the same members reuses
     them. A damaged cache file is reported through `log`, set aside and retrained. `init`: the backbone
-    initialisation (backbones.INITS); `noise`: the source labels' noise (zoo.NOISES); both part of the cache key."""
-    paths = _cache_paths(arch, members, phase, dtype, store, init, noise)
+    initialisation (backbones.INITS); `noise`: the source labels' noise (zoo.NOISES); both part of the cache key.
+    `suite`: the members are (suite card, seed) and train on the suite's standardised source (suites.py)."""
+    paths = _cache_paths(arch, members, phase, dtype, store, init, noise, suite)
     cached = {}
     for i, path in enumerate(paths):
         if path is not None and path.exists():
@@ -462,7 +506,10 @@ def pretrain(
     if todo:
         sub = padded([members[i] for i in todo])  # trained as a stack of at least MIN_STACK
         model = build_backbone(arch, sub, device=device, dtype=dtype, init=init)
-        data = StackedData.build(sub, "source", device=device, dtype=dtype, noise=noise)
+        if suite:
+            data = StackedData.stack([suites.get(n).source_data(s, dtype=dtype, device=device) for n, s in sub])
+        else:
+            data = StackedData.build(sub, "source", device=device, dtype=dtype, noise=noise)
         optimizer = adamw(model.parameters(), phase.lr, phase.weight_decay)
         order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
         curves = fit(

@@ -89,10 +89,13 @@ class ForwardContext:
 
     shared:      the model's shared adapter modules (routing memory, generator networks, hypernetworks).
     instruction: (E, d_c) frozen instruction embedding e(c) per member, or None.
+    task:        (E, N) long: each sample's task index in a multi-task suite (suites.py), or None (one task).
+                 Task-conditioned adapters and instruction routers read it; every other layer ignores it.
     scratch:     per-forward working state owned by adapters (e.g. queryable block summaries and routing weights),
                  keyed by method name; tests and notebooks read routing weights from here.
     """
 
     shared: nn.ModuleDict
     instruction: torch.Tensor | None = None
+    task: torch.Tensor | None = None
     scratch: dict = field(default_factory=dict)

@@ -61,9 +61,10 @@ METRICS = {
 CELL = ["arch", "budget", "function"]  # one comparison unit: same data, backbone and protocol
 FULL = adapters.of_kind("full")  # full fine-tuning: not an adapter
 STATIC = adapters.of_kind("static")  # static adapters, in tie-break order
+TASK = adapters.of_kind("task")  # task-conditioned adapters (multi-task suites)
 ROUTED = adapters.of_kind("routed")  # routed adapters
 REFERENCE = adapters.of_kind("reference")  # no training: reference rows, never ranked
-ORDER = (*FULL, *STATIC, *ROUTED, *REFERENCE)  # display order
+ORDER = (*FULL, *STATIC, *TASK, *ROUTED, *REFERENCE)  # display order
 ALPHA = 0.05
 MIN_PAIRS = 3  # fewer pairs never give a win or loss (a 2-pair t-test has 1 degree of freedom)
 BEST_STATIC = "best-static"
@@ -82,8 +83,8 @@ def is_adapter(method: str) -> bool:
 
 
 def method_order(methods) -> list[str]:
-    """Known methods in ORDER (full fine-tuning, static, routed, reference), unknown ones alphabetically before
-    the reference rows, so frozen and mean always come last."""
+    """Known methods in ORDER (full fine-tuning, static, task-conditioned, routed, reference), unknown ones
+    alphabetically before the reference rows, so frozen and mean always come last."""
     methods = list(dict.fromkeys(methods))
     known = [m for m in ORDER if m in methods and m not in REFERENCE]
     rest = sorted(m for m in methods if m not in ORDER)

@@ -221,6 +221,8 @@ FORMULAS = {
     "replora": lambda arch, s: replora_count(s),
     "hyra": lambda arch, s: hyra_count(s),
     "doran": lambda arch, s: replora_count(s) + sum(d_out + 1 for *_, d_out, _ in s),
+    "lora-per-task": lambda arch, s: lora_count(s),  # one task in a single-task run: LoRA's count
+    "task-lora": lambda arch, s: lora_count(s) + len(s) * 8 * 8,  # plus one r x r core per layer and task
     "queryable": lambda arch, s: queryable_count(s),
     "instruct-queryable": lambda arch, s: queryable_count(s) + 2 * D_K * 384,  # Q_ctx, R_ctx on MiniLM's 384-d e(c)
 }

@@ -15,6 +15,7 @@ def test_kinds_as_the_paper_groups_the_methods():
     # table's groups (a routed adapter ranked as a static baseline, a reference row ranked at all).
     assert adapters.of_kind("full") == ("full-soap", "full-adamw")
     assert adapters.of_kind("static") == ("lora", "dora", "hyra", "replora", "doran")
+    assert adapters.of_kind("task") == ("lora-per-task", "task-lora")
     assert adapters.of_kind("routed") == ("queryable", "instruct-queryable")
     assert adapters.of_kind("reference") == ("frozen", "mean")
     assert all(not adapters.get(m).trains for m in adapters.of_kind("reference"))
@@ -32,14 +33,18 @@ def test_groups_elsewhere_derive_from_the_kinds():
     assert stats.REFERENCE == adapters.of_kind("reference")
     assert diagnostics.ROUTED == verify.METHODS == adapters.of_kind("routed")
     assert diagnostics.GRADIENT_METHODS == ("lora", *adapters.of_kind("routed"))
-    assert adapters.DEFAULT_METHODS == tuple(m for m in adapters.names() if m != "full-adamw")
+    assert stats.TASK == adapters.of_kind("task")
+    # a single-task run's default: every method but full AdamW and the task-conditioned ones (suites only)
+    assert adapters.DEFAULT_METHODS == tuple(
+        m for m in adapters.names() if m != "full-adamw" and adapters.kind_of(m) != "task"
+    )
 
 
 def test_a_method_without_a_known_kind_is_refused():
     class Nameless(Method):
         name, summary, kind = "nameless", "no such kind", "magic"
 
-    with pytest.raises(ValueError, match="kind 'magic'; valid: full, static, routed, reference"):
+    with pytest.raises(ValueError, match="kind 'magic'; valid: full, static, task, routed, reference"):
         adapters.register(Nameless())
     with pytest.raises(ValueError, match="unknown method kind 'magic'"):
         adapters.of_kind("magic")

@@ -6,13 +6,25 @@
     model = method.build(backbone, config, generators, y_train)
 
 A new method is a file with a `Method` (or `AdapterMethod`) and one `register(...)` line below. Its `kind`
-(base.KINDS: full, static, routed, reference) is how statistics, reports, diagnostics and the benchmark group it:
+(base.KINDS: full, static, task, routed, reference) is how statistics, reports, diagnostics and the benchmark group it:
 `of_kind("static")` lists the static adapters in registry order, which is also the tables' column order.
 """
 
 from __future__ import annotations
 
-from qlbench.adapters import dora, doran, full, hyra, instruct, lora, queryable, reference, replora
+from qlbench.adapters import (
+    dora,
+    doran,
+    full,
+    hyra,
+    instruct,
+    lora,
+    lora_per_task,
+    queryable,
+    reference,
+    replora,
+    task_lora,
+)
 from qlbench.adapters.base import (
     EPS,
     KINDS,
@@ -47,6 +59,8 @@ for _method in (
     hyra.METHOD,
     replora.METHOD,
     doran.METHOD,
+    lora_per_task.METHOD,
+    task_lora.METHOD,
     queryable.METHOD,
     instruct.METHOD,
     reference.FROZEN,
@@ -54,8 +68,9 @@ for _method in (
 ):
     register(_method)
 
-# `qlbench run` default: the paper's comparison (SOAP is its full fine-tuning) plus the honest reference rows.
-DEFAULT_METHODS = tuple(name for name in REGISTRY if name != full.FULL_ADAMW.name)
+# `qlbench run` default: the paper's comparison (SOAP is its full fine-tuning) plus the honest reference rows; the
+# task-conditioned methods only mean something in a multi-task suite (`qlbench suite`).
+DEFAULT_METHODS = tuple(name for name, m in REGISTRY.items() if name != full.FULL_ADAMW.name and m.kind != "task")
 
 
 def names() -> list[str]:

@@ -78,6 +78,7 @@ def adamw(params, lr: float, weight_decay: float, eps: float = EPS) -> torch.opt
 KINDS = {
     "full": "full fine-tuning (every backbone weight trains)",
     "static": "static adapter (one fixed update per layer)",
+    "task": "task-conditioned adapter (a separate or conditioned update per task of a suite)",
     "routed": "routed adapter (the update depends on the input through a router)",
     "reference": "reference row (no training: what the shift and a collapsed model score)",
 }

@@ -72,10 +72,10 @@ class InstructQueryableConfig(QueryableConfig):
 class InstructQueryableMemory(QueryableMemory):
     """Queryable LoRA's memory; the instruction-only variant routes from w_b + lambda_ctx Q_ctx e alone."""
 
-    def route(self, block, s_entry, summaries, instruction) -> Route:
+    def route(self, block, s_entry, summaries, instruction, task=None) -> Route:
         if self.config.query == "instruction-only":  # no state and no depth term in the query
             s_entry, summaries = torch.zeros_like(s_entry), None
-        return super().route(block, s_entry, summaries, instruction)
+        return super().route(block, s_entry, summaries, instruction, task)
 
 
 def projection(dim: int, out_dim: int, like: torch.Tensor) -> torch.Tensor:

@@ -126,17 +126,32 @@ class QueryableMemory(nn.Module):
             self.R_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
         else:
             self.Q_ctx = self.R_ctx = None
-        self.register_buffer("instruction", None)  # (E, d_c) frozen e(c) bound to the members, or None
+        # frozen e(c) bound to the members: (E, d_c) one per member, or (E, T, d_c) one per task of a suite
+        self.register_buffer("instruction", None)
 
     def bind_instruction(self, e: torch.Tensor) -> None:
-        """Keep the members' frozen instruction embedding e (E, d_c), used when a forward is given none."""
+        """Keep the members' frozen instruction embeddings, used when a forward is given none: e (E, d_c), one per
+        member, or (E, T, d_c), one per task of a suite (each sample then routes with its own task's, by the
+        forward's task indices)."""
         self.instruction = e.to(self.keys)
 
     def route(
-        self, block: int, s_entry: torch.Tensor, summaries: torch.Tensor | None, instruction: torch.Tensor | None
+        self,
+        block: int,
+        s_entry: torch.Tensor,
+        summaries: torch.Tensor | None,
+        instruction: torch.Tensor | None,
+        task: torch.Tensor | None = None,
     ) -> Route:
+        """One block's route; `instruction` (E, d_c) or (E, N, d_c) overrides the bound one; `task` (E, N) long
+        picks each sample's row of a bound (E, T, d_c) table (None: task 0)."""
         c = self.config
-        instruction = self.instruction if instruction is None else instruction
+        if instruction is None and self.instruction is not None:
+            instruction = self.instruction
+            if instruction.dim() == 3:  # (E, T, d_c) -> each sample its task's (E, N, d_c)
+                E, N = s_entry.shape[:2]
+                idx = torch.zeros(E, N, dtype=torch.long, device=s_entry.device) if task is None else task
+                instruction = torch.gather(instruction, 1, idx.unsqueeze(-1).expand(E, N, instruction.shape[-1]))
         if (c.tau_lang or c.lambda_ctx) and instruction is None:
             raise ValueError("this queryable adapter uses the instruction channels: pass an instruction embedding")
         return route(
@@ -196,7 +211,8 @@ class QueryableLinear(nn.Module):
             joint = per_sample[0] if len(s) == 1 else torch.stack(per_sample).mean(0)  # (E, N, r)
             if first.entry:
                 summaries = state.summaries(first.block)
-                state.routes[first.block] = ctx.shared[NAME].route(first.block, joint, summaries, ctx.instruction)
+                memory = ctx.shared[NAME]
+                state.routes[first.block] = memory.route(first.block, joint, summaries, ctx.instruction, ctx.task)
             state.states.setdefault(first.block, []).append(joint)
         S = state.routes[first.block].S  # (E, N, r, r)
         updates = {id(layer): layer.routed_update(x, si, S) for layer, si in zip(adapted, s)}

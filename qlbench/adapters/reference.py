@@ -28,7 +28,7 @@ class MeanPredictor(nn.Module):
         super().__init__()
         self.register_buffer("mean", y_train.mean(dim=1))  # (E,)
 
-    def forward(self, x: torch.Tensor, instruction: torch.Tensor | None = None, ctx=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, instruction: torch.Tensor | None = None, ctx=None, task=None) -> torch.Tensor:
         return self.mean.unsqueeze(1).expand(x.shape[0], x.shape[1])
 
 

@@ -60,7 +60,7 @@ class Route:
     beta: torch.Tensor | None  # (E, N, b-1) depth attention weights
     q: torch.Tensor  # (E, N, d_k) final query
     zeta: torch.Tensor  # (E, N, M) state logits
-    rho: torch.Tensor | None  # (E, 1, M) language-prior logits (None when tau_lang = 0)
+    rho: torch.Tensor | None  # (E, 1, M) language-prior logits, (E, N, M) per-sample instructions; None: tau_lang 0
     logits: torch.Tensor  # (E, N, M) fused logits zeta + tau_lang log p
     alpha: torch.Tensor  # (E, N, M) routing weights, exactly k non-zeros per row
     S: torch.Tensor  # (E, N, r, r) routed operator sum_m alpha_m C_m
@@ -92,12 +92,15 @@ def route(
 
     s_entry (E, N, r) block-entry rank state; summaries (E, N, b-1, r) or None for the first block;
     w (E, d_k) block prior; Q_cur, Q_dep (E, d_k, r); Q_dep_q (E, d_k, d_k); Q_dep_k (E, d_k, r);
-    keys (E, M, d_k); atoms (E, M, r, r); instruction (E, d_c); Q_ctx, R_ctx (E, d_k, d_c).
+    keys (E, M, d_k); atoms (E, M, r, r); instruction (E, d_c) one per member, or (E, N, d_c) one per sample (a
+    multi-task batch); Q_ctx, R_ctx (E, d_k, d_c).
     """
     E, N, r = s_entry.shape
     q0 = w.unsqueeze(1) + s_entry @ Q_cur.transpose(1, 2)  # (E, N, d_k)
+    if instruction is not None and instruction.dim() == 2:
+        instruction = instruction.unsqueeze(1)  # (E, 1, d_c): the same for every sample
     if lambda_ctx:
-        q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))  # + (E, 1, d_k)
+        q0 = q0 + lambda_ctx * (instruction @ Q_ctx.transpose(1, 2))  # + (E, 1 or N, d_k)
     u = beta = None
     q = q0
     if summaries is not None:
@@ -107,7 +110,7 @@ def route(
     rho = None
     logits = zeta
     if tau_lang:
-        rho = scaled_similarity(instruction.unsqueeze(1) @ R_ctx.transpose(1, 2), keys, t_lang, eps)  # (E, 1, M)
+        rho = scaled_similarity(instruction @ R_ctx.transpose(1, 2), keys, t_lang, eps)  # (E, 1 or N, M)
         logits = zeta + tau_lang * rho.log_softmax(dim=-1)
     alpha = topk_softmax(logits, top_k)  # (E, N, M)
     # S (E, N, r, r) as a view of samples-last storage (E, r, r, N): the layers' per-sample products S s then run

@@ -1,0 +1,186 @@
+"""The task channel: lora-per-task and task-lora against plain LoRA oracles, per-sample instructions, and a mixed
+multi-task batch against one forward per task (same loss and gradients) for every method that reads the task."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from qlbench import adapters, instructions
+from qlbench.backbones import DeepNarrowMLP, RegressionTransformer
+
+from helpers import F64, TINY_DEEP_NARROW, TINY_TRANSFORMER, gens
+
+T = 3
+ARCHS = {
+    "deep-narrow": lambda: DeepNarrowMLP(gens("bb", members=2), TINY_DEEP_NARROW, dtype=F64),
+    "transformer": lambda: RegressionTransformer(gens("bb", members=2), TINY_TRANSFORMER, dtype=F64),
+}
+
+
+def build(method: str, arch: str, **overrides) -> torch.nn.Module:
+    m = adapters.get(method)
+    model = m.build(ARCHS[arch](), m.make_config(**overrides), gens("init", members=2), torch.zeros(2, 1, dtype=F64))
+    return model
+
+
+def perturb(model: torch.nn.Module, tag: str) -> None:
+    """Every trainable tensor moved by seeded noise (B leaves zero, cores leave the identity)."""
+    g = torch.Generator().manual_seed(zlib.crc32(tag.encode()))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def inputs(n: int = 12):
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(2, n, 2, generator=g, dtype=F64) * 4 - 2  # (E, N, 2)
+    task = torch.randint(0, T, (2, n), generator=g)  # (E, N)
+    return x, task
+
+
+def lora_with(arch: str, factors) -> torch.nn.Module:
+    """A plain LoRA stack on the same (identically seeded) backbone whose layers' (A, B) are factors(path)."""
+    lora = build("lora", arch)
+    with torch.no_grad():
+        for name, module in lora.named_modules():
+            if hasattr(module, "lora_A"):
+                A, B = factors(name)
+                module.lora_A.copy_(A)
+                module.lora_B.copy_(B)
+    return lora
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_per_task_with_one_task_is_lora(arch):
+    a, b = build("lora-per-task", arch), build("lora", arch)
+    pa = dict(a.named_parameters())
+    for name, p in b.named_parameters():
+        if "lora_A" in name:
+            torch.testing.assert_close(pa[name.replace("lora_A", "lora_per_task_A")], p, rtol=0, atol=0)
+    perturb(a, "one")
+    with torch.no_grad():
+        for name, module in b.named_modules():
+            if hasattr(module, "lora_B"):
+                other = a.get_submodule(name)
+                module.lora_A.copy_(other.lora_per_task_A)
+                module.lora_B.copy_(other.lora_per_task_B)
+    x, _ = inputs()
+    torch.testing.assert_close(a(x), b(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_per_task_routes_each_sample_through_its_tasks_factors(arch):
+    """Oracle: for task t, a plain LoRA carrying task t's slices of A and B gives the samples of task t."""
+    model = build("lora-per-task", arch, tasks=T)
+    perturb(model, "per-task")
+    x, task = inputs()
+    out = model(x, task=task)  # (E, N)
+    r = 8
+    for t in range(T):
+
+        def factors(path, t=t):
+            layer = model.get_submodule(path)
+            return layer.lora_per_task_A[:, t * r : (t + 1) * r], layer.lora_per_task_B[:, :, t * r : (t + 1) * r]
+
+        expected = lora_with(arch, factors)(x)
+        mask = task == t
+        torch.testing.assert_close(out[mask], expected[mask], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_task_lora_is_lora_with_b_times_the_tasks_core(arch):
+    """Oracle: s B C_t A x is LoRA with factors (A, B C_t); with every core at the identity, LoRA itself."""
+    model = build("task-lora", arch, tasks=T)
+    x, task = inputs()
+    perturb(model, "task-lora")
+    out = model(x, task=task)
+    for t in range(T):
+
+        def factors(path, t=t):
+            layer = model.get_submodule(path)
+            return layer.task_lora_A, layer.task_lora_B @ layer.task_lora_C[:, t]
+
+        expected = lora_with(arch, factors)(x)
+        mask = task == t
+        torch.testing.assert_close(out[mask], expected[mask], rtol=1e-12, atol=1e-12)
+    fresh = build("task-lora", arch, tasks=T)
+    assert all(
+        torch.equal(m.task_lora_C[0, 1], torch.eye(8, dtype=F64)) for m in fresh.modules() if hasattr(m, "task_lora_C")
+    )
+
+
+def bind_tasks(model, method: str):
+    """An instruction method gets a (E, T, 384) table: task t's row is the embedding of its own sentence."""
+    if method == "instruct-queryable":
+        texts = ["A bowl.", "Ripples around a well.", "Four basins."]
+        table = instructions.embed(texts).to(F64)  # (T, 384)
+        model.shared["queryable"].bind_instruction(table.expand(2, -1, -1))
+
+
+READERS = ["lora-per-task", "task-lora", "instruct-queryable"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", READERS)
+def test_a_mixed_batch_equals_one_forward_per_task(method, arch):
+    """The loss of a batch mixing tasks, and its gradients, equal the task-by-task forwards weighted by each task's
+    share of the batch: no sample sees another task's parameters or instruction."""
+    overrides = {"n_blocks": 2} if method == "instruct-queryable" else {"tasks": T}
+    model = build(method, arch, **overrides)
+    bind_tasks(model, method)
+    perturb(model, method)
+    x, task = inputs()
+    y = torch.sin(x.sum(-1))
+    params = [p for p in model.parameters() if p.requires_grad]
+    mixed = (model(x, task=task) - y).pow(2).mean(1).sum()
+    g_mixed = torch.autograd.grad(mixed, params)
+    split = 0
+    for t in range(T):
+        for e in range(2):
+            keep = task[e] == t
+            if not keep.any():
+                continue
+            xe = x[e : e + 1, keep].expand(2, -1, -1)  # member e's samples of task t (the other member unused)
+            out = model(xe, task=torch.full(xe.shape[:2], t))[e]
+            split = split + (out - y[e, keep]).pow(2).sum() / x.shape[1]
+    g_split = torch.autograd.grad(split, params)
+    torch.testing.assert_close(split, mixed, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g_mixed, g_split):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_per_sample_instructions_change_only_their_own_samples():
+    """Routing reads each sample's own task's instruction: changing task 1's sentence moves task 1's outputs and
+    leaves every other sample's bits alone."""
+    model = build("instruct-queryable", "deep-narrow", n_blocks=2)
+    bind_tasks(model, "instruct-queryable")
+    perturb(model, "shuffle")
+    x, task = inputs(30)
+    before = model(x, task=task)
+    memory = model.shared["queryable"]
+    table = memory.instruction.clone()
+    table[:, 1] = instructions.embed(["A flat plane."]).to(F64)[0]
+    memory.bind_instruction(table)
+    after = model(x, task=task)
+    assert torch.equal(before[task != 1], after[task != 1])
+    assert (before[task == 1] - after[task == 1]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("method", ["lora", "queryable"])
+def test_methods_without_a_task_channel_ignore_the_task(method):
+    model = build(method, "deep-narrow", **({"n_blocks": 2} if method == "queryable" else {}))
+    perturb(model, method)
+    x, task = inputs()
+    assert torch.equal(model(x, task=task), model(x))
+
+
+def test_task_methods_count_their_parameters():
+    """lora-per-task: T LoRAs; task-lora: one LoRA plus T r x r cores per layer."""
+    lora = adapters.trainable_parameter_count(build("lora", "deep-narrow"))
+    layers = TINY_DEEP_NARROW.depth
+    assert adapters.trainable_parameter_count(build("lora-per-task", "deep-narrow", tasks=T)) == T * lora
+    assert adapters.trainable_parameter_count(build("task-lora", "deep-narrow", tasks=T)) == lora + layers * T * 64
