@@ -1,4 +1,4 @@
-"""qlbench: functions | suites | run | sweep | results | report | ablate | verify | diagnose | signal | bench.
+"""qlbench: functions | suites | run | sweep | suite | results | report | ablate | verify | diagnose | signal | bench.
 
 Bad input (unknown function, arch, method, budget, device, hyper-parameter, or a value out of range) prints one
 line naming the problem and the valid choices, and exits with code 2; no traceback. The subcommands live in
@@ -19,6 +19,7 @@ from qlbench.commands import report as report_command
 from qlbench.commands import results as results_command
 from qlbench.commands import run as run_command
 from qlbench.commands import signal as signal_command
+from qlbench.commands import suite as suite_command
 from qlbench.commands import suites as suites_command
 from qlbench.commands import verify as verify_command
 
@@ -27,6 +28,7 @@ COMMANDS = (
     functions_command,
     suites_command,
     run_command,
+    suite_command,
     results_command,
     report_command,
     ablate_command,

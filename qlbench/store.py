@@ -2,6 +2,7 @@
 
     <root>/records/<arch>/<function>/<method>/<budget>-<config hash>.json   one record per cell and config
     <root>/records/<arch>/<function>/<method>/<budget>-<config hash>.pt     its trained adapter weights
+    <root>/suites/<arch>/<suite>/<schedule>/<method>/<budget>-<hash>.json  one record per suite run (multi-task)
     <root>/backbones/<arch>-<function>-seed<s>-<hash>.pt                    source-pretrained backbones
     <root>/bench/bench.json, bench.md                                       `qlbench bench`
 
@@ -126,6 +127,18 @@ class Store:
 
     def record_path(self, arch: str, function: str, method: str, budget: str, config_hash: str) -> Path:
         return self.cell_stem(arch, function, method, budget, config_hash).with_suffix(".json")
+
+    def suite_record_path(
+        self, arch: str, suite: str, schedule: str, method: str, budget: str, config_hash: str
+    ) -> Path:
+        """One suite run's record: a method on a suite under a schedule (qlbench/multitask.py)."""
+        return self.root / "suites" / arch / suite / schedule / method / f"{budget}-{config_hash}.json"
+
+    def suite_records(
+        self, arch: str = "*", suite: str = "*", schedule: str = "*", method: str = "*", budget: str = "*"
+    ) -> list[Path]:
+        """Suite record files matching the pattern parts, sorted."""
+        return sorted(self.root.glob(f"suites/{arch}/{suite}/{schedule}/{method}/{budget}-*.json"))
 
     @staticmethod
     def model_of(record: Path) -> Path:

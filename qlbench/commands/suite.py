@@ -1,0 +1,119 @@
+"""`qlbench suite`: adapt every method to a multi-task suite (joint or sequential), print the final task table."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from qlbench import multitask, suite_stats, suites, text
+from qlbench.backbones import ARCHS, INITS
+from qlbench.commands import parse_overrides, split_list, usage_errors
+from qlbench.text import Column
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "suite",
+        help="adapt every method to a multi-task suite (joint or sequential) and print the task table",
+        description="Pretrain a backbone on the suite's source, adapt it with each method to all of the suite's tasks "
+        "(joint: mixed minibatches; sequential: one task per stage, nothing reset), evaluate every task after every "
+        "stage, write one record per method and print the final test MSE per task (mean ± std over seeds).",
+    )
+    p.add_argument("--suite", required=True, metavar="NAME", help="a suite (qlbench suites lists them)")
+    p.add_argument("--schedule", default="joint", metavar="S", help=f"one of: {', '.join(multitask.SCHEDULES)}")
+    p.add_argument("--arch", default="deep-narrow", metavar="ARCH", help=f"one of: {', '.join(ARCHS)}")
+    p.add_argument(
+        "--methods",
+        metavar="M1,M2",
+        help=f"comma-separated (default: {','.join(multitask.DEFAULT_ROWS)}); any registered method, or task-code "
+        "(instruct-queryable with each task's sentence replaced by a seeded random vector: identity, no language)",
+    )
+    p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the budget's)")
+    p.add_argument("--budget", default="quick", metavar="B", help="paper, quick or smoke: each stage runs its epochs")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--threads", type=int, help="intra-op threads (default as `qlbench run`)")
+    p.add_argument("--dtype", default="float32", help="float32 or float64")
+    p.add_argument(
+        "--backbone-init",
+        default="default",
+        help=f"one of {', '.join(INITS)} (the default deep-narrow backbone is a constant function: see docs/why.md)",
+    )
+    p.add_argument("--eps", type=float, default=multitask.adapters.EPS, help="the optimiser's epsilon (default 1e-8)")
+    p.add_argument("--out", default="results", help="results folder (default ./results)")
+    p.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE", help="method hyper-parameter override")
+    p.add_argument("--force", action="store_true", help="re-run rows that already have a finished record")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+COLUMN_NOTES = {
+    "paraphrased": "the average with every task's paraphrases in place of its sentence",
+    "shuffled": "the average with task t given task t + 1's instruction",
+    "held-out": "the untrained last task, zero-shot",
+    "forgetting": "final minus best earlier MSE after training, mean over every task but the last",
+    "bwt": "GEM backward transfer on -MSE (< 0: later stages hurt earlier tasks)",
+    "fwt": "GEM forward transfer on -MSE (> 0: earlier stages helped)",
+    "vs-lora": "mean difference of the average against LoRA, paired over seeds, and its p",
+}
+
+
+def table_text(summary) -> str:
+    """The suite table of one slice (suite_stats.summary rows), columns with no value anywhere left out, and the
+    notes of the columns it shows."""
+    rows = summary.to_dict("records")
+    present = lambda key: any(isinstance(r.get(key), str) and r[key] not in ("-", "") for r in rows)
+    tasks = [c for c in summary.columns if c not in (*suite_stats.SLICE, "method", "n", "trainable_params")]
+    tasks = [c for c in tasks if c not in (*suite_stats.METRICS, "vs-lora", "outcome")]
+    columns = [
+        Column("method", "method"),
+        Column("trainable", "trainable_params", lambda v: "-" if v is None or v != v else f"{int(v):,}"),
+        Column("average", "average"),
+        *(Column(t, t, lambda v: "-" if not isinstance(v, str) else v) for t in tasks if present(t)),
+        *(Column(m, m, lambda v: "-" if not isinstance(v, str) else v) for m in suite_stats.METRICS[1:] if present(m)),
+        *(Column(c, c, lambda v: "-" if not isinstance(v, str) else v) for c in ("vs-lora", "outcome") if present(c)),
+    ]
+    notes = [f"{c.heading}: {COLUMN_NOTES[c.heading]}" for c in columns if c.heading in COLUMN_NOTES]
+    return text.table(rows, columns) + ("\n\n" + "; ".join(notes) if notes else "")
+
+
+def run(args) -> int:
+    log = lambda message: print(message, file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with usage_errors():
+        p = multitask.plan(
+            suite=args.suite,
+            schedule=args.schedule,
+            arch=args.arch,
+            methods=split_list(args.methods) if args.methods else None,
+            seeds=args.seeds,
+            budget=args.budget,
+            device=args.device,
+            dtype=args.dtype,
+            out_dir=Path(args.out),
+            overrides=parse_overrides(args.hp),
+            threads=args.threads,
+            force=args.force,
+            backbone_init=args.backbone_init,
+            eps=args.eps,
+        )
+    b = p.budget
+    init = "" if p.backbone_init == "default" else f" ({p.backbone_init} init)"
+    print(
+        f"qlbench suite: {p.suite.name} ({len(p.suite.tasks)} tasks: {', '.join(p.suite.task_names)}), schedule "
+        f"{p.schedule}, {p.arch}{init}, budget {b.name} "
+        f"({b.adapt.epochs} epochs per stage), seeds {p.seeds}, methods {', '.join(p.rows)}, device {p.device}",
+        flush=True,
+    )
+    paths = multitask.run(p, progress=not args.no_progress, log=log)
+    summary = suite_stats.summary(suite_stats.load(paths, on_damaged=log))
+    print(
+        f"\nTest MSE per task after the last stage, mean ± std over seeds (standardised labels: 1 = predicting the "
+        f"task's mean over the box; noise floor {suites.zoo.NOISE_FRACTION**2:g})\n"
+    )
+    print(table_text(summary))
+    print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {p.store.root / 'suites' / p.arch / p.suite.name}")
+    failed = summary.loc[summary["average"] == "failed", "method"].tolist()
+    for method in failed:
+        log(f"qlbench suite: {method} failed")
+    return 1 if failed else 0

@@ -1,0 +1,463 @@
+"""Suites on the stacked engine: one backbone, T tasks, a joint or sequential schedule, the stage x task matrix.
+
+A suite run adapts one method on a stack of seeds (member e = seed e) to every task of a suite (suites.py):
+
+    joint       one stage: shuffled minibatches drawn from all T tasks' training sets (T x 400 samples), each sample
+                carrying its task index, so a task-conditioned layer or an instruction router reads each sample's own
+                task (ForwardContext.task).
+    sequential  T stages: stage t trains on task t only. Everything trainable (adapters, routers, gates, keys,
+                atoms) carries over from stage t - 1; the backbone stays frozen. qlbench interpretation: each stage
+                starts a fresh optimiser (AdamW's moments reset, the same learning rate), as a practitioner
+                fine-tuning the adapted model on the next task would; the paper does not say.
+    held-out    one stage, joint over the first T - 1 tasks; the last task is never trained on and is evaluated
+                zero-shot (an instruction method with its own sentence; lora-per-task and task-lora with that task's
+                untouched factors or core, i.e. the frozen backbone and the shared LoRA).
+
+Each stage runs the single-task budget's adaptation epochs. Before training and after every stage, every task's
+test MSE is evaluated on the stage's final parameters: the stage x task matrix R (S, T) of the continual-learning
+literature (GEM, Lopez-Paz & Ranzato 2017), plus the untrained model's row. Instruction methods are evaluated again
+after the last stage with every task's paraphrases (same task, other words) and with the instructions shuffled
+across tasks (task t given task t + 1's); routed methods record their block-averaged atom usage per (stage, task).
+
+Rows are registered methods, plus VARIANTS: a method with a setting. `task-code` is instruct-queryable with each
+task's sentence replaced by a fixed seeded random vector of the sentence embedding's norm (identity without
+language). The same-instruction control is a suite of its own (`<suite>-same-instruction`, suites.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qlbench import adapters, engine, experiment, instructions, results, suites, zoo
+from qlbench.adapters import instruct, queryable
+from qlbench.backbones import ARCHS, check_init
+from qlbench.progress import bar as progress_bar
+from qlbench.seeding import generator
+from qlbench.stacked import ForwardContext
+from qlbench.store import DamagedFile, Store, set_aside, stable_hash, write_json
+
+SCHEDULES = ("joint", "sequential", "held-out")
+VARIANTS = {"task-code": ("instruct-queryable", {"instruction_source": "random"})}
+DEFAULT_ROWS = (
+    "lora",
+    "lora-per-task",
+    "task-lora",
+    "queryable",
+    "instruct-queryable",
+    "task-code",
+    "frozen",
+    "mean",
+)
+SCHEMA = 1
+
+
+def rows() -> list[str]:
+    """Every valid row: the registered methods, then the variants."""
+    return [*adapters.names(), *VARIANTS]
+
+
+def method_of(row: str) -> tuple[str, dict]:
+    """(registered method, its fixed settings) of a row; ValueError listing the valid rows."""
+    if row in VARIANTS:
+        return VARIANTS[row]
+    if row in adapters.REGISTRY:
+        return row, {}
+    raise ValueError(f"unknown method {row!r}; valid: {', '.join(rows())}")
+
+
+def reads_instruction(config) -> bool:
+    return isinstance(config, queryable.QueryableConfig) and config.instruction_dim is not None
+
+
+@dataclass(kw_only=True)
+class SuitePlan:
+    """A validated suite experiment: everything resolved before any work starts."""
+
+    suite: suites.Suite
+    schedule: str
+    arch: str
+    rows: list[str]
+    seeds: list[int]
+    budget: engine.Budget
+    configs: dict[str, object]  # row -> its method's validated config
+    device: torch.device
+    dtype: str
+    out_dir: Path
+    threads: int | None = None
+    force: bool = False
+    backbone_init: str = "default"
+    eps: float = adapters.EPS
+
+    @property
+    def store(self) -> Store:
+        return Store(self.out_dir)
+
+    @property
+    def members(self) -> list[engine.Member]:
+        """(suite card, seed): the card, since a control suite shares its card's backbone and data."""
+        return [(suites.base_name(self.suite.name), s) for s in self.seeds]
+
+    def cell_config(self, row: str) -> dict:
+        method, _ = method_of(row)
+        return {
+            "suite": self.suite.name,
+            "suite_card": dataclasses.asdict(self.suite),
+            "schedule": self.schedule,
+            "arch": self.arch,
+            "row": row,
+            "method": method,
+            "method_config": dataclasses.asdict(self.configs[row]),
+            "budget": dataclasses.asdict(self.budget) | {"seeds": len(self.seeds)},
+            "seeds": self.seeds,
+            "dtype": self.dtype,
+            "backbone_init": self.backbone_init,
+            "eps": self.eps,
+            "schema": SCHEMA,
+        }
+
+    def record_path(self, row: str) -> Path:
+        h = stable_hash(self.cell_config(row))
+        return self.store.suite_record_path(self.arch, self.suite.name, self.schedule, row, self.budget.name, h)
+
+    def pretrain(self, **kwargs) -> engine.Pretrained:
+        return engine.pretrain(
+            self.arch,
+            self.members,
+            self.budget.pretrain,
+            device=self.device,
+            dtype=experiment.DTYPES[self.dtype],
+            store=self.store,
+            init=self.backbone_init,
+            suite=True,
+            **kwargs,
+        )
+
+
+def plan(
+    *,
+    suite: str,
+    schedule: str,
+    arch: str,
+    methods: list[str] | None = None,
+    seeds: int | None = None,
+    budget: str = "quick",
+    device: str = "auto",
+    dtype: str = "float32",
+    out_dir: str | Path = "results",
+    overrides: dict | None = None,
+    threads: int | None = None,
+    force: bool = False,
+    backbone_init: str = "default",
+    eps: float = adapters.EPS,
+) -> SuitePlan:
+    """Validate every choice (ValueError with the valid options) before any work."""
+    s = suites.get(suite)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    check_init(arch, backbone_init)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
+    chosen = list(methods or DEFAULT_ROWS)
+    for r in chosen:
+        method_of(r)
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"method listed twice in {','.join(chosen)}")
+    b = engine.budget(budget, arch)
+    n_seeds = b.seeds if seeds is None else seeds
+    if not (isinstance(n_seeds, int) and n_seeds >= 1):
+        raise ValueError(f"seeds must be an integer >= 1, got {n_seeds!r}")
+    if dtype not in experiment.DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(experiment.DTYPES)}")
+    overrides = dict(overrides or {})
+    known = {f.name for r in chosen for f in dataclasses.fields(adapters.get(method_of(r)[0]).config_cls)}
+    if unknown := sorted(set(overrides) - known - {"tasks"}):
+        raise ValueError(
+            f"unknown hyper-parameter(s) {', '.join(unknown)} for methods {','.join(chosen)}; "
+            f"valid: {', '.join(sorted(known - {'tasks'})) or 'none'}"
+        )
+    if "tasks" in overrides:
+        raise ValueError(f"tasks is the suite's task count ({len(s.tasks)}), not a setting")
+    configs = {}
+    for r in chosen:
+        name, fixed = method_of(r)
+        settings = overrides | fixed | {"tasks": len(s.tasks)}
+        try:
+            configs[r] = adapters.get(name).make_config(**settings)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{r}: {err}") from None
+    experiment.dry_build(arch, {method_of(r)[0]: configs[r] for r in chosen})
+    experiment.check_writable(Path(out_dir))
+    if threads is not None and not (isinstance(threads, int) and threads >= 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+    return SuitePlan(
+        suite=s,
+        schedule=schedule,
+        arch=arch,
+        rows=chosen,
+        seeds=list(range(n_seeds)),
+        budget=b,
+        configs=configs,
+        device=engine.resolve_device(device),
+        dtype=dtype,
+        out_dir=Path(out_dir),
+        threads=threads,
+        force=force,
+        backbone_init=backbone_init,
+        eps=float(eps),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data and instructions.
+
+
+def task_data(suite: suites.Suite, seeds: list[int], tasks: list[int], *, dtype, device) -> engine.StackedData:
+    """The given tasks' data for each seed (member), concatenated task after task, with each sample's task index."""
+    splits, ids = [], []
+    for seed in seeds:
+        parts = [suite.task_data(t, seed, dtype=dtype, device=device) for t in tasks]
+        splits.append(zoo.Split(*(torch.cat([getattr(p, k) for p in parts]) for k in zoo.Split._fields)))
+        ids.append(
+            tuple(
+                torch.cat([torch.full((len(getattr(p, k)),), t, dtype=torch.long) for t, p in zip(tasks, parts)])
+                for k in ("y_train", "y_test")
+            )
+        )
+    return engine.StackedData.stack(splits, ids)
+
+
+def instruction_table(suite: suites.Suite, config, texts: list[str] | None = None) -> torch.Tensor:
+    """The router's e (T, d_c) float64 for the suite's tasks: each task's sentence (or `texts[t]`) through the
+    frozen encoder, or for `instruction_source` random (the task-code row) a seeded random vector per task of the
+    sentence embedding's norm."""
+    texts = suite.instructions() if texts is None else texts
+    raw = instructions.embed(texts).to(torch.float64)  # (T, 384)
+    if config.instruction_source == "random":
+        codes = torch.stack(
+            [
+                torch.randn(raw.shape[1], generator=generator("task-code", suites.base_name(suite.name), t.name)).to(
+                    torch.float64
+                )
+                for t in suite.tasks
+            ]
+        )
+        raw = codes / codes.norm(dim=1, keepdim=True) * raw.norm(dim=1, keepdim=True)
+    elif config.instruction_source != "card":
+        raise ValueError(
+            f"a suite row reads each task's own sentence or a task code, not {config.instruction_source!r}"
+        )
+    return instruct.router_input(raw, config.instruction_dim)
+
+
+def bind(model, table: torch.Tensor, members: int) -> None:
+    """Every member routes each sample with its task's row of `table` (T, d_c)."""
+    model.shared[queryable.NAME].bind_instruction(table.expand(members, -1, -1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+@torch.no_grad()
+def task_mse(model, data: engine.StackedData, tasks: int) -> torch.Tensor:
+    """(E, T) test MSE of each task: the mean squared error over its held-out samples."""
+    model.eval()
+    sq = engine.squared_errors(model, data.x_test, data.y_test, task=data.task_test)  # (E, N)
+    model.train()
+    one_hot = torch.nn.functional.one_hot(data.task_test, tasks).to(sq)  # (E, N, T)
+    return ((sq.unsqueeze(-1) * one_hot).sum(1) / one_hot.sum(1)).cpu()
+
+
+@torch.no_grad()
+def usage(model, data: engine.StackedData, tasks: int) -> torch.Tensor:
+    """(E, T, M) block-averaged atom usage: the routing weights alpha averaged over blocks and each task's held-out
+    samples (rows sum to 1)."""
+    model.eval()
+    ctx = ForwardContext(model.shared, None, data.task_test)
+    model(data.x_test, ctx=ctx)
+    model.train()
+    routes = ctx.scratch[queryable.NAME].routes
+    alpha = torch.stack([routes[b].alpha for b in sorted(routes)]).mean(0)  # (E, N, M)
+    one_hot = torch.nn.functional.one_hot(data.task_test, tasks).to(alpha)  # (E, N, T)
+    return (one_hot.transpose(1, 2) @ alpha / one_hot.sum(1).unsqueeze(-1)).cpu()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running.
+
+
+def stages(p: SuitePlan) -> list[list[int]]:
+    """The tasks each stage trains on."""
+    T = len(p.suite.tasks)
+    return {"joint": [list(range(T))], "sequential": [[t] for t in range(T)], "held-out": [list(range(T - 1))]}[
+        p.schedule
+    ]
+
+
+def pending(p: SuitePlan, log) -> list[str]:
+    """Rows without a finished record of this exact config (every row with force)."""
+    todo = []
+    for r in p.rows:
+        path = p.record_path(r)
+        if p.force or not path.exists():
+            todo.append(r)
+            continue
+        try:
+            rec = results.read_record(path)
+        except DamagedFile as err:
+            log(f"{err}; moved to {set_aside(path).name}, the row is recomputed")
+            todo.append(r)
+            continue
+        if rec["train_info"]["status"] == "failed":
+            todo.append(r)
+    if skipped := len(p.rows) - len(todo):
+        log(f"{skipped} row(s) already have a finished record of the same config: skipped (--force re-runs them)")
+    return todo
+
+
+def run(p: SuitePlan, *, progress: bool = True, log=print) -> list[Path]:
+    """Run every unfinished row of the plan; returns every row's record path."""
+    todo = pending(p, log)
+    if todo:
+        with engine.num_threads(engine.auto_threads(p.arch, len(p.seeds), p.threads)):
+            with progress_bar(
+                total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if _pretrain_needed(p) else 0),
+                desc=f"pretrain {p.arch} x{len(p.seeds)}",
+                unit="step",
+                disable=not progress,
+                leave=False,
+            ) as bar:
+                pre = p.pretrain(progress=bar.update, log=log)
+            trained = [r for r in todo if adapters.get(method_of(r)[0]).trains]
+            per_row = sum(engine.steps(p.budget.adapt, zoo.TARGET_TRAIN * len(s)) for s in stages(p))  # one row's
+            with progress_bar(total=per_row * len(trained), desc="adapt", unit="step", disable=not progress) as bar:
+                for r in todo:
+                    bar.set_description(f"{p.suite.name} {p.schedule} {r} x{len(p.seeds)}")
+                    run_row(p, r, pre, bar.update if r in trained else None, log)
+    return [p.record_path(r) for r in p.rows]
+
+
+def _pretrain_needed(p: SuitePlan) -> bool:
+    dtype = experiment.DTYPES[p.dtype]
+    return engine.pretrain_needed(p.arch, p.members, p.budget.pretrain, dtype, p.store, p.backbone_init, suite=True)
+
+
+@engine.flush_denormals()
+def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict:
+    """Train one row on every stage and evaluate; returns per-member results (lists, E first) and counts."""
+    name, _ = method_of(row)
+    method, config = adapters.get(name), p.configs[row]
+    dtype, T = experiment.DTYPES[p.dtype], len(p.suite.tasks)
+    members = pre.members
+    if len(members) < engine.MIN_STACK:  # as engine.adapt: no stack narrower than MIN_STACK (stack independence)
+        pre = pre.select(engine.padded(members))
+    seeds = [s for _, s in pre.members]
+    everything = task_data(p.suite, seeds, list(range(T)), dtype=dtype, device=p.device)
+    init = [generator("init", name, p.arch, "suite", p.suite.name, s) for s in seeds]
+    model = method.build(pre.model(device=p.device, dtype=dtype), config, init, everything.y_train)
+    routes = isinstance(config, queryable.QueryableConfig)
+    if reads_instruction(config):
+        bind(model, instruction_table(p.suite, config), len(seeds))
+    out = {"initial_task_mse": task_mse(model, everything, T)}  # (E, T)
+    stage_mse, stage_usage, curves = [], [], []
+    for k, tasks in enumerate(stages(p)):
+        if method.trains:
+            data = task_data(p.suite, seeds, tasks, dtype=dtype, device=p.device)
+            optimizer = method.optimizer(model, config, p.budget.adapt.lr, p.budget.adapt.weight_decay, p.eps)
+            order = [generator("order", "suite", p.suite.name, p.schedule, k, s) for s in seeds]
+            phase, every = p.budget.adapt, p.budget.eval_every
+            curves.append(engine.fit(model, optimizer, data, phase, every, order, progress=progress))
+        stage_mse.append(task_mse(model, everything, T))
+        if routes:
+            stage_usage.append(usage(model, everything, T))
+    out["stage_task_mse"] = torch.stack(stage_mse, 1)  # (E, S, T)
+    if routes:
+        out["usage"] = torch.stack(stage_usage, 1)  # (E, S, T, M)
+    if reads_instruction(config):
+        base = instruction_table(p.suite, config)
+        n = min(len(t.paraphrases) for t in p.suite.tasks)
+        para = []
+        for i in range(n):
+            if config.instruction_source == "random":  # a task code has no words to paraphrase
+                continue
+            bind(model, instruction_table(p.suite, config, [t.paraphrases[i] for t in p.suite.tasks]), len(seeds))
+            para.append(task_mse(model, everything, T))
+        if para:
+            out["paraphrase_task_mse"] = torch.stack(para).mean(0)  # (E, T)
+        bind(model, base.roll(-1, dims=0), len(seeds))  # task t routes with task t + 1's instruction
+        out["shuffled_task_mse"] = task_mse(model, everything, T)
+        bind(model, base, len(seeds))
+    out["diverged_stage"] = [
+        next((k for k, c in enumerate(curves) if c.diverged_epoch[e] is not None), None) for e in range(len(seeds))
+    ]
+    out["curves"] = curves
+    out["trainable_params"] = adapters.trainable_parameter_count(model)
+    out["total_params"] = adapters.total_parameter_count(model)
+    out["members"] = len(members)
+    return out
+
+
+def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> None:
+    """Adapt one row and commit its record (a failure is recorded as a failed row)."""
+    t0 = time.perf_counter()
+    config = p.cell_config(row)
+    common = dict(config=config, seeds=p.seeds, device=p.device)
+    try:
+        res = adapt(p, row, pre, progress)
+    except Exception as err:  # record the failure and go on with the other rows
+        log(f"{row}: failed: {type(err).__name__}: {err}")
+        rec = results.make_record(
+            **common, status="failed", message=f"{type(err).__name__}: {err}", wall_time_s=time.perf_counter() - t0
+        )
+        write_json(rec, p.record_path(row))
+        return
+    per_seed = []
+    for e, seed in enumerate(p.seeds):
+        stage = res["diverged_stage"][e]
+        entry = {
+            "seed": seed,
+            "status": "ok" if stage is None else "diverged",
+            "diverged_stage": stage,
+            "initial_task_mse": res["initial_task_mse"][e].tolist(),
+            "stage_task_mse": res["stage_task_mse"][e].tolist(),
+            "stage_curves": [
+                {"epochs": c.epochs, "train": c.train_mse[e].tolist(), "test": c.test_mse[e].tolist()}
+                for c in res["curves"]
+            ],
+        }
+        for key in ("usage", "paraphrase_task_mse", "shuffled_task_mse"):
+            if key in res:
+                entry[key] = res[key][e].tolist()
+        per_seed.append(_finite(entry))
+    bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
+    if bad:
+        log(f"{row} on {p.suite.name} ({p.schedule}): seed(s) {bad} diverged; the other seeds completed")
+    rec = results.make_record(
+        **common,
+        status="diverged" if bad else "ok",
+        message=f"diverged seeds: {bad}" if bad else "",
+        wall_time_s=time.perf_counter() - t0,
+        stacked_members=res["members"],
+        trainable_params=res["trainable_params"],
+        total_params=res["total_params"],
+    )
+    rec["train_info"]["per_seed"] = per_seed  # suite fields (nested lists), made JSON-safe by _finite
+    rec["train_info"]["tasks"] = p.suite.task_names
+    write_json(rec, p.record_path(row))
+
+
+def _finite(v):
+    """Nested lists and dicts with every non-finite float as None (JSON has no NaN)."""
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return None if isinstance(v, float) and not math.isfinite(v) else v

@@ -1,0 +1,153 @@
+"""Suite records -> per-seed metrics -> the suite table with paired tests against LoRA.
+
+One row per (record, seed) of `load`: the slice keys SLICE, the row's method, the seed, its status, the continual
+metrics of `qlbench.continual` computed from that seed's stage x task matrix, and the raw arrays (R, initial, usage)
+for the figures. A diverged seed scores inf in every metric (as in `qlbench.stats`: equally worst, never dropped
+from a test); a failed row has one row per seed with status "failed" and no metrics.
+
+    average      final test MSE averaged over the tasks trained on (all T, or the first T - 1 under held-out)
+    paraphrased  the same average with every task's paraphrases in place of its sentence (instruction methods)
+    shuffled     the same average with task t given task t + 1's instruction (instruction methods)
+    held-out     the untrained last task's test MSE (schedule held-out)
+    forgetting   mean over tasks 1..T-1 of continual.forgetting (schedule sequential)
+    bwt, fwt     GEM's backward and forward transfer on -MSE (schedule sequential)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from qlbench import continual, stats, text
+from qlbench.results import read_record
+from qlbench.store import DamagedFile, Store
+
+SLICE = ["arch", "suite", "schedule", "budget", "backbone_init"]
+METRICS = ("average", "paraphrased", "shuffled", "held-out", "forgetting", "bwt", "fwt")
+LOWER_IS_BETTER = {"average", "paraphrased", "shuffled", "held-out", "forgetting"}
+BASELINE = "lora"
+
+
+def _array(v) -> np.ndarray:
+    """A nested list from a record as floats (None: a non-finite value written as JSON null -> inf)."""
+    return np.array(v, dtype=float) if v is not None else None
+
+
+def _seed_metrics(schedule: str, s: dict) -> dict:
+    R = np.nan_to_num(_array(s["stage_task_mse"]), nan=math.inf)  # (S, T)
+    T = R.shape[1]
+    trained = T - 1 if schedule == "held-out" else T
+    out = {
+        "average": float(R[-1, :trained].mean()),
+        "held-out": float(R[-1, -1]) if schedule == "held-out" else math.nan,
+    }
+    for key, name in (("paraphrase_task_mse", "paraphrased"), ("shuffled_task_mse", "shuffled")):
+        out[name] = float(np.nan_to_num(_array(s[key]), nan=math.inf)[:trained].mean()) if key in s else math.nan
+    if schedule == "sequential":
+        initial = np.nan_to_num(_array(s["initial_task_mse"]), nan=math.inf)
+        with np.errstate(invalid="ignore"):
+            out |= {
+                "forgetting": float(continual.forgetting(R).mean()),
+                "bwt": continual.bwt(R),
+                "fwt": continual.fwt(R, initial),
+            }
+    else:
+        out |= {"forgetting": math.nan, "bwt": math.nan, "fwt": math.nan}
+    if s["status"] == "diverged":  # equally worst in every metric, never dropped
+        out = {k: (math.inf if k in LOWER_IS_BETTER else -math.inf) if not math.isnan(v) else v for k, v in out.items()}
+    return out
+
+
+def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
+    """Every suite record of a results folder (or the given record paths) as one row per (record, seed); a damaged
+    record goes to on_damaged(message) (default: a warning) and is skipped."""
+    rows = []
+    paths = Store(paths_or_root).suite_records() if isinstance(paths_or_root, str | Path) else paths_or_root
+    for path in paths:
+        try:
+            rec = read_record(path)
+        except DamagedFile as err:
+            (on_damaged or (lambda m: warnings.warn(m, stacklevel=2)))(f"{err}; skipped")
+            continue
+        cfg, info = rec["run_info"]["config"], rec["train_info"]
+        key = {
+            "arch": cfg["arch"],
+            "suite": cfg["suite"],
+            "schedule": cfg["schedule"],
+            "budget": cfg["budget"]["name"],
+            "backbone_init": cfg["backbone_init"],
+            "method": cfg["row"],
+            "trainable_params": info.get("trainable_params"),
+            "tasks": tuple(cfg["suite_card"]["tasks"][t]["name"] for t in range(len(cfg["suite_card"]["tasks"]))),
+            "path": str(path),
+        }
+        if info["status"] == "failed" or not info.get("per_seed"):
+            rows += [key | {"seed": s, "status": "failed"} for s in cfg["seeds"]]
+            continue
+        for s in info["per_seed"]:
+            arrays = {
+                "R": _array(s["stage_task_mse"]),
+                "initial": _array(s["initial_task_mse"]),
+                "usage": _array(s.get("usage")),
+            }
+            rows.append(key | {"seed": s["seed"], "status": s["status"]} | _seed_metrics(cfg["schedule"], s) | arrays)
+    return pd.DataFrame(rows)
+
+
+def _cell(values: pd.Series, status: pd.Series) -> str:
+    """mean ± std over the finite seeds; a diverged seed shows as inf with the survivors' count."""
+    v = values.to_numpy(float)
+    if np.isnan(v).all():
+        return "-"
+    finite = v[np.isfinite(v)]
+    body = text.mean_std(
+        float(finite.mean()) if len(finite) else math.nan,
+        float(np.std(finite, ddof=1)) if len(finite) > 1 else math.nan,
+        len(finite),
+    )
+    n_div = int((status == "diverged").sum())
+    return f"inf ({len(finite)} ok: {body})" if n_div else body
+
+
+def summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (slice, method) in the tables' method order: n seeds, trainable parameters, every metric as
+    "mean ± std" text (columns METRICS, and one column per task with its final MSE), and the paired test of the
+    average against LoRA over the common seeds (vs-lora: the mean difference and p; outcome win | tie | loss)."""
+    out = []
+    for key, g in frame.groupby(SLICE, sort=True):
+        tasks = g["tasks"].iloc[0]
+        base = g[g["method"] == BASELINE]
+        for method in stats.method_order(g["method"].unique()):
+            m = g[g["method"] == method]
+            row = dict(zip(SLICE, key)) | {
+                "method": method,
+                "n": len(m),
+                "trainable_params": m["trainable_params"].iloc[0],
+            }
+            if (m["status"] == "failed").all():
+                out.append(row | {"average": "failed"})
+                continue
+            for metric in METRICS:
+                row[metric] = _cell(m[metric], m["status"])
+            for t, name in enumerate(tasks):
+                finals = m["R"].map(
+                    lambda R, t=t: math.inf if R is None else float(np.nan_to_num(R[-1, t], nan=math.inf))
+                )
+                row[name] = _cell(finals, m["status"])
+            if method != BASELINE and len(base) and stats.is_adapter(method):
+                paired = m.merge(base, on="seed", suffixes=("", "_b"))
+                t = stats.paired_test(paired["average"], paired["average_b"])
+                row["vs-lora"] = f"{text.num(t['mean_diff'], 2)} (p {text.num(t['p'], 2)})" if t["n"] >= 2 else "-"
+                row["outcome"] = t["outcome"]
+            out.append(row)
+    return pd.DataFrame(out)
+
+
+def mean_arrays(frame: pd.DataFrame, column: str) -> np.ndarray | None:
+    """The mean over a group's ok seeds of an array column (R, initial or usage); None when no seed has it."""
+    ok = [a for a, s in zip(frame[column], frame["status"]) if s == "ok" and a is not None]
+    return np.mean(np.stack(ok), axis=0) if ok else None

@@ -1,0 +1,160 @@
+"""Suite runs on the engine: stages train only their own tasks, nothing is reset between stages, instructions are
+read per sample, records resume, and the continual metrics come out of real runs as the definitions say."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from qlbench import continual, multitask, results, suite_stats, suites
+
+from helpers import one_line_error
+
+FAST = dict(budget="smoke", seeds=2, backbone_init="kaiming", threads=1)
+
+
+def plan(tmp_path, suite="zoo-4", schedule="sequential", methods=("lora",), **kw):
+    return multitask.plan(
+        suite=suite, schedule=schedule, arch="deep-narrow", methods=list(methods), out_dir=tmp_path, **(FAST | kw)
+    )
+
+
+def with_lr(p: multitask.SuitePlan, lr: float) -> multitask.SuitePlan:
+    adapt = dataclasses.replace(p.budget.adapt, lr=lr)
+    return dataclasses.replace(p, budget=dataclasses.replace(p.budget, adapt=adapt))
+
+
+def seeds(p: multitask.SuitePlan, row: str) -> list[dict]:
+    return results.read_record(p.record_path(row))["train_info"]["per_seed"]
+
+
+@pytest.fixture(scope="module")
+def zoo4(tmp_path_factory):
+    """One sequential smoke run on zoo-4 (live backbone) of a static, a task and two instruction rows."""
+    p = plan(tmp_path_factory.mktemp("zoo4"), methods=("lora", "lora-per-task", "instruct-queryable", "task-code"))
+    multitask.run(p, progress=False, log=lambda m: None)
+    return p
+
+
+def test_a_stage_trains_only_its_own_task(zoo4):
+    """lora-per-task after stage 0 has moved task 0 only: every other task's MSE is its initial one, bit for bit
+    (their factors got no gradient), and after stage t tasks t + 1.. are still untouched."""
+    for s in seeds(zoo4, "lora-per-task"):
+        R, initial = np.array(s["stage_task_mse"]), np.array(s["initial_task_mse"])
+        assert R.shape == (4, 4)
+        for t in range(4):
+            assert (R[t, t + 1 :] == initial[t + 1 :]).all()
+            assert R[t, t] != initial[t]
+        assert continual.fwt(R, initial) == 0.0  # nothing transfers forward through separate adapters
+
+
+def test_nothing_is_reset_between_stages(zoo4):
+    """A shared adapter carries its parameters over: after stage 1, task 0's MSE is not back at its initial value
+    (a reset would put it there) and differs from its stage-0 value (stage 1 changed the shared update)."""
+    for s in seeds(zoo4, "lora"):
+        R, initial = np.array(s["stage_task_mse"]), np.array(s["initial_task_mse"])
+        assert R[1, 0] != initial[0] and R[1, 0] != R[0, 0]
+
+
+def test_learning_rate_zero_forgets_nothing(tmp_path):
+    """With lr 0 every stage leaves the parameters (and every task's MSE) exactly where they were: forgetting,
+    BWT and FWT are 0 for a static and a routed row alike."""
+    p = with_lr(plan(tmp_path, methods=("lora", "instruct-queryable")), 0.0)
+    multitask.run(p, progress=False, log=lambda m: None)
+    for row in p.rows:
+        for s in seeds(p, row):
+            R, initial = np.array(s["stage_task_mse"]), np.array(s["initial_task_mse"])
+            assert (R == initial).all()
+            assert (continual.forgetting(R) == 0).all() and continual.bwt(R) == 0 and continual.fwt(R, initial) == 0
+
+
+def test_shuffling_instructions_moves_instruction_methods_only(zoo4, tmp_path):
+    """Routing with task t + 1's instruction changes an instruction method's error on zoo-4 (four sentences) and
+    on task codes, and changes nothing, bit for bit, on the same-instruction control (four equal sentences)."""
+    for row in ("instruct-queryable", "task-code"):
+        for s in seeds(zoo4, row):
+            assert s["shuffled_task_mse"] != s["stage_task_mse"][-1]
+    assert all("shuffled_task_mse" not in s for s in seeds(zoo4, "lora"))
+    control = plan(tmp_path, suite="zoo-4-same-instruction", methods=("instruct-queryable",))
+    multitask.run(control, progress=False, log=lambda m: None)
+    for s in seeds(control, "instruct-queryable"):
+        assert s["shuffled_task_mse"] == s["stage_task_mse"][-1]
+        assert s["paraphrase_task_mse"] == s["stage_task_mse"][-1]  # its paraphrases are the same sentence too
+
+
+def test_paraphrases_are_evaluated_for_sentences_not_for_codes(zoo4):
+    assert all("paraphrase_task_mse" in s for s in seeds(zoo4, "instruct-queryable"))
+    assert all("paraphrase_task_mse" not in s for s in seeds(zoo4, "task-code"))
+
+
+COPIES = """
+description = "four copies of one task"
+bounds = [[-1.0, 1.0], [-1.0, 1.0]]
+[source]
+function = "ackley"
+""" + "".join(
+    f"""
+[[task]]
+name = "copy{i}"
+function = "matyas"
+instruction = "A smooth bowl."
+paraphrases = ["A round basin.", "A smooth valley."]
+"""
+    for i in range(4)
+)
+
+
+def test_copies_of_one_task_use_the_atoms_alike(tmp_path, monkeypatch, zoo4):
+    """Four copies of one task with one sentence route alike (final symmetric KL between their usage near 0; they
+    differ only by their test samples), while zoo-4's four sentences already give the router distinct usage."""
+    cards = dict(suites._cards()) | {"copies": suites.parse("copies", COPIES)}
+    monkeypatch.setattr(suites, "_cards", lambda: cards)
+    p = plan(tmp_path, suite="copies", schedule="joint", methods=("instruct-queryable",))
+    multitask.run(p, progress=False, log=lambda m: None)
+    copies = [continual.symmetric_kl(np.array(s["usage"])[-1]).max() for s in seeds(p, "instruct-queryable")]
+    distinct = [continual.symmetric_kl(np.array(s["usage"])[-1]).max() for s in seeds(zoo4, "instruct-queryable")]
+    assert max(copies) < 0.01, copies
+    assert min(distinct) > 10 * max(copies), (distinct, copies)
+
+
+def test_held_out_task_is_zero_shot(tmp_path):
+    """Under held-out the last task is never trained on: lora-per-task's output on it is the frozen backbone's
+    (its factors never moved), while the trained tasks moved."""
+    p = plan(tmp_path, suite="shifts-matyas", schedule="held-out", methods=("lora-per-task", "frozen"))
+    multitask.run(p, progress=False, log=lambda m: None)
+    frozen = {s["seed"]: s["stage_task_mse"][-1] for s in seeds(p, "frozen")}
+    for s in seeds(p, "lora-per-task"):
+        final = s["stage_task_mse"][-1]
+        assert final[-1] == frozen[s["seed"]][-1]
+        assert all(a != b for a, b in zip(final[:-1], frozen[s["seed"]][:-1]))
+    frame = suite_stats.load(p.store.root)
+    assert frame.loc[frame["method"] == "lora-per-task", "held-out"].notna().all()
+
+
+def test_a_suite_resumes_row_by_row_with_the_same_numbers(tmp_path):
+    p = plan(tmp_path, schedule="joint", methods=("lora", "task-lora"))
+    multitask.run(p, progress=False, log=lambda m: None)
+    before = seeds(p, "task-lora")
+    p.record_path("task-lora").unlink()
+    said = []
+    multitask.run(p, progress=False, log=said.append)
+    assert any("1 row(s) already have a finished record" in m for m in said)
+    assert seeds(p, "task-lora") == before
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["suite", "--suite", "nope"], ["'nope'", "zoo-4", "shifts-ackley"]),
+        (["suite", "--suite", "zoo-4", "--schedule", "random"], ["'random'", "joint", "sequential", "held-out"]),
+        (["suite", "--suite", "zoo-4", "--methods", "lora,moe"], ["'moe'", "lora-per-task", "task-code"]),
+        (["suite", "--suite", "zoo-4", "--hp", "tasks=3"], ["tasks", "suite's task count"]),
+        (["suite", "--suite", "zoo-4", "--seeds", "0"], ["seeds", ">= 1"]),
+    ],
+)
+def test_bad_suite_input_is_one_line_exit_2(capsys, tmp_path, argv, expect):
+    line = one_line_error(capsys, argv + ["--out", str(tmp_path / "out")])
+    assert all(e in line for e in expect), line
+    assert not (tmp_path / "out").exists()
