@@ -16,7 +16,13 @@ What a single task can show (LIMITATION, printed with every table): with one tas
 sentence for every sample, so e(c) is a constant. Its query term lambda_ctx Q_ctx e is then a constant vector that
 the learned block prior w_b can absorb, and its language prior a constant bias of the logits that the keys can
 absorb: a difference between the instruction rows cannot come from what the sentence says about the task. The
-informative ablation varies the instruction across tasks that share one adapter (multi-task suites).
+informative ablation varies the instruction across tasks that share one adapter: `suite_plans` runs it on a
+multi-task suite (`qlbench ablate --suite`), where each sample is routed with its own task's instruction:
+
+    card               each task's own sentence (instruct-queryable)
+    same-instruction   one sentence for every task (instruct-queryable on the suite's -same-instruction control)
+    task-code          each sentence replaced by a fixed random vector: identity without language
+    no-instruction, no-language-prior, instruction-only   as above
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qlbench import engine, experiment, results, stats, text
+from qlbench import engine, experiment, multitask, results, stats, suite_stats, suites, text
 
 METHOD = "instruct-queryable"
 REFERENCE = "card"  # the variant every other is compared with
@@ -122,3 +128,56 @@ def table(records: dict[str, Path]) -> pd.DataFrame:
             )
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# On a multi-task suite.
+
+SUITE_ROWS = ("instruct-queryable", "task-code", "no-instruction", "no-language-prior", "instruction-only")
+SUITE_VARIANT = {"instruct-queryable": REFERENCE}  # a row's name in the ablation table (others keep theirs)
+SAME = "same-instruction"
+
+
+def suite_plans(*, suite: str, schedule: str = "joint", **kwargs) -> dict[str, multitask.SuitePlan]:
+    """The suite ablation's two validated plans: the structural variants on `suite`, and instruct-queryable on its
+    same-instruction control (ValueError on bad input, before any work). kwargs: multitask.plan's."""
+    if suite.endswith(suites.CONTROL_SUFFIX):
+        raise ValueError(f"ablate --suite takes a suite card, not a control: {suites.base_name(suite)!r}")
+    return {
+        "variants": multitask.plan(suite=suite, schedule=schedule, methods=list(SUITE_ROWS), **kwargs),
+        SAME: multitask.plan(
+            suite=suite + suites.CONTROL_SUFFIX, schedule=schedule, methods=["instruct-queryable"], **kwargs
+        ),
+    }
+
+
+def suite_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per variant of a suite ablation (`suite_stats.load` of its records): the suite metrics (mean ± std
+    over seeds) and the paired difference of the average to the card's sentences."""
+    frame = frame.assign(
+        variant=[
+            SAME if suite.endswith(suites.CONTROL_SUFFIX) else SUITE_VARIANT.get(m, m)
+            for suite, m in zip(frame["suite"], frame["method"])
+        ]
+    )
+    reference = frame[frame["variant"] == REFERENCE].set_index("seed")["average"]
+    rows = []
+    for name in (REFERENCE, SAME, *(r for r in SUITE_ROWS if r not in SUITE_VARIANT)):
+        g = frame[frame["variant"] == name]
+        if g.empty:
+            continue
+        row = {"variant": name, "trainable": f"{int(g['trainable_params'].iloc[0]):,}"}
+        if (g["status"] == "failed").all():
+            rows.append(row | {"average": "failed"})
+            continue
+        for metric in ("average", "paraphrased", "shuffled", "held-out", "usage-kl"):
+            row[metric] = suite_stats.cell(g[metric], g["status"])
+        row[f"diff vs {REFERENCE}, p"] = "-"
+        if name != REFERENCE:
+            mine = g.set_index("seed")["average"]
+            common = mine.index.intersection(reference.index)
+            test = stats.paired_test(mine[common].to_numpy(), reference[common].to_numpy())
+            row[f"diff vs {REFERENCE}, p"] = f"{text.num(test['mean_diff'], 3)}, p = {text.num(test['p'], 2)}"
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    return table.loc[:, [c for c in table.columns if c.startswith("diff") or not (table[c] == "-").all()]]

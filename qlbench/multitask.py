@@ -21,7 +21,8 @@ across tasks (task t given task t + 1's); routed methods record their block-aver
 
 Rows are registered methods, plus VARIANTS: a method with a setting. `task-code` is instruct-queryable with each
 task's sentence replaced by a fixed seeded random vector of the sentence embedding's norm (identity without
-language). The same-instruction control is a suite of its own (`<suite>-same-instruction`, suites.py).
+language); `no-instruction`, `no-language-prior` and `instruction-only` are the instruction ablation's structural
+variants (ablation.py). The same-instruction control is a suite of its own (`<suite>-same-instruction`, suites.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ from qlbench.stacked import ForwardContext
 from qlbench.store import DamagedFile, Store, set_aside, stable_hash, write_json
 
 SCHEDULES = ("joint", "sequential", "held-out")
-VARIANTS = {"task-code": ("instruct-queryable", {"instruction_source": "random"})}
+VARIANTS = {  # row -> (registered method, its fixed settings)
+    "task-code": ("instruct-queryable", {"instruction_source": "random"}),
+    # the instruction-router ablation's structural variants on a suite (`qlbench ablate --suite`, ablation.py)
+    "no-instruction": ("instruct-queryable", {"tau_lang": 0.0, "lambda_ctx": 0.0}),
+    "no-language-prior": ("instruct-queryable", {"tau_lang": 0.0}),
+    "instruction-only": ("instruct-queryable", {"query": "instruction-only"}),
+}
 DEFAULT_ROWS = (
     "lora",
     "lora-per-task",

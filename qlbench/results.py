@@ -167,7 +167,7 @@ def _records(paths_or_root, on_damaged) -> list[tuple[Path, dict]]:
         except DamagedFile as err:
             (on_damaged or (lambda m: warnings.warn(m, stacklevel=3)))(f"{err}; skipped")
             continue
-        if rec.get("schema") == SCHEMA:
+        if rec.get("schema") == SCHEMA and "suite" not in rec["run_info"].get("config", {}):  # suites: suite_stats
             out.append((path, rec))
     return out
 

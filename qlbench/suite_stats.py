@@ -9,8 +9,13 @@ from a test); a failed row has one row per seed with status "failed" and no metr
     paraphrased  the same average with every task's paraphrases in place of its sentence (instruction methods)
     shuffled     the same average with task t given task t + 1's instruction (instruction methods)
     held-out     the untrained last task's test MSE (schedule held-out)
-    forgetting   mean over tasks 1..T-1 of continual.forgetting (schedule sequential)
+    forgetting   mean over every task but the last of continual.forgetting (schedule sequential)
     bwt, fwt     GEM's backward and forward transfer on -MSE (schedule sequential)
+    usage-kl     mean over task pairs of the final symmetric KL between the tasks' atom usage (routed rows)
+    route-drift  mean over stages and tasks of the stagewise route drift (routed rows, schedule sequential)
+
+Usage-based numbers are computed per seed and then averaged: atom m of one seed has nothing to do with atom m of
+another, so usage itself is never averaged over seeds.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import pandas as pd
 from qlbench import continual, stats, text
 from qlbench.results import read_record
 from qlbench.store import DamagedFile, Store
+from qlbench.text import Column
 
 SLICE = ["arch", "suite", "schedule", "budget", "backbone_init"]
-METRICS = ("average", "paraphrased", "shuffled", "held-out", "forgetting", "bwt", "fwt")
+METRICS = ("average", "paraphrased", "shuffled", "held-out", "forgetting", "bwt", "fwt", "usage-kl", "route-drift")
 LOWER_IS_BETTER = {"average", "paraphrased", "shuffled", "held-out", "forgetting"}
 BASELINE = "lora"
 
@@ -57,6 +63,13 @@ def _seed_metrics(schedule: str, s: dict) -> dict:
             }
     else:
         out |= {"forgetting": math.nan, "bwt": math.nan, "fwt": math.nan}
+    out["usage-kl"] = out["route-drift"] = math.nan
+    if s.get("usage") is not None and s["status"] == "ok":
+        U = _array(s["usage"])  # (S, T, M)
+        kl = continual.symmetric_kl(U[-1])
+        out["usage-kl"] = float(kl[~np.eye(len(kl), dtype=bool)].mean())
+        if schedule == "sequential":
+            out["route-drift"] = float(continual.route_drift(U).mean())
     if s["status"] == "diverged":  # equally worst in every metric, never dropped
         out = {k: (math.inf if k in LOWER_IS_BETTER else -math.inf) if not math.isnan(v) else v for k, v in out.items()}
     return out
@@ -98,7 +111,7 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _cell(values: pd.Series, status: pd.Series) -> str:
+def cell(values: pd.Series, status: pd.Series) -> str:
     """mean ± std over the finite seeds; a diverged seed shows as inf with the survivors' count."""
     v = values.to_numpy(float)
     if np.isnan(v).all():
@@ -132,12 +145,12 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
                 out.append(row | {"average": "failed"})
                 continue
             for metric in METRICS:
-                row[metric] = _cell(m[metric], m["status"])
+                row[metric] = cell(m[metric], m["status"])
             for t, name in enumerate(tasks):
                 finals = m["R"].map(
                     lambda R, t=t: math.inf if R is None else float(np.nan_to_num(R[-1, t], nan=math.inf))
                 )
-                row[name] = _cell(finals, m["status"])
+                row[name] = cell(finals, m["status"])
             if method != BASELINE and len(base) and stats.is_adapter(method):
                 paired = m.merge(base, on="seed", suffixes=("", "_b"))
                 t = stats.paired_test(paired["average"], paired["average_b"])
@@ -147,7 +160,40 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def mean_arrays(frame: pd.DataFrame, column: str) -> np.ndarray | None:
-    """The mean over a group's ok seeds of an array column (R, initial or usage); None when no seed has it."""
-    ok = [a for a, s in zip(frame[column], frame["status"]) if s == "ok" and a is not None]
+def mean_over_seeds(frame: pd.DataFrame, column: str, of=lambda a: a) -> np.ndarray | None:
+    """The mean over a group's ok seeds of of(array) for an array column (R, initial, usage); None when no seed has
+    it. Never average usage itself (atoms are per seed): pass `of` a permutation-invariant function of it."""
+    ok = [of(a) for a, s in zip(frame[column], frame["status"]) if s == "ok" and a is not None]
     return np.mean(np.stack(ok), axis=0) if ok else None
+
+
+COLUMN_NOTES = {
+    "paraphrased": "the average with every task's paraphrases in place of its sentence",
+    "shuffled": "the average with task t given task t + 1's instruction",
+    "held-out": "the untrained last task, zero-shot",
+    "forgetting": "final minus best earlier MSE after training, mean over every task but the last",
+    "bwt": "GEM backward transfer on -MSE (< 0: later stages hurt earlier tasks)",
+    "fwt": "GEM forward transfer on -MSE (> 0: earlier stages helped)",
+    "usage-kl": "final symmetric KL between the tasks' atom usage, mean over task pairs (nats)",
+    "route-drift": "total variation of each task's usage from one stage to the next, mean",
+    "vs-lora": "mean difference of the average against LoRA, paired over seeds, and its p",
+}
+
+
+def table_text(summary) -> str:
+    """The suite table of one slice (suite_stats.summary rows), columns with no value anywhere left out, and the
+    notes of the columns it shows."""
+    rows = summary.to_dict("records")
+    present = lambda key: any(isinstance(r.get(key), str) and r[key] not in ("-", "") for r in rows)
+    tasks = [c for c in summary.columns if c not in (*SLICE, "method", "n", "trainable_params")]
+    tasks = [c for c in tasks if c not in (*METRICS, "vs-lora", "outcome")]
+    columns = [
+        Column("method", "method"),
+        Column("trainable", "trainable_params", lambda v: "-" if v is None or v != v else f"{int(v):,}"),
+        Column("average", "average"),
+        *(Column(t, t, lambda v: "-" if not isinstance(v, str) else v) for t in tasks if present(t)),
+        *(Column(m, m, lambda v: "-" if not isinstance(v, str) else v) for m in METRICS[1:] if present(m)),
+        *(Column(c, c, lambda v: "-" if not isinstance(v, str) else v) for c in ("vs-lora", "outcome") if present(c)),
+    ]
+    notes = [f"{c.heading}: {COLUMN_NOTES[c.heading]}" for c in columns if c.heading in COLUMN_NOTES]
+    return text.table(rows, columns) + ("\n\n" + "; ".join(notes) if notes else "")

@@ -65,13 +65,29 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # Bottom to top. A module may import modules of its own layer (no cycle) or of a lower one; a package's modules
 # (qlbench.adapters.lora) sit in the package's layer.
 LAYERS = [
-    ["qlbench", "qlbench.seeding", "qlbench.store", "qlbench.soap", "qlbench.stacked", "qlbench.gradients", "qlbench.continual"],
+    [
+        "qlbench",
+        "qlbench.seeding",
+        "qlbench.store",
+        "qlbench.soap",
+        "qlbench.stacked",
+        "qlbench.gradients",
+        "qlbench.continual",
+    ],
     ["qlbench.text", "qlbench.progress", "qlbench.zoo"],
     ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.suites"],
     ["qlbench.adapters"],
     ["qlbench.engine"],
     ["qlbench.experiment"],
-    ["qlbench.stats", "qlbench.theory", "qlbench.verify", "qlbench.bench", "qlbench.ray_executor", "qlbench.multitask"],
+    [
+        "qlbench.stats",
+        "qlbench.theory",
+        "qlbench.verify",
+        "qlbench.bench",
+        "qlbench.ray_executor",
+        "qlbench.multitask",
+        "qlbench.suite_stats",
+    ],
     ["qlbench.diagnostics", "qlbench.ablation"],
     ["qlbench.report"],
     ["qlbench.commands"],

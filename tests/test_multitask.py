@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pandas as pd
 import pytest
 
-from qlbench import continual, multitask, results, suite_stats, suites
+from qlbench import ablation, cli, continual, multitask, results, suite_stats, suites
 
 from helpers import one_line_error
 
@@ -158,3 +159,50 @@ def test_bad_suite_input_is_one_line_exit_2(capsys, tmp_path, argv, expect):
     line = one_line_error(capsys, argv + ["--out", str(tmp_path / "out")])
     assert all(e in line for e in expect), line
     assert not (tmp_path / "out").exists()
+
+
+def test_report_writes_the_suite_section(zoo4, tmp_path):
+    """`qlbench report` on a folder holding only suite records: the suite table and the continual-routing figures;
+    the single-task loaders ignore suite records."""
+    out = tmp_path / "report"
+    assert cli.main(["report", str(zoo4.store.root), "--out", str(out), "--format", "md,csv"]) == 0
+    folder = out / "suites" / "deep-narrow-kaiming" / "smoke" / "zoo-4" / "sequential"
+    table = (folder / "table.md").read_text()
+    assert all(row in table for row in zoo4.rows) and "forgetting" in table
+    for name in ("stage-task-mse", "instruct-queryable-usage", "instruct-queryable-drift", "task-code-kl-drift"):
+        assert (folder / f"{name}.png").stat().st_size > 5_000
+    assert "lora-per-task-usage.png" not in {p.name for p in folder.iterdir()}  # no router, no usage figure
+    assert results.load(zoo4.store.root).empty
+
+
+def test_suite_ablation_table_pairs_each_variant_with_the_card():
+    rows = []
+    for suite, method, averages in (
+        ("zoo-4", "instruct-queryable", [1.0, 2.0, 3.0]),
+        ("zoo-4", "task-code", [1.5, 2.4, 3.7]),
+        ("zoo-4-same-instruction", "instruct-queryable", [1.0, 2.0, 3.0]),
+    ):
+        for seed, a in enumerate(averages):
+            rows.append(
+                dict(suite=suite, method=method, seed=seed, status="ok", trainable_params=10, average=a)
+                | {k: float("nan") for k in ("paraphrased", "shuffled", "held-out", "usage-kl")}
+            )
+    table = ablation.suite_table(pd.DataFrame(rows)).set_index("variant")
+    assert list(table.index) == ["card", "same-instruction", "task-code"]
+    # by hand: differences 0.5, 0.4, 0.7, mean 0.533, sd 0.153, t = 6.05 on 2 degrees of freedom, p = 0.026
+    assert table.loc["task-code", "diff vs card, p"] == "0.533, p = 0.026"
+    assert table.loc["same-instruction", "diff vs card, p"].startswith("0,")
+    assert table.loc["card", "average"] == "2.00 ± 1.0"
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["ablate", "--suite", "zoo-4-same-instruction"], ["suite card, not a control", "'zoo-4'"]),
+        (["ablate", "--function", "dropwave", "--schedule", "sequential"], ["--suite only"]),
+        (["ablate", "--suite", "zoo-4", "--schedule", "nope"], ["'nope'", "held-out"]),
+    ],
+)
+def test_bad_ablate_suite_input_is_one_line_exit_2(capsys, tmp_path, argv, expect):
+    line = one_line_error(capsys, argv + ["--out", str(tmp_path / "out")])
+    assert all(e in line for e in expect), line

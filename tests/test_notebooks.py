@@ -42,6 +42,8 @@ def test_notebook_runs(path, this_python_kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("QLBENCH_FIGURES_DIR", str(figures))  # the kernel inherits this environment
     if path.name in ("02_results.ipynb", "03_routing.ipynb"):  # a results folder as a user has one: a smoke sweep
         monkeypatch.setenv("QLBENCH_RESULTS", str(smoke_sweep(tmp_path / "results")))
+    if path.name == "04_suites.ipynb":  # an empty folder: the notebook runs its own smoke suite into it
+        monkeypatch.setenv("QLBENCH_RESULTS", str(tmp_path / "suite-results"))
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
     NotebookClient(

@@ -1,4 +1,5 @@
-"""`qlbench ablate`: the instruction-router ablation (qlbench.ablation) on one function and arch, one table."""
+"""`qlbench ablate`: the instruction-router ablation (qlbench.ablation) on one function and arch, or on a multi-task
+suite (--suite), one table."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import ablation, experiment, text, zoo
-from qlbench.backbones import ARCHS
-from qlbench.commands import usage_errors
+from qlbench import ablation, experiment, multitask, suite_stats, text, zoo
+from qlbench.backbones import ARCHS, INITS
+from qlbench.commands import UsageError, usage_errors
 
 
 def register(subparsers) -> None:
@@ -18,9 +19,20 @@ def register(subparsers) -> None:
         description="Train instruct-queryable with every instruction variant ("
         + ", ".join(ablation.VARIANTS)
         + ") on one function and print a table "
-        "with the paired difference to the card's instruction.",
+        "with the paired difference to the card's instruction; with --suite, on a multi-task suite, where each "
+        "task has its own instruction (variants "
+        + ", ".join((ablation.REFERENCE, ablation.SAME, *ablation.SUITE_ROWS[1:]))
+        + ").",
     )
-    p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--function", metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
+    where.add_argument("--suite", metavar="NAME", help="a multi-task suite (qlbench suites lists them)")
+    p.add_argument(
+        "--schedule", default="joint", help=f"with --suite: one of {', '.join(multitask.SCHEDULES)} (default joint)"
+    )
+    p.add_argument(
+        "--backbone-init", default="default", help=f"with --suite: one of {', '.join(INITS)} (default default)"
+    )
     p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
     p.add_argument("--budget", default="quick", help="paper, quick or smoke (default quick)")
     p.add_argument("--seeds", type=int, help="number of seeds (default: the budget's)")
@@ -32,6 +44,10 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
+    if args.suite is not None:
+        return run_suite(args, log)
+    if args.schedule != "joint" or args.backbone_init != "default":
+        raise UsageError("--schedule and --backbone-init apply to --suite only; valid with --function: neither")
     with usage_errors():
         plans = ablation.plans(
             function=args.function,
@@ -60,3 +76,37 @@ def run(args) -> int:
     for name in failed:
         log(f"qlbench ablate: variant {name} failed (its record: {records[name]})")
     return 1 if len(failed) else 0
+
+
+def run_suite(args, log) -> int:
+    with usage_errors():
+        plans = ablation.suite_plans(
+            suite=args.suite,
+            schedule=args.schedule,
+            arch=args.arch,
+            budget=args.budget,
+            seeds=args.seeds,
+            out_dir=args.out,
+            device=args.device,
+            backbone_init=args.backbone_init,
+        )
+    first = plans["variants"]
+    print(
+        f"qlbench ablate: {ablation.METHOD} on suite {first.suite.name} ({first.schedule}, {first.arch}, budget "
+        f"{first.budget.name}, seeds {first.seeds}, {first.backbone_init} init), variants "
+        f"{', '.join((ablation.REFERENCE, ablation.SAME, *ablation.SUITE_ROWS[1:]))}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    paths = [path for plan in plans.values() for path in multitask.run(plan, progress=not args.no_progress, log=log)]
+    table = ablation.suite_table(suite_stats.load(paths, on_damaged=log))
+    print(text.markdown(table))
+    print(
+        "\nTest MSE on standardised labels, mean ± std over seeds; paraphrased / shuffled: with every task's "
+        "paraphrases / with task t given task t + 1's instruction; diff: the average's paired difference to card."
+    )
+    print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {first.store.root / 'suites'}")
+    failed = table.loc[table["average"] == "failed", "variant"].tolist()
+    for name in failed:
+        log(f"qlbench ablate: variant {name} failed")
+    return 1 if failed else 0

@@ -1,13 +1,14 @@
 """`qlbench report RESULTS`: the paper's tables (one row per function, one column per method) with paired
 statistics against LoRA, in Markdown, LaTeX and CSV, and seaborn figures; one table set per (arch, budget, backbone
-init); the gradient concentration table and gradient figures where records hold gradient diagnostics."""
+init); the gradient concentration table and gradient figures where records hold gradient diagnostics; and a suite
+section (qlbench/report/suite.py) for the records of `qlbench suite`."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from qlbench import results, stats, text
+from qlbench import results, stats, store, suite_stats, text
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, usage_errors
 
@@ -54,24 +55,51 @@ def run(args) -> int:
         raise UsageError(f"results folder {args.folder} does not exist")
     log = lambda message: print(f"qlbench report: {message}", file=sys.stderr)
     frame = results.load(args.folder, on_damaged=log)
-    if frame.empty:
-        raise UsageError(f"no records under {args.folder / 'records'}; `qlbench sweep --out {args.folder}` writes some")
+    suite_frame = suite_stats.load(args.folder, on_damaged=log)
+    if frame.empty and suite_frame.empty:
+        raise UsageError(
+            f"no records under {args.folder / 'records'} or {args.folder / 'suites'}; `qlbench sweep --out "
+            f"{args.folder}` or `qlbench suite --out {args.folder}` writes some"
+        )
     for key, value in (("arch", args.arch), ("budget", args.budget), ("backbone_init", args.backbone_init)):
         if value is not None:
-            if value not in set(frame[key]):
+            present = set(frame.get(key, [])) | set(suite_frame.get(key, []))
+            if value not in present:
                 raise UsageError(
-                    f"no records with {key} {value!r} under {args.folder}; present: "
-                    f"{', '.join(sorted(set(frame[key])))}"
+                    f"no records with {key} {value!r} under {args.folder}; present: {', '.join(sorted(present))}"
                 )
-            frame = frame[frame[key] == value]
+            frame = frame[frame[key] == value] if not frame.empty else frame
+            suite_frame = suite_frame[suite_frame[key] == value] if not suite_frame.empty else suite_frame
+    out = args.out or args.folder / "report"
+    markdown, files = [], []
+    if not frame.empty:
+        written = _single_task(args, frame, formats, out, log)
+        markdown.append(written["markdown"])
+        files += written["files"]
+    if not suite_frame.empty:
+        written = report.write_suite_report(suite_frame, out, formats=tuple(formats), figures=not args.no_figures)
+        markdown.append(written["markdown"])
+        files += written["files"]
+        if "md" in formats and frame.empty:  # the single-task report writes report.md; a suites-only one here
+            store.write_text(written["markdown"], out / "report.md")
+            files.append(out / "report.md")
+        elif "md" in formats:  # append the suite section to the single-task report
+            store.write_text("\n\n".join(markdown), out / "report.md")
+    print("\n\n".join(markdown))
+    print(f"\nwritten to {out}: {', '.join(sorted(set(str(Path(p).relative_to(out)) for p in files)))}")
+    return 0
+
+
+def _single_task(args, frame, formats, out: Path, log) -> dict:
+    from qlbench import report
+
     frame, notes = results.newest_config(frame)
     for note in notes:
         log(note)
     curves = results.load_curves(sorted(set(frame["record"])), on_damaged=log)
     gradients = results.load_gradients(sorted(set(frame["record"])), on_damaged=log)
-    out = args.out or args.folder / "report"
     with usage_errors():
-        written = report.write_report(
+        return report.write_report(
             frame,
             curves,
             out,
@@ -80,6 +108,3 @@ def run(args) -> int:
             figures=not args.no_figures,
             gradients=gradients if len(gradients) else None,
         )
-    print(written["markdown"])
-    print(f"\nwritten to {out}: {', '.join(sorted(str(Path(p).relative_to(out)) for p in written['files']))}")
-    return 0

@@ -6,10 +6,9 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import multitask, suite_stats, suites, text
+from qlbench import multitask, suite_stats, suites
 from qlbench.backbones import ARCHS, INITS
 from qlbench.commands import parse_overrides, split_list, usage_errors
-from qlbench.text import Column
 
 
 def register(subparsers) -> None:
@@ -47,36 +46,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-COLUMN_NOTES = {
-    "paraphrased": "the average with every task's paraphrases in place of its sentence",
-    "shuffled": "the average with task t given task t + 1's instruction",
-    "held-out": "the untrained last task, zero-shot",
-    "forgetting": "final minus best earlier MSE after training, mean over every task but the last",
-    "bwt": "GEM backward transfer on -MSE (< 0: later stages hurt earlier tasks)",
-    "fwt": "GEM forward transfer on -MSE (> 0: earlier stages helped)",
-    "vs-lora": "mean difference of the average against LoRA, paired over seeds, and its p",
-}
-
-
-def table_text(summary) -> str:
-    """The suite table of one slice (suite_stats.summary rows), columns with no value anywhere left out, and the
-    notes of the columns it shows."""
-    rows = summary.to_dict("records")
-    present = lambda key: any(isinstance(r.get(key), str) and r[key] not in ("-", "") for r in rows)
-    tasks = [c for c in summary.columns if c not in (*suite_stats.SLICE, "method", "n", "trainable_params")]
-    tasks = [c for c in tasks if c not in (*suite_stats.METRICS, "vs-lora", "outcome")]
-    columns = [
-        Column("method", "method"),
-        Column("trainable", "trainable_params", lambda v: "-" if v is None or v != v else f"{int(v):,}"),
-        Column("average", "average"),
-        *(Column(t, t, lambda v: "-" if not isinstance(v, str) else v) for t in tasks if present(t)),
-        *(Column(m, m, lambda v: "-" if not isinstance(v, str) else v) for m in suite_stats.METRICS[1:] if present(m)),
-        *(Column(c, c, lambda v: "-" if not isinstance(v, str) else v) for c in ("vs-lora", "outcome") if present(c)),
-    ]
-    notes = [f"{c.heading}: {COLUMN_NOTES[c.heading]}" for c in columns if c.heading in COLUMN_NOTES]
-    return text.table(rows, columns) + ("\n\n" + "; ".join(notes) if notes else "")
-
-
 def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -111,7 +80,7 @@ def run(args) -> int:
         f"\nTest MSE per task after the last stage, mean ± std over seeds (standardised labels: 1 = predicting the "
         f"task's mean over the box; noise floor {suites.zoo.NOISE_FRACTION**2:g})\n"
     )
-    print(table_text(summary))
+    print(suite_stats.table_text(summary))
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {p.store.root / 'suites' / p.arch / p.suite.name}")
     failed = summary.loc[summary["average"] == "failed", "method"].tolist()
     for method in failed:

@@ -4,6 +4,7 @@ figures. Entry point: `write_report(frame, curves, out_dir)`.
     tables   results -> DataFrames of text: the run table, the paper tables, paired statistics, legends
     figures  matplotlib Figures (no pyplot state): curves, log-ratio heatmap, gradients, routing, signal, zoo
     write    write_report: every table and figure of a results frame as files, one set per (arch, budget, init)
+    suite    write_suite_report: the suite section (tables, stage x task heatmaps, continual-routing figures)
 
 Every number says how many seeds it stands on, and a diverged seed counts as MSE = inf in every "best" mark and
 test (see `qlbench.stats` for the conventions); numbers and Markdown tables come from `qlbench.text`.
@@ -20,6 +21,7 @@ from qlbench.report.figures import (
     route_map_figure,
     signal_figure,
 )
+from qlbench.report.suite import write_suite_report
 from qlbench.report.tables import (
     CONCENTRATION_LEGEND,
     STATS_LEGEND,
@@ -54,4 +56,5 @@ __all__ = [
     "table_data",
     "wtl_table",
     "write_report",
+    "write_suite_report",
 ]
