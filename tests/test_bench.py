@@ -58,6 +58,11 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     for r in padding.values():  # two members' work against one: more than nothing, less than four times
         assert r["alone_ms"] > 0 and r["padded_ms"] > 0 and 0.8 < r["cost"] < 4
     assert "Stack independence: a one-member cell" in (tmp_path / "bench.md").read_text()
+    suite = {r["method"]: r for r in report["suite"]}  # the task controls always; the others when selected
+    assert set(suite) == {"lora", "lora-per-task", "task-lora", "queryable", "instruct-queryable"}
+    for r in suite.values():  # a batch of four tasks against one: the same work, give or take the task's gathers
+        assert r["tasks"] == 4 and r["single_ms"] > 0 and r["suite_ms"] > 0 and 0.25 < r["cost"] < 4
+    assert "Multi-task suites: a suite stage's training step" in (tmp_path / "bench.md").read_text()
     assert "Kernel floor" in (tmp_path / "bench.md").read_text()
 
 

@@ -1,7 +1,8 @@
 """The measured cases of `qlbench bench`, each returning its rows: the plain PyTorch loop against the per-seed loop,
 the stacked engine and the kernel floor; every method's throughput; Queryable LoRA's overhead against LoRA; a
-profile of one step; torch.compile against eager; inference; full-soap's optimizer step; and `run`, which takes
-them in order (`tasks`) and adds the peak and the paper-table estimate."""
+profile of one step; torch.compile against eager; inference; full-soap's optimizer step; a suite stage's step
+against a single-task one; and `run`, which takes them in order (`tasks`) and adds the peak and the paper-table
+estimate."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-from qlbench import adapters, engine, results, zoo
+from qlbench import adapters, engine, multitask, results, suites, zoo
 from qlbench.bench.estimate import paper_estimate
 from qlbench.bench.models import batches, lora_floor_step, plain_deep_narrow_lora, plain_step, stacked_model
 from qlbench.bench.parallel import side_by_side
@@ -374,6 +375,52 @@ def padding_row(arch: str, method: str, s: Settings, device) -> dict:
     )
 
 
+SUITE_METHODS = ("lora", "lora-per-task", "task-lora", "queryable", "instruct-queryable")
+SUITE = "zoo-4"  # its four sentences for the instruction table; the timing does not depend on the suite's data
+
+
+def suite_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """A suite stage's training step against a single-task step of the same size (same method, batch, members and
+    thread setting, alternating): the batch mixes the suite's T tasks (each sample's task index passed down; the
+    instruction router gathers each sample's sentence from an (E, T, d_c) table; lora-per-task and task-lora built
+    for T tasks). The single-task step of lora-per-task and task-lora is their one-task build (= LoRA, LoRA with one
+    core)."""
+    suite = suites.get(SUITE)
+    T, n, threads = len(suite.tasks), s.steps[arch], s.threads_for(arch, E, device)
+    single, single_opt = stacked_model(arch, method, E, device)
+    multi, multi_opt = stacked_model(arch, method, E, device, tasks=T)
+    config = adapters.get(method).make_config(**({"tasks": T} if adapters.kind_of(method) == "task" else {}))
+    if multitask.reads_instruction(config):
+        multitask.bind(multi, multitask.instruction_table(suite, config).to(device), E)
+    data = batches(E, device)
+    g = torch.Generator().manual_seed(1)
+    task = [torch.randint(0, T, (E, BATCH), generator=g).to(device) for _ in data]  # (E, b) per batch
+    single_step, multi_step = engine.make_step(single, single_opt), engine.make_step(multi, multi_opt)
+
+    def suite_chunk(k: int):
+        def run():
+            with engine.num_threads(threads):
+                for i in range(k):
+                    j = i % len(data)
+                    multi_step(*data[j], task=task[j])
+
+        return run
+
+    chunk(single_step, data, 2)()  # warm-up
+    suite_chunk(2)()
+    r = alternate({"single": (chunk(single_step, data, n, threads), n), "suite": (suite_chunk(n), n)}, s.rounds, device)
+    return stack_row(
+        arch,
+        method,
+        E,
+        threads,
+        tasks=T,
+        single_ms=1e3 / statistics.median(r["single"]),
+        suite_ms=1e3 / statistics.median(r["suite"]),
+        cost=median_ratio(r["single"], r["suite"]),
+    )
+
+
 # mean's model is a constant (each member's training-label mean), no network: its forward is not timed. Not a kind:
 # frozen, the other reference row, is the backbone's own forward and is timed.
 UNTIMED_FORWARDS = ("mean",)
@@ -407,6 +454,12 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                 )
         for m in pair:
             out.append((f"{arch} padding {m}", add("padding", lambda a=arch, m=m: padding_row(a, m, s, device))))
+        for m in SUITE_METHODS:  # the suite rows: the static baseline, the task controls, the routed methods
+            if m in methods or adapters.kind_of(m) == "task":
+                E = min(s.members)
+                out.append(
+                    (f"{arch} suite {m} E={E}", add("suite", lambda a=arch, m=m, E=E: suite_row(a, m, E, s, device)))
+                )
         if "full-soap" in methods:
             for E in s.members:
                 if arch == "transformer" and E > 5:
@@ -440,6 +493,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
         profile=[],
         soap=[],
         padding=[],
+        suite=[],
         side_by_side=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)

@@ -104,6 +104,18 @@ TABLES = [
         ],
     ),
     Table(
+        "suite",
+        "Multi-task suites: a suite stage's training step (a batch mixing the suite's tasks) against a single-task "
+        "step of the same size",
+        STACK
+        + [
+            Column("tasks", "tasks"),
+            Column("single-task ms/step", "single_ms", digits(2)),
+            Column("suite ms/step", "suite_ms", digits(2)),
+            Column("cost", "cost", partial(times, digits=2)),
+        ],
+    ),
+    Table(
         "compile",
         "torch.compile (model-steps/s after warm-up)",
         STACK
