@@ -6,13 +6,15 @@
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
 #   make results-snapshot  the quick sweeps of both backbones (9 functions, every method) and their report in docs/results
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
+#   make suites-snapshot   the multi-task snapshot: zoo-4 and shifts-ackley, every schedule, the default rows and the
+#                          same-instruction control, quick budget, live (kaiming) deep-narrow, into $(SUITES)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot diag-snapshot clean
+.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot diag-snapshot suites-snapshot clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +77,22 @@ diag-snapshot: setup
 	  $(BIN)/qlbench diagnose $(DIAG) --function dropwave --method $$m --backbone-init $$init \
 	    --out $(DIAG)/diagnose-$$init || exit 1; \
 	  cp $(DIAG)/diagnose-$$init/$$m-route-map.png figures/route-map-dropwave-$$m-$$init.png; done; done
+
+SUITES ?= suite-results
+SUITE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --out $(SUITES) \
+	--no-progress
+suites-snapshot: setup
+	for s in joint sequential; do \
+	  $(SUITE_RUN) --suite zoo-4 --schedule $$s || exit 1; \
+	  $(SUITE_RUN) --suite zoo-4-same-instruction --schedule $$s --methods instruct-queryable || exit 1; done
+	for s in joint sequential held-out; do \
+	  $(SUITE_RUN) --suite shifts-ackley --schedule $$s || exit 1; \
+	  $(SUITE_RUN) --suite shifts-ackley-same-instruction --schedule $$s --methods instruct-queryable || exit 1; done
+	$(BIN)/qlbench report $(SUITES) --format md,csv --out $(SUITES)/report
+	rm -rf docs/results/suites && mkdir -p docs/results/suites
+	cd $(SUITES)/report && find suites -name '*.md' -o -name '*.csv' -o -name '*.png' | \
+	  xargs -I{} install -D {} $(CURDIR)/docs/results/{}
+	cp $(SUITES)/report/report.md docs/results/suites-report.md
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .hypothesis

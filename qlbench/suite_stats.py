@@ -111,6 +111,29 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def index(frame: pd.DataFrame) -> pd.DataFrame:
+    """One line per suite record of `load`'s frame: its slice, row, status, seeds and diverged seeds."""
+    if frame.empty:
+        return frame
+    rows = []
+    for (path, method), g in frame.groupby(["path", "method"], sort=True):
+        first = g.iloc[0]
+        status = (
+            "failed" if (g["status"] == "failed").all() else "diverged" if (g["status"] == "diverged").any() else "ok"
+        )
+        rows.append(
+            {k: first[k] for k in SLICE}
+            | {
+                "method": method,
+                "hash": Path(path).stem.split("-")[-1],
+                "status": status,
+                "seeds": len(g),
+                "diverged": int((g["status"] == "diverged").sum()),
+            }
+        )
+    return pd.DataFrame(rows).sort_values([*SLICE, "method"], key=None).reset_index(drop=True)
+
+
 def cell(values: pd.Series, status: pd.Series) -> str:
     """mean ± std over the finite seeds; a diverged seed shows as inf with the survivors' count."""
     v = values.to_numpy(float)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlbench import results, text
+from qlbench import results, suite_stats, text
 from qlbench.commands import UsageError
 
 
@@ -14,7 +14,7 @@ def register(subparsers) -> None:
         "results",
         help="list what a results folder holds, one line per record",
         description="List the records of a results folder: arch, function, method, budget, "
-        "config hash, status, seeds, diverged seeds, whether the model is saved.",
+        "config hash, status, seeds, diverged seeds, whether the model is saved; and the suite records.",
     )
     p.add_argument("folder", type=Path, metavar="RESULTS", help="a results folder (as given to run --out)")
     p.set_defaults(func=run)
@@ -23,11 +23,20 @@ def register(subparsers) -> None:
 def run(args) -> int:
     if not args.folder.is_dir():
         raise UsageError(f"results folder {args.folder} does not exist")
-    table = results.index(args.folder, on_damaged=lambda m: print(f"qlbench results: {m}", file=sys.stderr))
-    if table.empty:
-        raise UsageError(f"no records under {args.folder / 'records'}; `qlbench run --out {args.folder}` writes some")
-    table = table.drop(columns=["record"]).assign(has_model=table["has_model"].map({True: "yes", False: "no"}))
-    print(text.markdown(table))
-    counts = table.groupby(["arch", "budget"]).size()
-    print("\n" + "; ".join(f"{arch}/{budget}: {n} record(s)" for (arch, budget), n in counts.items()))
+    log = lambda m: print(f"qlbench results: {m}", file=sys.stderr)
+    table = results.index(args.folder, on_damaged=log)
+    suite_table = suite_stats.index(suite_stats.load(args.folder, on_damaged=log))
+    if table.empty and suite_table.empty:
+        raise UsageError(
+            f"no records under {args.folder / 'records'} or {args.folder / 'suites'}; `qlbench run --out "
+            f"{args.folder}` or `qlbench suite --out {args.folder}` writes some"
+        )
+    if not table.empty:
+        table = table.drop(columns=["record"]).assign(has_model=table["has_model"].map({True: "yes", False: "no"}))
+        print(text.markdown(table))
+        counts = table.groupby(["arch", "budget"]).size()
+        print("\n" + "; ".join(f"{arch}/{budget}: {n} record(s)" for (arch, budget), n in counts.items()))
+    if not suite_table.empty:
+        print(("\n" if not table.empty else "") + "Suite records (qlbench suite):\n")
+        print(text.markdown(suite_table))
     return 0
