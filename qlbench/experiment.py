@@ -124,8 +124,7 @@ def plan(
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, backbone_init)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
+    check_settings(eps=eps, dtype=dtype, threads=threads)
     zoo.check_noise(noise)
     if not functions:
         raise ValueError(f"no function given; valid: {', '.join(zoo.names())}")
@@ -137,18 +136,8 @@ def plan(
     if len(set(methods)) != len(methods):
         raise ValueError(f"method listed twice in {','.join(methods)}")
     b = engine.budget(budget, arch)
-    n_seeds = b.seeds if seeds is None else seeds
-    if not (isinstance(n_seeds, int) and n_seeds >= 1):
-        raise ValueError(f"seeds must be an integer >= 1, got {n_seeds!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    overrides = dict(overrides or {})
-    known = {f.name for m in methods for f in dataclasses.fields(adapters.get(m).config_cls)}
-    if unknown := sorted(set(overrides) - known):
-        raise ValueError(
-            f"unknown hyper-parameter(s) {', '.join(unknown)} for methods {','.join(methods)}; "
-            f"valid: {', '.join(sorted(known)) or 'none'}"
-        )
+    n_seeds = seed_count(b, seeds)
+    overrides = check_overrides(overrides, methods)
     configs = {}
     for m in methods:
         try:
@@ -159,8 +148,6 @@ def plan(
     check_writable(Path(out_dir))
     if compile not in ("auto", "on", "off"):
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
-    if threads is not None and not (isinstance(threads, int) and threads >= 1):
-        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
     dev = engine.resolve_device(device, cuda)
     use_compile = compile == "on" or (compile == "auto" and engine.compile_by_default(dev, b.name))
     return Plan(
@@ -199,6 +186,39 @@ def caveats(plan: Plan) -> list[str]:
             f"training is expected to diverge; use --dtype float64 for eps below {FLOAT32_EPS_FLOOR:g}"
         )
     return out
+
+
+def check_settings(*, eps, dtype: str, threads) -> None:
+    """The optimiser's epsilon, the dtype and the thread count, as every plan validates them (ValueError)."""
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    if threads is not None and not (isinstance(threads, int) and threads >= 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+
+
+def seed_count(budget: engine.Budget, seeds: int | None) -> int:
+    """The number of seeds: the budget's, or `seeds` (an integer >= 1; ValueError otherwise)."""
+    n = budget.seeds if seeds is None else seeds
+    if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"seeds must be an integer >= 1, got {n!r}")
+    return n
+
+
+def check_overrides(overrides: dict | None, methods: list[str], reserved: dict[str, str] | None = None) -> dict:
+    """Hyper-parameter overrides, each a field of at least one of the methods' configs; `reserved` maps a field
+    that is not the user's to set to the reason (ValueError naming the valid ones otherwise)."""
+    overrides, reserved = dict(overrides or {}), reserved or {}
+    known = {f.name for m in methods for f in dataclasses.fields(adapters.get(m).config_cls)} - set(reserved)
+    if taken := sorted(set(overrides) & set(reserved)):
+        raise ValueError(f"{taken[0]} is {reserved[taken[0]]}, not a setting")
+    if unknown := sorted(set(overrides) - known):
+        raise ValueError(
+            f"unknown hyper-parameter(s) {', '.join(unknown)} for methods {','.join(methods)}; "
+            f"valid: {', '.join(sorted(known)) or 'none'}"
+        )
+    return overrides
 
 
 def check_writable(folder: Path) -> None:

@@ -170,28 +170,16 @@ def plan(
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, backbone_init)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
+    experiment.check_settings(eps=eps, dtype=dtype, threads=threads)
     chosen = list(methods or DEFAULT_ROWS)
     for r in chosen:
         method_of(r)
     if len(set(chosen)) != len(chosen):
         raise ValueError(f"method listed twice in {','.join(chosen)}")
     b = engine.budget(budget, arch)
-    n_seeds = b.seeds if seeds is None else seeds
-    if not (isinstance(n_seeds, int) and n_seeds >= 1):
-        raise ValueError(f"seeds must be an integer >= 1, got {n_seeds!r}")
-    if dtype not in experiment.DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(experiment.DTYPES)}")
-    overrides = dict(overrides or {})
-    known = {f.name for r in chosen for f in dataclasses.fields(adapters.get(method_of(r)[0]).config_cls)}
-    if unknown := sorted(set(overrides) - known - {"tasks"}):
-        raise ValueError(
-            f"unknown hyper-parameter(s) {', '.join(unknown)} for methods {','.join(chosen)}; "
-            f"valid: {', '.join(sorted(known - {'tasks'})) or 'none'}"
-        )
-    if "tasks" in overrides:
-        raise ValueError(f"tasks is the suite's task count ({len(s.tasks)}), not a setting")
+    n_seeds = experiment.seed_count(b, seeds)
+    reserved = {"tasks": f"the suite's task count ({len(s.tasks)})"}
+    overrides = experiment.check_overrides(overrides, [method_of(r)[0] for r in chosen], reserved)
     configs = {}
     for r in chosen:
         name, fixed = method_of(r)
@@ -200,10 +188,8 @@ def plan(
             configs[r] = adapters.get(name).make_config(**settings)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{r}: {err}") from None
-    experiment.dry_build(arch, {method_of(r)[0]: configs[r] for r in chosen})
+        experiment.dry_build(arch, {name: configs[r]})  # each row: variants share their method's name
     experiment.check_writable(Path(out_dir))
-    if threads is not None and not (isinstance(threads, int) and threads >= 1):
-        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
     return SuitePlan(
         suite=s,
         schedule=schedule,
