@@ -173,7 +173,8 @@ FLOAT32_EPS_FLOOR = 1e-20  # below it, in float32, Adam's v = g^2 underflows for
 
 
 def caveats(plan: Plan) -> list[str]:
-    """One-line warnings about valid but known-bad settings, printed before any work (none for the defaults).
+    """One-line warnings about valid but known-bad settings of a plan (a Plan or a multitask.SuitePlan: its dtype and
+    eps), printed before any work (none for the defaults).
 
     float32 with eps below FLOAT32_EPS_FLOOR: the gradients such an eps is meant to stop swamping (about 1e-22 in the
     deep-narrow backbone's early layers) square to below float32's smallest normal (1.2e-38), which flush-denormal

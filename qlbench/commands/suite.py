@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import multitask, suite_stats, suites
+from qlbench import experiment, multitask, suite_stats, suites
 from qlbench.backbones import ARCHS, INITS
 from qlbench.commands import parse_overrides, split_list, usage_errors
 
@@ -66,6 +66,8 @@ def run(args) -> int:
             backbone_init=args.backbone_init,
             eps=args.eps,
         )
+    for caveat in experiment.caveats(p):
+        log(f"qlbench suite: warning: {caveat}")
     b = p.budget
     init = "" if p.backbone_init == "default" else f" ({p.backbone_init} init)"
     print(
