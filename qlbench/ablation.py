@@ -135,7 +135,7 @@ def table(records: dict[str, Path]) -> pd.DataFrame:
 
 SUITE_ROWS = ("instruct-queryable", "task-code", "no-instruction", "no-language-prior", "instruction-only")
 SUITE_VARIANT = {"instruct-queryable": REFERENCE}  # a row's name in the ablation table (others keep theirs)
-SAME = "same-instruction"
+SAME = suite_stats.CONTROL
 
 
 def suite_plans(*, suite: str, schedule: str = "joint", **kwargs) -> dict[str, multitask.SuitePlan]:
@@ -154,12 +154,7 @@ def suite_plans(*, suite: str, schedule: str = "joint", **kwargs) -> dict[str, m
 def suite_table(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per variant of a suite ablation (`suite_stats.load` of its records): the suite metrics (mean ± std
     over seeds) and the paired difference of the average to the card's sentences."""
-    frame = frame.assign(
-        variant=[
-            SAME if suite.endswith(suites.CONTROL_SUFFIX) else SUITE_VARIANT.get(m, m)
-            for suite, m in zip(frame["suite"], frame["method"])
-        ]
-    )
+    frame = frame.assign(variant=[SUITE_VARIANT.get(m, m) for m in frame["method"]])  # the control: SAME
     reference = frame[frame["variant"] == REFERENCE].set_index("seed")["average"]
     rows = []
     for name in (REFERENCE, SAME, *(r for r in SUITE_ROWS if r not in SUITE_VARIANT)):

@@ -1,6 +1,7 @@
 """Suite records -> per-seed metrics -> the suite table with paired tests against LoRA.
 
-One row per (record, seed) of `load`: the slice keys SLICE, the row's method, the seed, its status, the continual
+One row per (record, seed) of `load`: the slice keys SLICE (a `-same-instruction` control is folded into its card's
+slice, its instruct-queryable row named CONTROL), the row's method, the seed, its status, the continual
 metrics of `qlbench.continual` computed from that seed's stage x task matrix, and the raw arrays (R, initial, usage)
 for the figures. A diverged seed scores inf in every metric (as in `qlbench.stats`: equally worst, never dropped
 from a test); a failed row has one row per seed with status "failed" and no metrics.
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import continual, stats, text
+from qlbench import continual, stats, suites, text
 from qlbench.results import read_record
 from qlbench.store import DamagedFile, Store
 from qlbench.text import Column
@@ -36,6 +37,16 @@ SLICE = ["arch", "suite", "schedule", "budget", "backbone_init"]
 METRICS = ("average", "paraphrased", "shuffled", "held-out", "forgetting", "bwt", "fwt", "usage-kl", "route-drift")
 LOWER_IS_BETTER = {"average", "paraphrased", "shuffled", "held-out", "forgetting"}
 BASELINE = "lora"
+CONTROL = "same-instruction"  # instruct-queryable on a suite's -same-instruction control
+
+
+def row_name(suite: str, row: str) -> str:
+    """A record's row in its card's table: a row run on a `-same-instruction` control joins its card's table as
+    CONTROL ("instruct-queryable" there) or "<row> (same-instruction)"; the control shares the card's backbone,
+    data and seeds, so it pairs with the card's rows seed by seed."""
+    if not suite.endswith(suites.CONTROL_SUFFIX):
+        return row
+    return CONTROL if row == "instruct-queryable" else f"{row} ({CONTROL})"
 
 
 def _array(v) -> np.ndarray:
@@ -89,11 +100,11 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
         cfg, info = rec["run_info"]["config"], rec["train_info"]
         key = {
             "arch": cfg["arch"],
-            "suite": cfg["suite"],
+            "suite": suites.base_name(cfg["suite"]),
             "schedule": cfg["schedule"],
             "budget": cfg["budget"]["name"],
             "backbone_init": cfg["backbone_init"],
-            "method": cfg["row"],
+            "method": row_name(cfg["suite"], cfg["row"]),
             "trainable_params": info.get("trainable_params"),
             "tasks": tuple(cfg["suite_card"]["tasks"][t]["name"] for t in range(len(cfg["suite_card"]["tasks"]))),
             "path": str(path),
