@@ -6,8 +6,9 @@
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
 #   make results-snapshot  the quick sweeps of both backbones (9 functions, every method) and their report in docs/results
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
-#   make suites-snapshot   the multi-task snapshot: zoo-4 and shifts-ackley, every schedule, the default rows and the
-#                          same-instruction control, quick budget, live (kaiming) deep-narrow, into $(SUITES)
+#   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 3 seeds) into $(SUITES):
+#                          zoo-4 and shifts-ackley, joint (every default row and the same-instruction control),
+#                          sequential (no queryable, no control) and, on shifts-ackley, held-out (instruction rows)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -81,13 +82,13 @@ diag-snapshot: setup
 SUITES ?= suite-results
 SUITE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --out $(SUITES) \
 	--no-progress
+SUITE_ROWS = lora,lora-per-task,task-lora,instruct-queryable,task-code,frozen,mean
 suites-snapshot: setup
-	for s in joint sequential; do \
-	  $(SUITE_RUN) --suite zoo-4 --schedule $$s || exit 1; \
-	  $(SUITE_RUN) --suite zoo-4-same-instruction --schedule $$s --methods instruct-queryable || exit 1; done
-	for s in joint sequential held-out; do \
-	  $(SUITE_RUN) --suite shifts-ackley --schedule $$s || exit 1; \
-	  $(SUITE_RUN) --suite shifts-ackley-same-instruction --schedule $$s --methods instruct-queryable || exit 1; done
+	for s in zoo-4 shifts-ackley; do \
+	  $(SUITE_RUN) --suite $$s --schedule joint || exit 1; \
+	  $(SUITE_RUN) --suite $$s-same-instruction --schedule joint --methods instruct-queryable || exit 1; \
+	  $(SUITE_RUN) --suite $$s --schedule sequential --methods $(SUITE_ROWS) || exit 1; done
+	$(SUITE_RUN) --suite shifts-ackley --schedule held-out --methods lora,instruct-queryable,task-code,frozen,mean
 	$(BIN)/qlbench report $(SUITES) --format md,csv --out $(SUITES)/report
 	rm -rf docs/results/suites && mkdir -p docs/results/suites
 	cd $(SUITES)/report && find suites -name '*.md' -o -name '*.csv' -o -name '*.png' | \
