@@ -6,9 +6,9 @@
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
 #   make results-snapshot  the quick sweeps of both backbones (9 functions, every method) and their report in docs/results
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
-#   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 3 seeds) into $(SUITES):
-#                          zoo-4 and shifts-ackley, joint (every default row and the same-instruction control),
-#                          sequential (no queryable, no control) and, on shifts-ackley, held-out (instruction rows)
+#   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 3 seeds; records in
+#                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
+#                          sequential, shifts-ackley held-out, every default row and the same-instruction control
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -79,21 +79,20 @@ diag-snapshot: setup
 	    --out $(DIAG)/diagnose-$$init || exit 1; \
 	  cp $(DIAG)/diagnose-$$init/$$m-route-map.png figures/route-map-dropwave-$$m-$$init.png; done; done
 
-SUITES ?= suite-results
+SUITES ?= docs/results/suite-records
 SUITE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --out $(SUITES) \
 	--no-progress
-SUITE_ROWS = lora,lora-per-task,task-lora,instruct-queryable,task-code,frozen,mean
 suites-snapshot: setup
-	for s in zoo-4 shifts-ackley; do \
-	  $(SUITE_RUN) --suite $$s --schedule joint || exit 1; \
-	  $(SUITE_RUN) --suite $$s-same-instruction --schedule joint --methods instruct-queryable || exit 1; \
-	  $(SUITE_RUN) --suite $$s --schedule sequential --methods $(SUITE_ROWS) || exit 1; done
-	$(SUITE_RUN) --suite shifts-ackley --schedule held-out --methods lora,instruct-queryable,task-code,frozen,mean
-	$(BIN)/qlbench report $(SUITES) --format md,csv --out $(SUITES)/report
+	for s in zoo-4 shifts-ackley; do for sched in joint sequential; do \
+	  $(SUITE_RUN) --suite $$s --schedule $$sched || exit 1; \
+	  $(SUITE_RUN) --suite $$s-same-instruction --schedule $$sched --methods instruct-queryable || exit 1; done; done
+	$(SUITE_RUN) --suite shifts-ackley --schedule held-out
+	$(SUITE_RUN) --suite shifts-ackley-same-instruction --schedule held-out --methods instruct-queryable
+	$(BIN)/qlbench report $(SUITES) --format md,csv --out results/suite-report
 	rm -rf docs/results/suites && mkdir -p docs/results/suites
-	cd $(SUITES)/report && find suites -name '*.md' -o -name '*.csv' -o -name '*.png' | \
+	cd results/suite-report && find suites -name '*.md' -o -name '*.csv' -o -name '*.png' | \
 	  xargs -I{} install -D {} $(CURDIR)/docs/results/{}
-	cp $(SUITES)/report/report.md docs/results/suites-report.md
+	cp results/suite-report/report.md docs/results/suites-report.md
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .hypothesis
