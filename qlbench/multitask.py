@@ -357,8 +357,9 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     init = [generator("init", name, p.arch, "suite", p.suite.name, s) for s in seeds]
     model = method.build(pre.model(device=p.device, dtype=dtype), config, init, everything.y_train)
     routes = isinstance(config, queryable.QueryableConfig)
-    if reads_instruction(config):
-        bind(model, instruction_table(p.suite, config), len(seeds))
+    base = instruction_table(p.suite, config) if reads_instruction(config) else None  # (T, d_c): the tasks' own
+    if base is not None:
+        bind(model, base, len(seeds))
     out = {"initial_task_mse": task_mse(model, everything, T)}  # (E, T)
     stage_mse, stage_usage, curves = [], [], []
     for k, tasks in enumerate(stages(p)):
@@ -374,8 +375,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     out["stage_task_mse"] = torch.stack(stage_mse, 1)  # (E, S, T)
     if routes:
         out["usage"] = torch.stack(stage_usage, 1)  # (E, S, T, M)
-    if reads_instruction(config):
-        base = instruction_table(p.suite, config)
+    if base is not None:
         n = min(len(t.paraphrases) for t in p.suite.tasks)
         para = []
         for i in range(n):

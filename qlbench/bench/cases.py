@@ -396,19 +396,14 @@ def suite_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     g = torch.Generator().manual_seed(1)
     task = [torch.randint(0, T, (E, BATCH), generator=g).to(device) for _ in data]  # (E, b) per batch
     single_step, multi_step = engine.make_step(single, single_opt), engine.make_step(multi, multi_opt)
-
-    def suite_chunk(k: int):
-        def run():
-            with engine.num_threads(threads):
-                for i in range(k):
-                    j = i % len(data)
-                    multi_step(*data[j], task=task[j])
-
-        return run
-
+    mixed = [(x, y, None, t) for (x, y), t in zip(data, task)]  # step(xb, yb, inspect, task)
     chunk(single_step, data, 2)()  # warm-up
-    suite_chunk(2)()
-    r = alternate({"single": (chunk(single_step, data, n, threads), n), "suite": (suite_chunk(n), n)}, s.rounds, device)
+    chunk(multi_step, mixed, 2)()
+    r = alternate(
+        {"single": (chunk(single_step, data, n, threads), n), "suite": (chunk(multi_step, mixed, n, threads), n)},
+        s.rounds,
+        device,
+    )
     return stack_row(
         arch,
         method,

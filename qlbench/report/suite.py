@@ -13,7 +13,6 @@ Input is `suite_stats.load`; the metrics and their definitions are `qlbench.cont
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +21,13 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from qlbench import continual, stats, store, suite_stats, text
-from qlbench.report.write import _save_figure
+from qlbench.report.write import _save_figure, _slug
 
 TABLE_NOTE = (
     "Test MSE on standardised labels (1 = predicting each task's mean over the box), mean ± std over seeds; "
     "average: over the tasks trained on; vs-lora: the average's mean difference against LoRA, paired over seeds "
     "(t-test p; win = significantly lower). Column definitions: docs/methods.md#multi-task-suites."
 )
-
-
-def _slug(s) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(s))
 
 
 def stage_labels(schedule: str, tasks, n_stages: int) -> list[str]:
