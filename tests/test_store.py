@@ -25,7 +25,10 @@ def records(tmp_path, method="lora") -> list:
     return Store(tmp_path).records(method=method)
 
 
-def test_budgets_live_side_by_side_with_loadable_models(tmp_path, capsys):
+def test_budgets_live_side_by_side_with_loadable_models(tmp_path, capsys, monkeypatch):
+    # the store keys cells by the budget's name: a shortened `quick` (a few epochs) tests the same layout in seconds
+    short = engine.Budget("quick", 3, engine.Phase(4, 3e-3), engine.Phase(6, 5e-4), eval_every=2)
+    monkeypatch.setitem(engine.BUDGETS["deep-narrow"], "quick", short)
     assert run(tmp_path, "--budget", "smoke", "--methods", "lora") == 0
     assert run(tmp_path, "--budget", "quick", "--methods", "lora", "--seeds", "1") == 0
     found = records(tmp_path)
