@@ -14,7 +14,7 @@ def test_kinds_as_the_paper_groups_the_methods():
     # Written out here on purpose: a method registered under the wrong kind would silently move between a
     # table's groups (a routed adapter ranked as a static baseline, a reference row ranked at all).
     assert adapters.of_kind("full") == ("full-soap", "full-adamw")
-    assert adapters.of_kind("static") == ("lora", "dora", "hyra", "replora", "doran")
+    assert adapters.of_kind("static") == ("lora", "dora", "hyra", "replora", "doran", "vb-lora")
     assert adapters.of_kind("task") == ("lora-per-task", "task-lora")
     assert adapters.of_kind("routed") == ("queryable", "instruct-queryable")
     assert adapters.of_kind("reference") == ("frozen", "mean")
@@ -34,9 +34,13 @@ def test_groups_elsewhere_derive_from_the_kinds():
     assert diagnostics.ROUTED == verify.METHODS == adapters.of_kind("routed")
     assert diagnostics.GRADIENT_METHODS == ("lora", *adapters.of_kind("routed"))
     assert stats.TASK == adapters.of_kind("task")
-    # a single-task run's default: every method but full AdamW and the task-conditioned ones (suites only)
+    # a single-task run's default: the paper's comparison and the reference rows (not full AdamW, not the
+    # task-conditioned methods, which mean something in suites only, not qlbench's extra baselines)
+    assert adapters.EXTRA_BASELINES == ("vb-lora",)
     assert adapters.DEFAULT_METHODS == tuple(
-        m for m in adapters.names() if m != "full-adamw" and adapters.kind_of(m) != "task"
+        m
+        for m in adapters.names()
+        if m != "full-adamw" and adapters.kind_of(m) != "task" and m not in adapters.EXTRA_BASELINES
     )
 
 

@@ -24,6 +24,7 @@ from qlbench.adapters import (
     reference,
     replora,
     task_lora,
+    vblora,
 )
 from qlbench.adapters.base import (
     EPS,
@@ -59,6 +60,7 @@ for _method in (
     hyra.METHOD,
     replora.METHOD,
     doran.METHOD,
+    vblora.METHOD,
     lora_per_task.METHOD,
     task_lora.METHOD,
     queryable.METHOD,
@@ -68,9 +70,17 @@ for _method in (
 ):
     register(_method)
 
+# Baselines that are not in the paper's comparison: they separate sharing from routing (docs/methods.md) and run
+# when named (`--methods vb-lora`).
+EXTRA_BASELINES = (vblora.NAME,)
+
 # `qlbench run` default: the paper's comparison (SOAP is its full fine-tuning) plus the honest reference rows; the
 # task-conditioned methods only mean something in a multi-task suite (`qlbench suite`).
-DEFAULT_METHODS = tuple(name for name, m in REGISTRY.items() if name != full.FULL_ADAMW.name and m.kind != "task")
+DEFAULT_METHODS = tuple(
+    name
+    for name, m in REGISTRY.items()
+    if name != full.FULL_ADAMW.name and m.kind != "task" and name not in EXTRA_BASELINES
+)
 
 
 def names() -> list[str]:
@@ -105,6 +115,7 @@ __all__ = [
     "NoConfig",
     "REGISTRY",
     "DEFAULT_METHODS",
+    "EXTRA_BASELINES",
     "get",
     "inject",
     "kind_of",

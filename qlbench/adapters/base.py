@@ -64,6 +64,21 @@ def check_nonnegative(config, *names: str) -> None:
             )
 
 
+def check_targets(config) -> None:
+    """A config's `targets`: None (the backbone's default) or a non-empty tuple of role names; a comma-separated
+    string (from --hp) is split. Normalised to a tuple in place."""
+    if isinstance(config.targets, str):
+        config.targets = tuple(t.strip() for t in config.targets.split(","))
+    if config.targets is not None and (
+        not isinstance(config.targets, (tuple, list))
+        or not config.targets
+        or not all(isinstance(t, str) for t in config.targets)
+    ):
+        raise ValueError(f"targets must be a non-empty tuple of role names such as ('q', 'v'), got {config.targets!r}")
+    if config.targets is not None:
+        config.targets = tuple(config.targets)
+
+
 EPS = 1e-8  # the optimisers' epsilon (AdamW's and SOAP's default; `qlbench run --eps` sets another, recorded)
 
 

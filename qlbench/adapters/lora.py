@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from qlbench.adapters.base import AdapterMethod, Site, check_positive, check_positive_int
+from qlbench.adapters.base import AdapterMethod, Site, check_positive, check_positive_int, check_targets
 from qlbench.stacked import ForwardContext, StackedLinear, bmm_add, param, stacked_linear, uniform_members
 
 
@@ -25,18 +25,7 @@ class LoraConfig:
     def __post_init__(self):
         check_positive_int(self, "r")
         check_positive(self, "alpha")
-        if isinstance(self.targets, str):
-            self.targets = tuple(t.strip() for t in self.targets.split(","))
-        if self.targets is not None and (
-            not isinstance(self.targets, (tuple, list))
-            or not self.targets
-            or not all(isinstance(t, str) for t in self.targets)
-        ):
-            raise ValueError(
-                f"targets must be a non-empty tuple of role names such as ('q', 'v'), got {self.targets!r}"
-            )
-        if self.targets is not None:
-            self.targets = tuple(self.targets)
+        check_targets(self)
 
     @property
     def scale(self) -> float:
