@@ -39,13 +39,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from qlbench import engine, experiment, results, stats, zoo
+from qlbench import adapters, engine, experiment, results, stats, zoo
 from qlbench.adapters import queryable
 from qlbench.backbones import build_backbone, check_init
 from qlbench.stacked import ForwardContext
 from qlbench.store import Store
 
-ROUTED = stats.ROUTED  # methods with routes (the registry's routed adapters)
+ROUTED = adapters.of_family("queryable")  # methods routed over shared atoms (the route maps read their atoms)
 GRADIENT_METHODS = ("lora", *ROUTED)  # the paper's gradient comparison: LoRA against the routed adapters
 
 # --------------------------------------------------------------------------------------------------------------

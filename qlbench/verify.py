@@ -31,7 +31,7 @@ from qlbench.backbones import ARCHS
 from qlbench.store import Store, finite
 from qlbench.theory import checks, tracing
 
-METHODS = adapters.of_kind("routed")  # the theorems are about routed adapters
+METHODS = adapters.of_family("queryable")  # the theorems are about routing over shared atoms
 METHOD = METHODS[0]  # the default, and what a smoke cell trains
 DEFAULT_FUNCTION = "dropwave"
 

@@ -232,6 +232,8 @@ FORMULAS = {
     "task-lora": lambda arch, s: lora_count(s) + len(s) * 8 * 8,  # plus one r x r core per layer and task
     # the bank (16 vectors of length 8) + every layer's logits for r = 4 (d_in + d_out) / 8 tiles over 16 vectors
     "vb-lora": lambda arch, s: 16 * 8 + sum(4 * 16 * (d_in + d_out) // 8 for _, _, d_in, d_out, _ in s),
+    # 3 experts of rank 2 and a 3 x d_in gate per layer
+    "moe-lora": lambda arch, s: sum(3 * 2 * (d_in + d_out) + 3 * d_in for _, _, d_in, d_out, _ in s),
     "queryable": lambda arch, s: queryable_count(s),
     "instruct-queryable": lambda arch, s: queryable_count(s) + 2 * D_K * 384,  # Q_ctx, R_ctx on MiniLM's 384-d e(c)
 }

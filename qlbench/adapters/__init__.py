@@ -20,6 +20,7 @@ from qlbench.adapters import (
     instruct,
     lora,
     lora_per_task,
+    moe_lora,
     queryable,
     reference,
     replora,
@@ -63,6 +64,7 @@ for _method in (
     vblora.METHOD,
     lora_per_task.METHOD,
     task_lora.METHOD,
+    moe_lora.METHOD,
     queryable.METHOD,
     instruct.METHOD,
     reference.FROZEN,
@@ -72,7 +74,7 @@ for _method in (
 
 # Baselines that are not in the paper's comparison: they separate sharing from routing (docs/methods.md) and run
 # when named (`--methods vb-lora`).
-EXTRA_BASELINES = (vblora.NAME,)
+EXTRA_BASELINES = (vblora.NAME, moe_lora.NAME)
 
 # `qlbench run` default: the paper's comparison (SOAP is its full fine-tuning) plus the honest reference rows; the
 # task-conditioned methods only mean something in a multi-task suite (`qlbench suite`).
@@ -92,6 +94,12 @@ def of_kind(kind: str) -> tuple[str, ...]:
     if kind not in KINDS:
         raise ValueError(f"unknown method kind {kind!r}; valid: {', '.join(KINDS)}")
     return tuple(name for name, m in REGISTRY.items() if m.kind == kind)
+
+
+def of_family(family: str) -> tuple[str, ...]:
+    """The registered adapters that share a family's layers (e.g. "queryable": queryable, instruct-queryable), in
+    registry order."""
+    return tuple(name for name, m in REGISTRY.items() if getattr(m, "family", None) == family)
 
 
 def kind_of(name: str) -> str | None:
@@ -120,6 +128,7 @@ __all__ = [
     "inject",
     "kind_of",
     "names",
+    "of_family",
     "of_kind",
     "register",
     "total_parameter_count",
