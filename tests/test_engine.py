@@ -149,7 +149,8 @@ def test_experiment_writes_records_resumes_and_reloads(tmp_path):
 # Every trained method runs compiled by default on the paper budget (engine.COMPILE_BUDGETS): each is checked
 # against its eager run. The fast ones run in the default suite, the rest (10-40 s of compilation each) under -m slow.
 _SLOW_COMPILE = {
-    *("dora", "hyra", "doran", "replora", "vb-lora", "moe-lora", "instruct-queryable", "full-adamw", "full-soap"),
+    *("dora", "hyra", "doran", "replora", "vb-lora", "moe-lora", "lily", "instruct-queryable", "full-adamw"),
+    "full-soap",
 }
 
 

@@ -234,6 +234,10 @@ FORMULAS = {
     "vb-lora": lambda arch, s: 16 * 8 + sum(4 * 16 * (d_in + d_out) // 8 for _, _, d_in, d_out, _ in s),
     # 3 experts of rank 2 and a 3 x d_in gate per layer
     "moe-lora": lambda arch, s: sum(3 * 2 * (d_in + d_out) + 3 * d_in for _, _, d_in, d_out, _ in s),
+    # per (role, shape) group of L layers: an A per layer (stride 1), two shared experts, a router per layer (r = 13)
+    "lily": lambda arch, s: sum(
+        L * 13 * d_in + 2 * 13 * d_out + L * 13 * 2 for (_, d_in, d_out), (L, _) in keys(s).items()
+    ),
     "queryable": lambda arch, s: queryable_count(s),
     "instruct-queryable": lambda arch, s: queryable_count(s) + 2 * D_K * 384,  # Q_ctx, R_ctx on MiniLM's 384-d e(c)
 }

@@ -16,7 +16,7 @@ def test_kinds_as_the_paper_groups_the_methods():
     assert adapters.of_kind("full") == ("full-soap", "full-adamw")
     assert adapters.of_kind("static") == ("lora", "dora", "hyra", "replora", "doran", "vb-lora")
     assert adapters.of_kind("task") == ("lora-per-task", "task-lora")
-    assert adapters.of_kind("routed") == ("moe-lora", "queryable", "instruct-queryable")
+    assert adapters.of_kind("routed") == ("moe-lora", "lily", "queryable", "instruct-queryable")
     assert adapters.of_kind("reference") == ("frozen", "mean")
     assert all(not adapters.get(m).trains for m in adapters.of_kind("reference"))
 
@@ -39,7 +39,7 @@ def test_groups_elsewhere_derive_from_the_kinds():
     assert stats.TASK == adapters.of_kind("task")
     # a single-task run's default: the paper's comparison and the reference rows (not full AdamW, not the
     # task-conditioned methods, which mean something in suites only, not qlbench's extra baselines)
-    assert adapters.EXTRA_BASELINES == ("vb-lora", "moe-lora")
+    assert adapters.EXTRA_BASELINES == ("vb-lora", "moe-lora", "lily")
     assert adapters.DEFAULT_METHODS == tuple(
         m
         for m in adapters.names()

@@ -18,6 +18,7 @@ from qlbench.adapters import (
     full,
     hyra,
     instruct,
+    lily,
     lora,
     lora_per_task,
     moe_lora,
@@ -65,6 +66,7 @@ for _method in (
     lora_per_task.METHOD,
     task_lora.METHOD,
     moe_lora.METHOD,
+    lily.METHOD,
     queryable.METHOD,
     instruct.METHOD,
     reference.FROZEN,
@@ -74,7 +76,7 @@ for _method in (
 
 # Baselines that are not in the paper's comparison: they separate sharing from routing (docs/methods.md) and run
 # when named (`--methods vb-lora`).
-EXTRA_BASELINES = (vblora.NAME, moe_lora.NAME)
+EXTRA_BASELINES = (vblora.NAME, moe_lora.NAME, lily.NAME)
 
 # `qlbench run` default: the paper's comparison (SOAP is its full fine-tuning) plus the honest reference rows; the
 # task-conditioned methods only mean something in a multi-task suite (`qlbench suite`).
