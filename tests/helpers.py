@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from qlbench import cli
-from qlbench.backbones import DeepNarrowConfig, TransformerConfig
+from qlbench import adapters, backbones, cli
+from qlbench.adapters.base import Site
+from qlbench.backbones import DeepNarrowConfig, Target, TransformerConfig
 from qlbench.seeding import generator
+from qlbench.stacked import ForwardContext, StackedLinear
 
 F64 = torch.float64
 TINY_DEEP_NARROW = DeepNarrowConfig(depth=4)
@@ -27,3 +29,69 @@ def one_line_error(capsys, argv: list[str]) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layer-level comparisons (peft, per-sample references): a few adapted layers of one (role, shape) outside a backbone.
+
+
+class PeftNet(torch.nn.Module):
+    """`layers.{i}.fc`, tanh between: one target suffix and one shape, so peft's shared tuners (VB-LoRA's bank,
+    Lily's experts) serve all the layers."""
+
+    def __init__(self, d: int, n_layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(n_layers))
+        for block in self.layers:
+            block.fc = torch.nn.Linear(d, d, dtype=F64)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = torch.tanh(block.fc(x))
+        return x
+
+
+def adapted_layers(name: str, d: int, linears, **overrides):
+    """The registered method's shared module and layers, as inject builds them, around E = 1 float64
+    StackedLinears holding `linears` [(W, b), ...] (role "hidden", layers 0..n-1). Returns (shared, layers, forward),
+    forward: x (..., d) -> (..., d) through the layers with tanh between (PeftNet's function)."""
+    method = adapters.get(name)
+    config, n = method.make_config(**overrides), len(linears)
+    gens1 = [torch.Generator().manual_seed(1)]
+    bases = torch.nn.ModuleDict({f"l{i}": StackedLinear(d, d, gens1, dtype=F64) for i in range(n)})
+    sites = [Site(Target(f"l{i}", "hidden", i), i, n) for i in range(n)]
+    shared = torch.nn.ModuleDict()
+    if method.shared_cls is not None:
+        shared[method.family] = method.shared_cls(bases, sites, config, gens1, bases["l0"].weight)
+    layers = [method.layer_cls(bases[f"l{i}"], sites[i], config, gens1) for i in range(n)]
+    with torch.no_grad():
+        for layer, (W, b) in zip(layers, linears):
+            layer.base.weight.copy_(W.unsqueeze(0))
+            layer.base.bias.copy_(b.unsqueeze(0))
+
+    def forward(x):
+        h, ctx = x.unsqueeze(0), ForwardContext(shared)
+        for layer in layers:
+            h = torch.tanh(layer(h, ctx))
+        return h[0]
+
+    return shared, layers, forward
+
+
+def outputs_and_gradients(forward, params: dict, x: torch.Tensor, upstream: torch.Tensor):
+    """forward(x), the gradient of <forward(x), upstream> with respect to x and to each of `params`."""
+    x = x.clone().requires_grad_(True)
+    for p in params.values():
+        p.grad = None
+    y = forward(x)
+    (y * upstream).sum().backward()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in params.items()}
+
+
+def trainable_ratio_to_lora(name: str, arch: str) -> float:
+    """The method's default trainable count over LoRA r = 8's, on the full-size backbone."""
+    counts = []
+    for method in (adapters.get(name), adapters.get("lora")):
+        model = method.build(backbones.build_backbone(arch, [0]), method.make_config(), [torch.Generator()], None)
+        counts.append(adapters.trainable_parameter_count(model))
+    return counts[0] / counts[1]

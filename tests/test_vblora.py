@@ -8,38 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 from qlbench import adapters, backbones
 from qlbench.adapters import vblora
-from qlbench.adapters.base import Site
-from qlbench.backbones import Target
-from qlbench.stacked import ForwardContext, StackedLinear
+
+from helpers import F64, PeftNet, adapted_layers, outputs_and_gradients, trainable_ratio_to_lora
 
 peft = pytest.importorskip("peft")
 
-F64 = torch.float64
 D, LAYERS, R, NV, VL, K = 16, 3, 2, 6, 4, 2
 TOL = dict(rtol=1e-10, atol=1e-12)
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(D, D, dtype=F64)
-
-
-class Net(nn.Module):
-    """layers.{i}.fc: peft adapts every `fc`; one bank serves them all."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-
-    def forward(self, x):
-        for block in self.layers:
-            x = torch.tanh(block.fc(x))
-        return x
 
 
 def weights():
@@ -57,7 +35,7 @@ def weights():
 
 def peft_model(linears, bank, logits):
     config = peft.VBLoRAConfig(r=R, num_vectors=NV, vector_length=VL, topk=K, target_modules=["fc"])
-    model = peft.get_peft_model(Net(), config)
+    model = peft.get_peft_model(PeftNet(D, LAYERS), config)
     inner = model.base_model.model
     with torch.no_grad():
         for block, (W, b), (zA, zB) in zip(inner.layers, linears, logits):
@@ -75,39 +53,16 @@ def peft_model(linears, bank, logits):
 
 
 def qlbench_model(linears, bank, logits):
-    """The registered method's bank and layers, as inject builds them, around E = 1 StackedLinears."""
-    method = adapters.get("vb-lora")
-    config = method.make_config(r=R, n_vectors=NV, vector_length=VL, top_k=K)
-    gens = [torch.Generator().manual_seed(1)]
-    bases = nn.ModuleDict({f"l{i}": StackedLinear(D, D, gens, dtype=F64) for i in range(LAYERS)})
-    sites = [Site(Target(f"l{i}", "hidden", i), i, LAYERS) for i in range(LAYERS)]
-    shared = nn.ModuleDict({vblora.FAMILY: method.shared_cls(bases, sites, config, gens, bases["l0"].weight)})
-    layers = [method.layer_cls(bases[f"l{i}"], sites[i], config, gens) for i in range(LAYERS)]
+    shared, layers, forward = adapted_layers("vb-lora", D, linears, r=R, n_vectors=NV, vector_length=VL, top_k=K)
     with torch.no_grad():
-        for layer, (W, b), (zA, zB) in zip(layers, linears, logits):
-            layer.base.weight.copy_(W.unsqueeze(0))
-            layer.base.bias.copy_(b.unsqueeze(0))
+        for layer, (zA, zB) in zip(layers, logits):
             layer.vblora_logits_A.copy_(zA.unsqueeze(0))
             layer.vblora_logits_B.copy_(zB.unsqueeze(0))
         shared[vblora.FAMILY].bank.copy_(bank.unsqueeze(0))
-
-    def forward(x):
-        h, ctx = x.unsqueeze(0), ForwardContext(shared)
-        for layer in layers:
-            h = torch.tanh(layer(h, ctx))
-        return h[0]
-
     params = {"bank": shared[vblora.FAMILY].bank}
     for i, layer in enumerate(layers):
         params[f"A{i}"], params[f"B{i}"] = layer.vblora_logits_A, layer.vblora_logits_B
     return forward, params
-
-
-def outputs_and_gradients(forward, params, x, upstream):
-    x = x.clone().requires_grad_(True)
-    y = forward(x)
-    (y * upstream).sum().backward()
-    return y.detach(), x.grad, {n: p.grad for n, p in params.items()}
 
 
 def compare(linears, bank, logits, x, upstream):
@@ -125,7 +80,7 @@ def compare(linears, bank, logits, x, upstream):
 def test_vblora_matches_peft_outputs_and_gradients():
     linears, bank, logits, x, upstream = weights()
     with torch.no_grad():
-        frozen = Net()
+        frozen = PeftNet(D, LAYERS)
         for block, (W, b) in zip(frozen.layers, linears):
             block.fc.weight.copy_(W)
             block.fc.bias.copy_(b)
@@ -163,13 +118,7 @@ def test_a_planted_bug_fails_the_peft_comparison(monkeypatch, target, planted):
 @pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
 def test_default_trainable_count_is_within_ten_percent_of_lora_r8(arch):
     """(The count itself is checked against peft's formula in test_methods.)"""
-    counts = {}
-    for name in ("lora", "vb-lora"):
-        backbone = backbones.build_backbone(arch, [0])
-        method = adapters.get(name)
-        model = method.build(backbone, method.make_config(), [torch.Generator().manual_seed(1)], torch.zeros(1, 4))
-        counts[name] = adapters.trainable_parameter_count(model)
-    assert abs(counts["vb-lora"] / counts["lora"] - 1) <= 0.10, counts
+    assert abs(trainable_ratio_to_lora("vb-lora", arch) - 1) <= 0.10
 
 
 def test_sizes_that_do_not_tile_the_layers_are_one_clear_error():
