@@ -547,6 +547,7 @@ class AdaptResult:
     total_params: int
     wall_time_s: float
     model: nn.Module  # the adapted stack, final state (members first; a padded stack's copies after them)
+    source_test_mse_after: list[float]  # each member's source-task test MSE after adaptation, final state
 
 
 def build_model(
@@ -610,11 +611,16 @@ def adapt(
         tr = evaluate(model, data.x_train, data.y_train).cpu()
         te = evaluate(model, data.x_test, data.y_test).cpu()
         curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None] * len(pretrained.members))
+    wall_time_s = time.perf_counter() - t0
+    # how much of the source task the adaptation kept: the final model on the source test set (not timed)
+    source = StackedData.build(pretrained.members, "source", device=device, dtype=dtype, noise=noise)
+    source_after = evaluate(model, source.x_test, source.y_test).cpu()[: len(members)]
     return AdaptResult(
         members,
         curves.first(len(members)),
         adapters.trainable_parameter_count(model),
         adapters.total_parameter_count(model),
-        time.perf_counter() - t0,
+        wall_time_s,
         model,
+        source_after.tolist(),
     )

@@ -430,6 +430,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
                     **c.member_summary(i),
                     "source_train_mse": pre.source_train_mse[i],
                     "source_test_mse": pre.source_test_mse[i],
+                    "source_test_mse_after": res.source_test_mse_after[i],
                     "train_curve": c.train_mse[i].tolist(),
                     "test_curve": c.test_mse[i].tolist(),
                     **results.gradient_fields(c, i),

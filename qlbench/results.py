@@ -14,7 +14,9 @@ Record layout (schema 1), in the spirit of huggingface peft's method_comparison:
 Optional fields, added without a schema change (a record without them reads as before): run_info.config
 .backbone_init (only when not "default"; missing = "default"); train_info.grad_epochs and per seed
 grad_layer_norms ([epoch][layer]) and grad_shared_norm ([epoch], only for methods with shared parameters): the
-gradient diagnostics of qlbench/gradients.py at the evaluated epochs > 0, null after a divergence.
+gradient diagnostics of qlbench/gradients.py at the evaluated epochs > 0, null after a divergence; per seed
+source_test_mse_after: the adapted model's MSE on its source task's test set (how much of the source the adaptation
+kept; source_test_mse is the pretrained backbone's), missing (NaN) in records written before it existed.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ PER_SEED_COLUMNS = (
     "test_at_best_train",
     "source_train_mse",
     "source_test_mse",
+    "source_test_mse_after",
 )
 
 
@@ -210,7 +213,14 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
                 }
             )
     frame = pd.DataFrame(rows)
-    for col in ("best_train_mse", "best_test_mse", "test_at_best_train", "source_train_mse", "source_test_mse"):
+    for col in (
+        "best_train_mse",
+        "best_test_mse",
+        "test_at_best_train",
+        "source_train_mse",
+        "source_test_mse",
+        "source_test_mse_after",
+    ):
         if col in frame:
             frame[col] = frame[col].astype(float)
     return frame

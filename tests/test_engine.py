@@ -262,3 +262,27 @@ def test_a_cell_trains_and_reloads_with_its_own_label_noise(noise, tmp_path):
     other = "absolute" if noise == "relative" else "relative"
     y_other = torch.stack([zoo.task("dropwave", other).target_data(s, torch.float64).y_test for s in (0, 1)])
     assert not torch.allclose(engine.evaluate(model, data.x_test, y_other), last, rtol=1e-3)
+
+
+def test_source_mse_after_adaptation_is_measured_on_the_final_model(tmp_path):
+    """`source_test_mse_after` evaluates the adapted model on the source test set: for `frozen` (nothing trained)
+    it equals the pretrained backbone's source test MSE, which pretraining recorded on its own path; a LoRA
+    adaptation to the shifted target moves it; and it is the saved adapter's MSE on the source data."""
+    plan = experiment.plan(
+        functions=["matyas"], arch="deep-narrow", methods=["frozen", "lora"], seeds=2, budget="smoke",
+        device="cpu", dtype="float64", out_dir=tmp_path,
+    )  # fmt: skip
+    paths = {Store(tmp_path).cell_of(p)[2]: p for p in experiment.run(plan, progress=False, log=lambda m: None)}
+    frozen, lora = (results.read_record(paths[m])["train_info"]["per_seed"] for m in ("frozen", "lora"))
+    for f, a in zip(frozen, lora):
+        assert f["source_test_mse_after"] == pytest.approx(f["source_test_mse"], rel=1e-12)
+        assert a["source_test_mse"] == f["source_test_mse"] and a["source_test_mse_after"] != a["source_test_mse"]
+    model, _, _ = experiment.load_adapted(paths["lora"])
+    source = engine.StackedData.build([("matyas", 0), ("matyas", 1)], "source", device="cpu", dtype=F64)
+    torch.testing.assert_close(
+        engine.evaluate(model, source.x_test, source.y_test),
+        torch.tensor([s["source_test_mse_after"] for s in lora], dtype=F64),
+        rtol=1e-9,
+        atol=0,
+    )
+    assert results.load(tmp_path)["source_test_mse_after"].notna().all()
