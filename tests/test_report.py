@@ -154,6 +154,17 @@ def test_method_table_shows_seeds_divergence_and_failure(frame):
     assert text.markdown(t.reset_index()).splitlines()[0].startswith("| method ")
 
 
+def test_method_table_shows_the_source_mse_after_adaptation(frame):
+    six = frame[frame.function == "six_hump"]
+    assert set(report.method_table(six)["source test MSE after"]) == {"-"}  # records written before the field
+    after = six.assign(source_test_mse_after=np.where(six["method"] == "lora", six["seed"] + 1.0, np.nan))
+    t = report.method_table(after).set_index("method")
+    n = int((six["method"] == "lora").sum())
+    expected = np.arange(1.0, n + 1)
+    assert t.loc["lora", "source test MSE after"] == text.mean_std(expected.mean(), expected.std(ddof=1), n)
+    assert t.loc["dora", "source test MSE after"] == "-"
+
+
 def test_method_table_keeps_budgets_apart():
     both = pd.concat([make_frame(spec()), make_frame(spec(), budget="paper")])
     t = report.method_table(both)

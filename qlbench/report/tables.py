@@ -25,9 +25,20 @@ def _cell_status(g: pd.DataFrame) -> str:
     return "diverged" if (g["status"] == "diverged").any() else "ok"
 
 
+SOURCE_AFTER = "source test MSE after"
+
+
+def _source_after(g: pd.DataFrame) -> str:
+    """mean ± std over the seeds of the adapted model's source-task test MSE; "-" for records without it."""
+    v = g["source_test_mse_after"].dropna() if "source_test_mse_after" in g else pd.Series(dtype=float)
+    v = v[np.isfinite(v)]
+    return text.mean_std(v.mean(), v.std(ddof=1), len(v)) if len(v) else "-"
+
+
 def method_table(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (function, arch, budget, method): status (ok | diverged: some seed diverged | failed), n seeds,
-    diverged k/n, trainable parameters and their ratio to LoRA, and each metric.
+    diverged k/n, trainable parameters and their ratio to LoRA, each metric, and the source task's test MSE after
+    adaptation (how much of the source the adaptation kept; `frozen`'s is the pretrained backbone's).
 
     A metric reads mean ± sample std over the n seeds when none diverged. With k diverged seeds it reads
     "inf (n-k ok: mean ± std)": inf is the cell's value in every ranking and test (a diverged seed counts as
@@ -56,6 +67,7 @@ def method_table(frame: pd.DataFrame) -> pd.DataFrame:
             }
             key = (arch, budget, function, method)
             row |= {m.label: text.seed_cell(summaries[m.column].loc[key]) for m in metrics}
+            row[SOURCE_AFTER] = _source_after(g)
             rows.append(row)
     table = pd.DataFrame(rows)
     drop = [k for k in keys if table[k].nunique() <= 1] if len(table) else []
