@@ -1,7 +1,6 @@
 """The Ray executor (`qlbench sweep --executor ray`) on one local Ray runtime (2 CPUs) shared by this module: a smoke
 sweep gives records identical to the local executor's; a task that raises or whose worker dies leaves the other
-cells' records intact, is reported per cell with exit code 1, and a rerun completes only the missing cells. The
-killed-worker and backbone-init checks are marked slow (`make test-slow`): each costs another Ray sweep.
+cells' records intact, is reported per cell with exit code 1, and a rerun completes only the missing cells.
 
 Faults are planted from here, not from the library: every Ray worker of this runtime starts with a setup hook that
 wraps `experiment.run_method` and fails a stack holding (method, function) when the file `<faults>/<method>-<function>`
@@ -160,7 +159,6 @@ def test_a_task_that_raises_fails_its_cells_only_and_a_rerun_completes_them(faul
     assert changed == {redone.name, Store.model_of(redone).name}  # only the failed cell was run again
 
 
-@pytest.mark.slow  # a second Ray sweep and a rerun: minutes on 2 cores (make test-slow)
 def test_a_killed_worker_fails_its_cells_only_and_a_rerun_completes_them(faults, plant, local, tmp_path, capsys):
     plant("queryable", "matyas", "exit")  # the queryable stack holds matyas and levy: both cells fail
     argv = [*SWEEP, "--methods", "lora,queryable", *RAY, "--out", str(tmp_path)]
@@ -191,7 +189,6 @@ def test_more_threads_than_a_node_has_is_one_line_before_any_work(faults, tmp_pa
     assert not Store(tmp_path).records() and not Store(tmp_path).backbone_dir.exists()
 
 
-@pytest.mark.slow  # two more sweeps, one of them on Ray: minutes on 2 cores (make test-slow)
 def test_a_ray_sweep_keeps_the_backbone_init(faults, local, tmp_path):
     """--backbone-init reaches the Ray tasks' pretraining and adaptation: a kaiming Ray sweep equals the local
     executor's kaiming sweep, and differs from the default-init records (a task that dropped the option would
