@@ -15,9 +15,8 @@ from qlbench.adapters.base import Site
 from qlbench.backbones import Target
 from qlbench.stacked import ForwardContext, StackedLinear
 
-from helpers import outputs_and_gradients, trainable_ratio_to_lora
+from helpers import F64, outputs_and_gradients, trainable_ratio_to_lora
 
-F64 = torch.float64
 D_IN, D_OUT, X, R, K, ALPHA = 6, 5, 4, 2, 2, 3.0
 MEMBERS, N = 2, 7
 TOL = dict(rtol=1e-10, atol=1e-12)

@@ -21,7 +21,8 @@ from qlbench.adapters.base import Site  # noqa: E402
 from qlbench.backbones import Target  # noqa: E402
 from qlbench.stacked import ForwardContext, StackedLinear  # noqa: E402
 
-F64 = torch.float64
+from helpers import F64, outputs_and_gradients  # noqa: E402
+
 D_IN, D_OUT, R, ALPHA = 16, 12, 4, 8.0
 TOL = dict(rtol=1e-10, atol=1e-12)
 
@@ -93,13 +94,6 @@ def qlbench_forward(method: str, linear: nn.Linear, A, B, m):
             getattr(layer, f"{p}_m").copy_(m.unsqueeze(0))
     params = {n.removeprefix(f"{p}_"): q for n, q in layer.named_parameters() if q.requires_grad}
     return (lambda x: layer(x.unsqueeze(0), ForwardContext(nn.ModuleDict()))[0]), params
-
-
-def outputs_and_gradients(forward, params, x, upstream):
-    x = x.clone().requires_grad_(True)
-    y = forward(x)
-    (y * upstream).sum().backward()
-    return y.detach(), x.grad, {n: p.grad for n, p in params.items()}
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,8 @@ SOURCE_AFTER = "source test MSE after"
 
 def _source_after(g: pd.DataFrame) -> str:
     """mean ± std over the seeds of the adapted model's source-task test MSE; "-" for records without it."""
-    v = g["source_test_mse_after"].dropna() if "source_test_mse_after" in g else pd.Series(dtype=float)
-    v = v[np.isfinite(v)]
+    v = g.get("source_test_mse_after", pd.Series(dtype=float))
+    v = v[np.isfinite(v)]  # NaN: a record without the field, or a seed whose value was not finite
     return text.mean_std(v.mean(), v.std(ddof=1), len(v)) if len(v) else "-"
 
 
