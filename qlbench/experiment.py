@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, engine, results, zoo
+from qlbench import adapters, cost, engine, results, zoo
 from qlbench.backbones import ARCHS, build_backbone, check_init
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.seeding import generator
@@ -394,6 +394,19 @@ def write_failed(p: Plan, method: str, functions: list[str], message: str, wall_
         write_json(rec, p.record_path(f, method))
 
 
+def measure_cost(p: Plan, method: str, pre: engine.Pretrained, dtype, log) -> dict | None:
+    """The method's cost on this plan (qlbench/cost.py), measured once per stack and shared by its cells (the
+    architecture, method and config fix it); None, said through `log`, if the measurement fails: the cell's
+    results are not lost for it."""
+    try:
+        return cost.measure(
+            pre, method, p.configs[method], batch_size=p.budget.adapt.batch_size, device=p.device, dtype=dtype
+        )
+    except Exception as err:  # a cost is an extra: the record is written without it
+        log(f"{method}: cost not measured: {type(err).__name__}: {err}")
+        return None
+
+
 def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:
     """Adapt `method` on the stack `pre` (its members: functions x the plan's seeds) and commit one record per
     function, its adapter weights first; a failure is recorded as failed cells. Both executors call this."""
@@ -416,6 +429,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
         log(f"{method}: failed: {type(err).__name__}: {err}")
         write_failed(p, method, functions, f"{type(err).__name__}: {err}", time.perf_counter() - t0)
         return
+    costs = measure_cost(p, method, pre, dtype, log)
     c = res.curves
     for f in functions:
         idx = [i for i, (g, _) in enumerate(res.members) if g == f]
@@ -458,6 +472,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
             eval_epochs=c.epochs,
             grad_epochs=c.grad_epochs,
             per_seed=per_seed,
+            cost=costs,
         )
         if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
             save_torch(

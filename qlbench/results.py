@@ -16,12 +16,16 @@ Optional fields, added without a schema change (a record without them reads as b
 grad_layer_norms ([epoch][layer]) and grad_shared_norm ([epoch], only for methods with shared parameters): the
 gradient diagnostics of qlbench/gradients.py at the evaluated epochs > 0, null after a divergence; per seed
 source_test_mse_after: the adapted model's MSE on its source task's test set (how much of the source the adaptation
-kept; source_test_mse is the pretrained backbone's), missing (NaN) in records written before it existed.
+kept; source_test_mse is the pretrained backbone's), missing (NaN) in records written before it existed;
+train_info.cost: what the adapter costs, measured on one member beside its frozen backbone (qlbench/cost.py):
+adapter_bytes, peak_train_bytes and memory_method (cuda-allocator | cpu-accounting; null when nothing trains),
+latency_s_per_sample {"1": {adapted, frozen}, "256": {adapted, frozen}}; missing in older records (NaN).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import platform
 import subprocess
@@ -79,6 +83,7 @@ def make_record(
     eval_epochs: list[int] | None = None,
     grad_epochs: list[int] | None = None,
     per_seed: list[dict] | None = None,
+    cost: dict | None = None,
 ) -> dict:
     per_seed = [{k: (finite(v) if isinstance(v, float) else v) for k, v in s.items()} for s in per_seed or []]
     for s in per_seed:
@@ -110,6 +115,7 @@ def make_record(
             "total_params": total_params,
             "eval_epochs": eval_epochs or [],
             **({"grad_epochs": grad_epochs} if grad_epochs else {}),
+            **({"cost": cost} if cost else {}),
             "per_seed": per_seed,
         },
         "meta_info": meta_info(device),
@@ -188,11 +194,38 @@ def _cell(rec: dict) -> dict:
     }
 
 
+COST_COLUMNS = (
+    "adapter_bytes",
+    "peak_train_bytes",
+    "latency_b1_s",
+    "latency_b256_s",
+    "frozen_latency_b1_s",
+    "frozen_latency_b256_s",
+)
+
+
+def cost_fields(train_info: dict) -> dict:
+    """A record's cost (train_info.cost) as flat columns, NaN where the record has none (older records, failed
+    cells, a value not measured)."""
+    c = train_info.get("cost") or {}
+    lat = c.get("latency_s_per_sample") or {}
+    get = lambda b, k: (lat.get(b) or {}).get(k)
+    values = (
+        c.get("adapter_bytes"),
+        c.get("peak_train_bytes"),
+        get("1", "adapted"),
+        get("256", "adapted"),
+        get("1", "frozen"),
+        get("256", "frozen"),
+    )
+    return {k: math.nan if v is None else float(v) for k, v in zip(COST_COLUMNS, values)}
+
+
 def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     """Tidy DataFrame, one row per (cell, seed): function, arch, method, budget, seed, cell_status, message,
-    trainable_params, and the per-seed metrics. A failed cell (no per-seed results) gives one row per seed with
-    status "failed" and no metrics, so it shows in every table. Accepts a results folder, one record path, or a
-    list of record paths."""
+    trainable_params, wall time and stacked members, the cell's cost (COST_COLUMNS), and the per-seed metrics. A
+    failed cell (no per-seed results) gives one row per seed with status "failed" and no metrics, so it shows in
+    every table. Accepts a results folder, one record path, or a list of record paths."""
     rows = []
     for path, rec in _records(paths_or_root, on_damaged):
         run, train = rec["run_info"], rec["train_info"]
@@ -207,6 +240,8 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
                     "trainable_params": train["trainable_params"],
                     "total_params": train["total_params"],
                     "wall_time_s": train["wall_time_s"],
+                    "stacked_members": train.get("stacked_members") or math.nan,
+                    **cost_fields(train),
                     "record": str(path),
                     "config_hash": run["config_hash"],
                     **{k: s.get(k) for k in PER_SEED_COLUMNS},

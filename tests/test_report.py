@@ -212,7 +212,7 @@ def _compile(tmp_path, tex_files) -> subprocess.CompletedProcess:
 def test_latex_compiles_with_only_booktabs(frame, tmp_path):
     out = report.write_report(frame, None, tmp_path / "r", formats=("latex",), figures=False)
     tex = [p for p in out["files"] if p.suffix == ".tex"]
-    assert len(tex) == 6  # 2 paper tables + 2 x (per function, across functions) statistics
+    assert len(tex) == 7  # 2 paper tables + 2 x (per function, across functions) statistics + the cost table
     proc = _compile(tmp_path, tex)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert (tmp_path / "doc.pdf").stat().st_size > 0

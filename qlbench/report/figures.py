@@ -184,6 +184,84 @@ def log_ratio_figure(frame: pd.DataFrame, metric: str = "test-at-best-train") ->
     return fig
 
 
+COST_AXES = {  # x axis of the quality-vs-cost figure: (column(s), label)
+    "params": ("trainable_params", "trainable parameters per member (log)"),
+    "latency": ("latency_b256_s", "inference latency per sample at batch 256 / frozen backbone's"),
+}
+
+
+def cost_figure(frame: pd.DataFrame, metric: str = "test-at-best-train", x: str = "params") -> Figure | None:
+    """Quality against cost for one (arch, budget) slice of `results.load`: one panel per function, every trained
+    method one point, y = the metric's mean over the finished seeds with a ± sample std bar (log scale), x = its
+    trainable parameters or its latency ratio to the frozen backbone at batch 256 (COST_AXES; the record's cost,
+    median over its records). `frozen` and `mean` are dashed horizontal references. A method whose seeds diverged
+    is drawn hollow at its survivors' mean and named in the title. None when no method has the x value."""
+    column, xlabel = COST_AXES[x]
+    col = stats.metric(metric).column
+    if column not in frame or (x == "latency" and "frozen_latency_b256_s" not in frame):
+        return None
+    cells = frame.copy()
+    if x == "latency":
+        cells["x"] = cells["latency_b256_s"] / cells["frozen_latency_b256_s"]
+    else:
+        cells["x"] = cells[column].astype(float)
+    palette = _palette(cells["method"])
+    references = [m for m in ("frozen", "mean") if m in set(cells["method"])]
+    points = cells[~cells["method"].isin(references) & np.isfinite(cells["x"])]
+    if not len(points):
+        return None
+    functions = sorted(cells["function"].unique())
+    fig, axes = _facets(len(functions), extra=1.6)
+    for ax, function in zip(axes, functions):
+        c = cells[cells["function"] == function]
+        diverged = []
+        for method, g in points[points["function"] == function].groupby("method", sort=False):
+            ok = g.loc[g["status"] == "ok", col].astype(float)
+            ok = ok[np.isfinite(ok)]
+            if not len(ok):
+                continue
+            hollow = (g["status"] == "diverged").any()
+            diverged += [method] if hollow else []
+            ax.errorbar(
+                g["x"].median(),
+                ok.mean(),
+                yerr=ok.std(ddof=1) if len(ok) > 1 else 0.0,
+                fmt="o",
+                color=palette[method],
+                mfc="none" if hollow else palette[method],
+                capsize=3,
+                markersize=6,
+            )
+        for ref in references:
+            v = c.loc[c["method"] == ref, col].astype(float)
+            if len(v[np.isfinite(v)]):
+                ax.axhline(v[np.isfinite(v)].mean(), color=palette[ref], linestyle="--", linewidth=1)
+        ax.set_yscale("log")
+        if x == "params":
+            ax.set_xscale("log")
+        ax.set_title(function + (f" (diverged: {', '.join(diverged)})" if diverged else ""), fontsize=10)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(stats.metric(metric).label, fontsize=8)
+    handles = [
+        Line2D(
+            [],
+            [],
+            color=c,
+            marker="o" if m not in references else None,
+            linestyle="--" if m in references else "",
+            label=m,
+        )
+        for m, c in palette.items()
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 6), fontsize=9)
+    arch, budget = frame["arch"].iloc[0], frame["budget"].iloc[0]
+    fig.suptitle(
+        f"{stats.metric(metric).label} against cost, {arch}, budget {budget}\n"
+        "mean ± std over finished seeds; hollow: some seed diverged; dashed: frozen and mean"
+    )
+    return fig
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Diagnostics: gradient norms and concentration, routing, signal propagation (data from qlbench.diagnostics).
 

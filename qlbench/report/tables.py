@@ -37,8 +37,10 @@ def _source_after(g: pd.DataFrame) -> str:
 
 def method_table(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (function, arch, budget, method): status (ok | diverged: some seed diverged | failed), n seeds,
-    diverged k/n, trainable parameters and their ratio to LoRA, each metric, and the source task's test MSE after
-    adaptation (how much of the source the adaptation kept; `frozen`'s is the pretrained backbone's).
+    diverged k/n, trainable parameters and their ratio to LoRA, each metric, the source task's test MSE after
+    adaptation (how much of the source the adaptation kept; `frozen`'s is the pretrained backbone's), and the cell's
+    cost (COST_LEGEND; the full cost table is `cost_table`): adapter KB, peak step MB, latency at batch 256 over the
+    frozen backbone's.
 
     A metric reads mean ± sample std over the n seeds when none diverged. With k diverged seeds it reads
     "inf (n-k ok: mean ± std)": inf is the cell's value in every ranking and test (a diverged seed counts as
@@ -68,6 +70,9 @@ def method_table(frame: pd.DataFrame) -> pd.DataFrame:
             key = (arch, budget, function, method)
             row |= {m.label: text.seed_cell(summaries[m.column].loc[key]) for m in metrics}
             row[SOURCE_AFTER] = _source_after(g)
+            row["adapter KB"] = _fmt(_median(g, "adapter_bytes") / 1024, 1)
+            row["peak step MB"] = _fmt(_median(g, "peak_train_bytes") / 2**20, 2)
+            row["b256 latency × frozen"] = _ratio(_median(g, "latency_b256_s"), _median(g, "frozen_latency_b256_s"))
             rows.append(row)
     table = pd.DataFrame(rows)
     drop = [k for k in keys if table[k].nunique() <= 1] if len(table) else []
@@ -269,3 +274,56 @@ def concentration_table(comparison: pd.DataFrame) -> pd.DataFrame:
             "result": c["outcome"].fillna("-"),
         }
     )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What every method costs (records' train_info.cost, qlbench/cost.py): one row per method of an (arch, budget).
+
+COST_LEGEND = (
+    "Measured on one member beside its frozen backbone (qlbench/cost.py), per method the median over the slice's "
+    "records: trainable parameters and their ratio to LoRA; adapter file size (torch.save of one member's trainable "
+    "weights); peak memory of one training step at the budget's batch (CUDA: the allocator's peak; CPU: parameters, "
+    "gradients, optimiser state and the activations saved for backward, a lower bound of the process's peak); "
+    "inference latency per sample, median of repeated no-grad forwards at batch 1 and 256, with its ratio to the "
+    "frozen backbone timed in the same loop; adaptation wall time per member (a record's wall time over the members "
+    "trained in its stack, so it shares the stack's speed-up). - = not measured (records written before costs were "
+    "recorded)."
+)
+
+
+def _median(g: pd.DataFrame, col: str) -> float:
+    v = g[col].dropna() if col in g else pd.Series(dtype=float)
+    return float(v.median()) if len(v) else math.nan
+
+
+def cost_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per method of one (arch, budget) slice of `results.load` (COST_LEGEND says what each column is)."""
+    cells = frame.drop_duplicates("record")
+    lora = _median(cells[cells["method"] == "lora"], "trainable_params")
+    rows = []
+    for method in stats.method_order(cells["method"]):
+        g = cells[cells["method"] == method]
+        params = _median(g, "trainable_params")
+        wall = (g["wall_time_s"] / g["stacked_members"]).median() if "stacked_members" in g else math.nan
+        row = {
+            "method": method,
+            "trainable": "-" if math.isnan(params) else f"{int(params):,}",
+            "× LoRA": f"{params / lora:.3f}" if params and lora and not math.isnan(params / lora) else "-",
+            "adapter KB": _fmt(_median(g, "adapter_bytes") / 1024, 1),
+            "peak step MB": _fmt(_median(g, "peak_train_bytes") / 2**20, 2),
+        }
+        for b in (1, 256):
+            t, f = _median(g, f"latency_b{b}_s"), _median(g, f"frozen_latency_b{b}_s")
+            row[f"µs/sample b{b}"] = _fmt(t * 1e6, 2)
+            row[f"b{b} × frozen"] = _ratio(t, f)
+        row["adapt s/member"] = _fmt(wall, 2)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _ratio(t: float, f: float) -> str:
+    return f"{t / f:.2f}" if f > 0 and math.isfinite(t / f) else "-"
+
+
+def _fmt(v: float, sig: int) -> str:
+    return "-" if math.isnan(v) else text.num(v, max(sig, 3))

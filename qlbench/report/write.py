@@ -171,6 +171,19 @@ def _slice_report(frame, curves, folder: Path, metric: str, formats, draw: bool,
         parts.append(f"### {tables.title(data)}\n\n{md}")
     parts.append(f"### Paired statistics ({stats.metric(metric).label})")
     parts += _stats_section(frame, metric, folder, formats, files)
+    cost = tables.cost_table(frame)
+    title = f"Cost, {arch}, budget {budget}"
+    _write_table(
+        files,
+        folder / "cost",
+        formats,
+        md=f"### {title}\n\n{text.markdown(cost)}\n\n{tables.COST_LEGEND}",
+        csv=cost,
+        latex=lambda: _styler_latex(
+            cost.style.format(escape="latex"), index=False, caption=_latex_escape(f"{title}. {tables.COST_LEGEND}")
+        ),
+    )
+    parts.append(f"### {title}\n\n{text.markdown(cost)}\n\n{tables.COST_LEGEND}")
     if draw:
         _slice_figures(frame, curves, folder, metric, files)
     return "\n\n".join(parts)
@@ -193,6 +206,9 @@ def _slice_figures(frame, curves, folder: Path, metric: str, files: list) -> Non
             _save_figure(files, figures.curves_figure(c, split), folder / f"curves-{split}")
     if "lora" in set(frame["method"]):
         _save_figure(files, figures.log_ratio_figure(frame, metric), folder / f"log-ratio-{metric}")
+    for x in figures.COST_AXES:
+        if (fig := figures.cost_figure(frame, metric, x)) is not None:
+            _save_figure(files, fig, folder / f"cost-{x}-{metric}")
 
 
 def _gradient_section(grads: pd.DataFrame, folder: Path, formats, draw: bool, files: list) -> str:

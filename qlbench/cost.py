@@ -1,0 +1,136 @@
+"""What an adapter costs, measured on one member (a stack of one) of a cell's method, beside its frozen backbone:
+
+- adapter_bytes: the size of the file that holds one member's trainable weights (torch.save of its trainable
+  state, as a peft adapter folder holds the adapter and not the backbone); 0 for a method that trains nothing;
+- peak_train_bytes: the peak memory of one training step at the budget's batch size, after a first step has made
+  the optimiser state. On CUDA the allocator's peak (torch.cuda.max_memory_allocated). On CPU PyTorch keeps no
+  allocator statistics, so qlbench counts (qlbench interpretation, "cpu-accounting"): the bytes of every
+  parameter (frozen backbone included), of the gradients and of the optimiser state, plus the activations autograd
+  saves for backward during the forward (saved_tensors_hooks), each storage counted once. Transient temporaries
+  inside an op are not counted, so it is a lower bound of the process's true peak; it is exact in what it counts
+  and the same accounting for every method, which is what the comparison needs. None for a method that trains
+  nothing;
+- latency_s_per_sample: the median over REPEATS forwards (no grad) of one forward's wall time divided by the batch,
+  at batch 1 and at batch 256, for the adapted model and for the frozen backbone timed alternately in the same
+  loop (so drift of a noisy machine hits both alike), under the caller's intra-op threads.
+
+Timings on a shared or noisy machine move; compare methods by their ratio to `frozen` measured in the same record
+(`latency_ratio`), and quote `qlbench bench` for speed claims.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+
+import torch
+
+from qlbench import adapters, engine
+
+LATENCY_BATCHES = (1, 256)
+REPEATS = 11
+WARMUP = 3
+
+
+def adapter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of torch.save of member 0's trainable parameters (0 when nothing trains)."""
+    state = {n: p.detach()[0].cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    if not state:
+        return 0
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getbuffer().nbytes
+
+
+def _tensors(obj):
+    """Every tensor inside an optimiser-state value (tensors, lists, tuples, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def peak_train_bytes(model, optimizer, xb: torch.Tensor, yb: torch.Tensor, instruction=None) -> tuple[int, str]:
+    """(peak bytes of one training step, method): see the module docstring. Runs two steps of `model` (the first
+    creates the optimiser state); the model is changed, so pass a throwaway one."""
+    step = engine.make_step(model, optimizer, instruction)
+    step(xb, yb)  # the optimiser state exists from here on
+    if xb.device.type == "cuda":
+        torch.cuda.synchronize(xb.device)
+        torch.cuda.reset_peak_memory_stats(xb.device)
+        step(xb, yb)
+        torch.cuda.synchronize(xb.device)
+        return int(torch.cuda.max_memory_allocated(xb.device)), "cuda-allocator"
+    counted: dict[int, int] = {}
+    for p in model.parameters():
+        ptr, n = _storage(p)
+        counted[ptr] = n
+    for t in _tensors(vars(optimizer)):  # its state (parameters among them are already counted, by storage)
+        ptr, n = _storage(t)
+        counted[ptr] = n
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr, n = _storage(t)
+        if ptr not in counted:
+            saved[ptr] = n
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(xb, instruction)
+        loss = (out - yb).pow(2).mean(dim=1).sum()
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    return sum(counted.values()) + sum(saved.values()) + grads, "cpu-accounting"
+
+
+def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, instruction) -> dict[str, float]:
+    """Median seconds per sample of one no-grad forward of each model on x (1, b, d), timed alternately."""
+    times: dict[str, list[float]] = {k: [] for k in models}
+    sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        for r in range(WARMUP + REPEATS):
+            for k, m in models.items():
+                sync()
+                t0 = time.perf_counter()
+                m(x, instruction)
+                sync()
+                if r >= WARMUP:
+                    times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) / x.shape[1] for k, v in times.items()}
+
+
+@engine.flush_denormals()
+def measure(pretrained: engine.Pretrained, method_name: str, config, *, batch_size: int, device, dtype) -> dict:
+    """The cost fields of a record (see the module docstring) for `method_name` built on `pretrained`'s first
+    member, beside that member's frozen backbone."""
+    one = pretrained.select([pretrained.members[0]])
+    method = adapters.get(method_name)
+    model, data = engine.build_model(one, method_name, config, device=device, dtype=dtype)
+    frozen = one.model(device=device, dtype=dtype)
+    x_all = data.x_test  # (1, N, 2); cycled to the largest batch
+    latency = {}
+    for b in LATENCY_BATCHES:
+        x = x_all[:, torch.arange(b, device=x_all.device) % x_all.shape[1]]
+        t = _latency({"adapted": model.eval(), "frozen": frozen.eval()}, x, None)
+        latency[str(b)] = {"adapted": t["adapted"], "frozen": t["frozen"]}
+    model.train()
+    out = {"adapter_bytes": adapter_bytes(model) if method.trains else 0, "latency_s_per_sample": latency}
+    if method.trains:
+        optimizer = method.optimizer(model, config, 1e-12, 0.0)  # a step that barely moves: only memory matters
+        peak, how = peak_train_bytes(model, optimizer, data.x_train[:, :batch_size], data.y_train[:, :batch_size])
+        out |= {"peak_train_bytes": peak, "memory_method": how}
+    else:
+        out |= {"peak_train_bytes": None, "memory_method": None}
+    return out
