@@ -60,15 +60,20 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
-def peak_train_bytes(model, optimizer, xb: torch.Tensor, yb: torch.Tensor, instruction=None) -> tuple[int, str]:
+def _forward(model, x, task=None):
+    return model(x, None) if task is None else model(x, None, task=task)
+
+
+def peak_train_bytes(model, optimizer, xb: torch.Tensor, yb: torch.Tensor, task=None) -> tuple[int, str]:
     """(peak bytes of one training step, method): see the module docstring. Runs two steps of `model` (the first
-    creates the optimiser state); the model is changed, so pass a throwaway one."""
-    step = engine.make_step(model, optimizer, instruction)
-    step(xb, yb)  # the optimiser state exists from here on
+    creates the optimiser state); the model is changed, so pass a throwaway one. `task` (E, b): a suite's task
+    index per sample, for the task-conditioned methods."""
+    step = engine.make_step(model, optimizer)
+    step(xb, yb, task=task)  # the optimiser state exists from here on
     if xb.device.type == "cuda":
         torch.cuda.synchronize(xb.device)
         torch.cuda.reset_peak_memory_stats(xb.device)
-        step(xb, yb)
+        step(xb, yb, task=task)
         torch.cuda.synchronize(xb.device)
         return int(torch.cuda.max_memory_allocated(xb.device)), "cuda-allocator"
     counted: dict[int, int] = {}
@@ -87,7 +92,7 @@ def peak_train_bytes(model, optimizer, xb: torch.Tensor, yb: torch.Tensor, instr
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(xb, instruction)
+        out = _forward(model, xb, task)
         loss = (out - yb).pow(2).mean(dim=1).sum()
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     loss.backward()
@@ -95,7 +100,7 @@ def peak_train_bytes(model, optimizer, xb: torch.Tensor, yb: torch.Tensor, instr
     return sum(counted.values()) + sum(saved.values()) + grads, "cpu-accounting"
 
 
-def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, instruction) -> dict[str, float]:
+def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, task=None) -> dict[str, float]:
     """Median seconds per sample of one no-grad forward of each model on x (1, b, d), timed alternately."""
     times: dict[str, list[float]] = {k: [] for k in models}
     sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
@@ -104,7 +109,7 @@ def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, instruction) -
             for k, m in models.items():
                 sync()
                 t0 = time.perf_counter()
-                m(x, instruction)
+                _forward(m, x, task)
                 sync()
                 if r >= WARMUP:
                     times[k].append(time.perf_counter() - t0)
@@ -112,25 +117,30 @@ def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, instruction) -
 
 
 @engine.flush_denormals()
-def measure(pretrained: engine.Pretrained, method_name: str, config, *, batch_size: int, device, dtype) -> dict:
-    """The cost fields of a record (see the module docstring) for `method_name` built on `pretrained`'s first
-    member, beside that member's frozen backbone."""
-    one = pretrained.select([pretrained.members[0]])
+def measure_model(model, frozen, method_name: str, config, data: engine.StackedData, batch_size: int) -> dict:
+    """The cost fields of a record (see the module docstring): `model`, a fresh one-member stack of the method, and
+    `frozen`, its backbone, on that member's data (x_test for the latencies, a training batch for the memory)."""
     method = adapters.get(method_name)
-    model, data = engine.build_model(one, method_name, config, device=device, dtype=dtype)
-    frozen = one.model(device=device, dtype=dtype)
-    x_all = data.x_test  # (1, N, 2); cycled to the largest batch
     latency = {}
     for b in LATENCY_BATCHES:
-        x = x_all[:, torch.arange(b, device=x_all.device) % x_all.shape[1]]
-        t = _latency({"adapted": model.eval(), "frozen": frozen.eval()}, x, None)
+        idx = torch.arange(b, device=data.x_test.device) % data.x_test.shape[1]  # cycled to the batch
+        task = None if data.task_test is None else data.task_test[:, idx]
+        t = _latency({"adapted": model.eval(), "frozen": frozen.eval()}, data.x_test[:, idx], task)
         latency[str(b)] = {"adapted": t["adapted"], "frozen": t["frozen"]}
     model.train()
     out = {"adapter_bytes": adapter_bytes(model) if method.trains else 0, "latency_s_per_sample": latency}
-    if method.trains:
-        optimizer = method.optimizer(model, config, 1e-12, 0.0)  # a step that barely moves: only memory matters
-        peak, how = peak_train_bytes(model, optimizer, data.x_train[:, :batch_size], data.y_train[:, :batch_size])
-        out |= {"peak_train_bytes": peak, "memory_method": how}
-    else:
-        out |= {"peak_train_bytes": None, "memory_method": None}
-    return out
+    if not method.trains:
+        return out | {"peak_train_bytes": None, "memory_method": None}
+    optimizer = method.optimizer(model, config, 1e-12, 0.0)  # a step that barely moves: only memory matters
+    task = None if data.task_train is None else data.task_train[:, :batch_size]
+    xb, yb = data.x_train[:, :batch_size], data.y_train[:, :batch_size]
+    peak, how = peak_train_bytes(model, optimizer, xb, yb, task)
+    return out | {"peak_train_bytes": peak, "memory_method": how}
+
+
+def measure(pretrained: engine.Pretrained, method_name: str, config, *, batch_size: int, device, dtype) -> dict:
+    """`measure_model` for `method_name` built on `pretrained`'s first member, beside that member's frozen
+    backbone, on its target data."""
+    one = pretrained.select([pretrained.members[0]])
+    model, data = engine.build_model(one, method_name, config, device=device, dtype=dtype)
+    return measure_model(model, one.model(device=device, dtype=dtype), method_name, config, data, batch_size)

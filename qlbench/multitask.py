@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, engine, experiment, instructions, results, suites, zoo
+from qlbench import adapters, cost, engine, experiment, instructions, results, suites, zoo
 from qlbench.adapters import instruct, queryable
 from qlbench.backbones import ARCHS, check_init
 from qlbench.progress import bar as progress_bar
@@ -398,6 +398,26 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     return out
 
 
+def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | None:
+    """The row's cost (qlbench/cost.py) on the suite's first member: a fresh one-member model, its instruction
+    table bound, beside the frozen backbone, on every task's data. None, said through `log`, if it fails."""
+    name, _ = method_of(row)
+    method, config, dtype = adapters.get(name), p.configs[row], experiment.DTYPES[p.dtype]
+    try:
+        one = pre.select(pre.members[:1])
+        seed = one.members[0][1]
+        data = task_data(p.suite, [seed], list(range(len(p.suite.tasks))), dtype=dtype, device=p.device)
+        init = [generator("init", name, p.arch, "suite", p.suite.name, seed)]
+        model = method.build(one.model(device=p.device, dtype=dtype), config, init, data.y_train)
+        if reads_instruction(config):
+            bind(model, instruction_table(p.suite, config), 1)
+        frozen = one.model(device=p.device, dtype=dtype)
+        return cost.measure_model(model, frozen, name, config, data, p.budget.adapt.batch_size)
+    except Exception as err:  # a cost is an extra: the record is written without it
+        log(f"{row}: cost not measured: {type(err).__name__}: {err}")
+        return None
+
+
 def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> None:
     """Adapt one row and commit its record (a failure is recorded as a failed row)."""
     t0 = time.perf_counter()
@@ -441,6 +461,7 @@ def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> No
         stacked_members=res["members"],
         trainable_params=res["trainable_params"],
         total_params=res["total_params"],
+        cost=measure_cost(p, row, pre, log),
     )
     rec["train_info"]["per_seed"] = per_seed  # suite fields (nested lists), made JSON-safe by _finite
     rec["train_info"]["tasks"] = p.suite.task_names

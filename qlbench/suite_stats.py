@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from qlbench import continual, stats, suites, text
-from qlbench.results import read_record
+from qlbench.results import cost_fields, read_record
 from qlbench.store import DamagedFile, Store
 from qlbench.text import Column
 
@@ -106,6 +106,7 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
             "backbone_init": cfg["backbone_init"],
             "method": row_name(cfg["suite"], cfg["row"]),
             "trainable_params": info.get("trainable_params"),
+            **cost_fields(info),
             "tasks": tuple(cfg["suite_card"]["tasks"][t]["name"] for t in range(len(cfg["suite_card"]["tasks"]))),
             "path": str(path),
         }
