@@ -262,6 +262,53 @@ def cost_figure(frame: pd.DataFrame, metric: str = "test-at-best-train", x: str 
     return fig
 
 
+K_MARKERS = {1: "o", 2: "s", 4: "^", 8: "D"}  # the Pareto figure's marker per k (others: "P"; no k: "X")
+
+
+def pareto_figure(frame: pd.DataFrame, title: str, ylabel: str) -> Figure:
+    """The paper's two Pareto panels from `pareto.load` (+ frontier columns `front_latency`, `front_params`):
+    y = the metric's mean ± std over seeds (log), x = latency per sample at batch 256 (left) and trainable
+    parameters (right, log); colour = method, marker = k, size grows with the parameters; the non-dominated
+    frontier of each panel dashed. A point with a diverged seed is hollow (never on the frontier)."""
+    palette = _palette(frame["method"])
+    fig = Figure(figsize=(12, 5.2), layout="constrained")
+    axes = fig.subplots(1, 2)
+    size = lambda p: (
+        20
+        + 80
+        * (np.log(p) - np.log(frame["trainable_params"].min()) + 0.01)
+        / (np.log(frame["trainable_params"].max()) - np.log(frame["trainable_params"].min()) + 0.01)
+    )
+    panels = (("latency_us", "front_latency", "latency per sample at batch 256 (µs)"),
+              ("trainable_params", "front_params", "trainable parameters per member"))  # fmt: skip
+    for ax, (x, front, xlabel) in zip(axes, panels):
+        for _, r in frame.iterrows():
+            if not np.isfinite(r[x]) or not np.isfinite(r["mean"]):
+                continue
+            k = r.get("k")
+            marker = "X" if k is None or not np.isfinite(k) else K_MARKERS.get(int(k), "P")
+            colour = palette[r["method"]]
+            ax.errorbar(r[x], r["mean"], yerr=0 if not np.isfinite(r["std"]) else r["std"], fmt="none",
+                        ecolor=colour, alpha=0.5, capsize=2)  # fmt: skip
+            ax.scatter(r[x], r["mean"], s=size(r["trainable_params"]), marker=marker,
+                       facecolors="none" if r["n_diverged"] else colour, edgecolors=colour, zorder=3)  # fmt: skip
+        f = frame[frame[front]].sort_values(x)
+        if len(f):
+            ax.step(f[x], f["mean"], where="post", color="0.2", linestyle="--", linewidth=1, label="frontier")
+        ax.set_yscale("log")
+        if x == "trainable_params":
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+    handles = [Line2D([], [], color=c, marker="o", linestyle="", label=m) for m, c in palette.items()]
+    handles += [Line2D([], [], color="0.3", marker=mk, linestyle="", label=f"k={k}") for k, mk in K_MARKERS.items()
+                if k in set(frame.get("k", pd.Series(dtype=float)).dropna().astype(int))]  # fmt: skip
+    handles += [Line2D([], [], color="0.2", linestyle="--", label="non-dominated frontier")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 8), fontsize=9)
+    fig.suptitle(f"{title}\nmean ± std over seeds; marker = k, size = trainable parameters; hollow: a seed diverged")
+    return fig
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Diagnostics: gradient norms and concentration, routing, signal propagation (data from qlbench.diagnostics).
 

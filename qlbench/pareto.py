@@ -1,0 +1,156 @@
+"""The accuracy-cost Pareto sweep of the paper's figure "Instruction-queryable Pareto tradeoffs": a method run
+over a grid of its size settings (r, M, k) on one function (a cell per grid point, `experiment`) or on one suite (a
+suite row per grid point, `multitask`), every point an ordinary record of its own config, so a sweep resumes and
+never overwrites; then per point the test MSE (mean ± std over seeds), the trainable parameters and the latency per
+sample, and the non-dominated frontier.
+
+Axes per method (GRID_AXES): r is the rank, M the number of shared atoms (queryable, instruct-queryable) or of
+experts per layer (moe-lora), k the atoms or experts mixed per input; lora has r only. The paper's grid is r, M in
+{4, 8, 16, 32} and k in {1, 2, 4, 8}; points with k > M are skipped and said so.
+
+qlbench interpretation: every grid point keeps LoRA's default scale alpha / r = 2 (alpha = 2 r), so that r changes
+the capacity and not the step size; the paper does not say how it scaled alpha across its grid.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from qlbench import experiment, multitask, results, stats, suite_stats
+
+GRID_AXES = {  # method -> {axis: config field}
+    "queryable": {"r": "r", "M": "n_atoms", "k": "top_k"},
+    "instruct-queryable": {"r": "r", "M": "n_atoms", "k": "top_k"},
+    "moe-lora": {"r": "r", "M": "n_experts", "k": "top_k"},
+    "lora": {"r": "r"},
+}
+PAPER_GRID = {"r": (4, 8, 16, 32), "M": (4, 8, 16, 32), "k": (1, 2, 4, 8)}
+SCALE = 2.0  # alpha / r at every grid point (qlbench interpretation)
+
+
+def parse_grid(text: str | None) -> dict[str, tuple[int, ...]]:
+    """'r=4,8 M=8,16 k=1,2' -> the paper's grid with those axes narrowed (ValueError naming the valid axes, or a
+    bad value)."""
+    grid = dict(PAPER_GRID)
+    for item in (text or "").split():
+        axis, sep, values = item.partition("=")
+        if not sep or axis not in PAPER_GRID:
+            raise ValueError(f"bad grid item {item!r}; write AXIS=V1,V2 with AXIS one of: {', '.join(PAPER_GRID)}")
+        try:
+            vals = tuple(int(v) for v in values.split(",") if v.strip())
+        except ValueError:
+            raise ValueError(f"grid axis {axis}: values must be integers, got {values!r}") from None
+        if not vals or min(vals) < 1:
+            raise ValueError(f"grid axis {axis}: give one or more integers >= 1, got {values!r}")
+        grid[axis] = tuple(dict.fromkeys(vals))
+    return grid
+
+
+@dataclass(frozen=True)
+class Point:
+    """One grid point: its axis values and the method-config overrides that make it."""
+
+    values: dict[str, int]
+    overrides: dict
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{a}={v}" for a, v in self.values.items())
+
+
+def points(method: str, grid: dict[str, tuple[int, ...]]) -> tuple[list[Point], list[str]]:
+    """The valid points of `grid` for `method` and the skipped ones, each with its reason (k > M). Axes the method
+    does not have are ignored (lora: only r). ValueError for a method without a grid."""
+    if method not in GRID_AXES:
+        raise ValueError(f"no Pareto grid for method {method!r}; valid: {', '.join(GRID_AXES)}")
+    axes = GRID_AXES[method]
+    valid, skipped = [], []
+    for combo in itertools.product(*(grid[a] for a in axes)):
+        values = dict(zip(axes, combo))
+        if "k" in values and values["k"] > values["M"]:
+            skipped.append(f"{' '.join(f'{a}={v}' for a, v in values.items())} (k > M)")
+            continue
+        overrides = {axes[a]: v for a, v in values.items()} | {"alpha": SCALE * values["r"]}
+        valid.append(Point(values, overrides))
+    return valid, skipped
+
+
+def plans(
+    method: str, grid: dict, *, function: str | None = None, suite: str | None = None, schedule: str = "joint", **kw
+) -> list[tuple[Point, object]]:
+    """(point, plan) for every valid point: an `experiment.Plan` on `function`, or a `multitask.SuitePlan` on
+    `suite` (one of the two). Every plan is validated before any work (ValueError)."""
+    if (function is None) == (suite is None):
+        raise ValueError("give exactly one of a function or a suite")
+    valid, _ = points(method, grid)
+    if not valid:
+        raise ValueError(f"the grid has no valid point for {method} (every point has k > M)")
+    out = []
+    for pt in valid:
+        if function is not None:
+            p = experiment.plan(functions=[function], methods=[method], overrides=pt.overrides, **kw)
+        else:
+            p = multitask.plan(suite=suite, schedule=schedule, methods=[method], overrides=pt.overrides, **kw)
+        out.append((pt, p))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading a sweep back.
+
+
+def _axis_values(method: str, method_config: dict) -> dict:
+    axes = GRID_AXES.get(method, {})
+    return {a: method_config.get(field) for a, field in axes.items()}
+
+
+def load(paths: list[Path]) -> pd.DataFrame:
+    """One row per record of a sweep (function cells or suite rows): method, r, M, k (NaN where the method has no
+    such axis), trainable parameters, latency per sample at batch 256 (seconds; NaN without a cost), n seeds, and
+    the test metric's mean and sample std over the finished seeds (cells: test MSE at the best-train epoch; suites:
+    the average task MSE after the last stage), n_diverged."""
+    rows = []
+    for path in paths:
+        rec = results.read_record(path)
+        cfg, info = rec["run_info"]["config"], rec["train_info"]
+        row = {"method": cfg["method"], **_axis_values(cfg["method"], cfg["method_config"])}
+        row |= {"trainable_params": info.get("trainable_params"), "record": str(path)}
+        row |= {"latency_b256_s": results.cost_fields(info)["latency_b256_s"]}
+        if "suite" in cfg:
+            frame = suite_stats.load([path])
+            values, status = frame.get("average", pd.Series(dtype=float)), frame["status"]
+        else:
+            frame = results.load([path])
+            values, status = frame[stats.metric("test-at-best-train").column], frame["status"]
+        ok = values[(status == "ok").to_numpy()].astype(float)
+        ok = ok[np.isfinite(ok)]
+        row |= {
+            "n": len(frame),
+            "n_diverged": int((status == "diverged").sum()),
+            "mean": ok.mean() if len(ok) else np.nan,
+            "std": ok.std(ddof=1) if len(ok) > 1 else np.nan,
+        }
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    return frame.astype({c: float for c in ("r", "M", "k") if c in frame})
+
+
+def frontier(frame: pd.DataFrame, x: str) -> pd.Series:
+    """True for the non-dominated points of `frame` (lower `x` and lower `mean` are better): no other point is at
+    most as costly and at most as bad, and strictly better in one. A point with a diverged seed or no finite mean
+    is never on the frontier."""
+    ok = (frame["n_diverged"] == 0) & np.isfinite(frame["mean"]) & np.isfinite(frame[x])
+    c, m = frame[x].to_numpy(float), frame["mean"].to_numpy(float)
+    on = []
+    for i in range(len(frame)):
+        if not ok.iloc[i]:
+            on.append(False)
+            continue
+        others = ok.to_numpy() & (c <= c[i]) & (m <= m[i]) & ((c < c[i]) | (m < m[i]))
+        on.append(not others.any())
+    return pd.Series(on, index=frame.index)
