@@ -10,12 +10,13 @@
   inside an op are not counted, so it is a lower bound of the process's true peak; it is exact in what it counts
   and the same accounting for every method, which is what the comparison needs. None for a method that trains
   nothing;
-- latency_s_per_sample: the median over REPEATS forwards (no grad) of one forward's wall time divided by the batch,
-  at batch 1 and at batch 256, for the adapted model and for the frozen backbone timed alternately in the same
-  loop (so drift of a noisy machine hits both alike), under the caller's intra-op threads.
+- latency_s_per_sample: the median over REPEATS forwards (no grad; fewer, at least MIN_REPEATS, when they would
+  take more than ROUND_BUDGET_S) of one forward's wall time divided by the batch, at batch 1 and at batch 256, for
+  the adapted model and for the frozen backbone timed alternately in the same loop (so drift of a noisy machine
+  hits both alike), under the caller's intra-op threads.
 
 Timings on a shared or noisy machine move; compare methods by their ratio to `frozen` measured in the same record
-(`latency_ratio`), and quote `qlbench bench` for speed claims.
+(the tables' "× frozen" columns), and quote `qlbench bench` for speed claims.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from qlbench import adapters, engine
 
 LATENCY_BATCHES = (1, 256)
 REPEATS = 11
+MIN_REPEATS = 3
 WARMUP = 3
+ROUND_BUDGET_S = 2.0  # seconds of timed rounds per batch size, above which fewer rounds are timed
 
 
 def adapter_bytes(model: torch.nn.Module) -> int:
@@ -101,18 +104,29 @@ def peak_train_bytes(model, optimizer, xb: torch.Tensor, yb: torch.Tensor, task=
 
 
 def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, task=None) -> dict[str, float]:
-    """Median seconds per sample of one no-grad forward of each model on x (1, b, d), timed alternately."""
+    """Median seconds per sample of one no-grad forward of each model on x (1, b, d), timed alternately: WARMUP
+    rounds, then REPEATS rounds, or fewer (at least MIN_REPEATS) where a round takes more than
+    ROUND_BUDGET_S / REPEATS seconds (a Transformer at batch 256), so that a record's cost stays a few seconds."""
     times: dict[str, list[float]] = {k: [] for k in models}
     sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
+
+    def round_() -> dict[str, float]:
+        out = {}
+        for k, m in models.items():
+            sync()
+            t0 = time.perf_counter()
+            _forward(m, x, task)
+            sync()
+            out[k] = time.perf_counter() - t0
+        return out
+
     with torch.no_grad():
-        for r in range(WARMUP + REPEATS):
-            for k, m in models.items():
-                sync()
-                t0 = time.perf_counter()
-                _forward(m, x, task)
-                sync()
-                if r >= WARMUP:
-                    times[k].append(time.perf_counter() - t0)
+        for _ in range(WARMUP):
+            last = round_()
+        repeats = max(MIN_REPEATS, min(REPEATS, int(ROUND_BUDGET_S / max(sum(last.values()), 1e-9))))
+        for _ in range(repeats):
+            for k, t in round_().items():
+                times[k].append(t)
     return {k: statistics.median(v) / x.shape[1] for k, v in times.items()}
 
 

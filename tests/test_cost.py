@@ -65,6 +65,25 @@ def test_adapter_bytes_is_the_trainable_weights_and_not_the_backbone():
     assert cost.adapter_bytes(frozen) == 0
 
 
+@pytest.mark.parametrize("budget_s, rounds", [(1e9, cost.REPEATS), (0.0, cost.MIN_REPEATS)])
+def test_latency_times_fewer_rounds_only_when_they_are_slow(monkeypatch, budget_s, rounds):
+    """Every model is timed in every round (warm-up first); a slow round (here: a zero time budget) cuts the timed
+    rounds to MIN_REPEATS, a fast one keeps REPEATS."""
+    monkeypatch.setattr(cost, "ROUND_BUDGET_S", budget_s)
+    calls = {"a": 0, "b": 0}
+
+    def counting(name):
+        def forward(x, instruction=None):
+            calls[name] += 1
+            return x.sum(-1)
+
+        return forward
+
+    out = cost._latency({"a": counting("a"), "b": counting("b")}, torch.zeros(1, 4, 2))
+    assert calls == {"a": cost.WARMUP + rounds, "b": cost.WARMUP + rounds}
+    assert set(out) == {"a", "b"} and all(v >= 0 for v in out.values())
+
+
 @pytest.fixture(scope="module")
 def smoke_records(tmp_path_factory):
     out = tmp_path_factory.mktemp("cost")
