@@ -85,10 +85,12 @@ def local(tmp_path_factory):
 
 
 def measured(record: Path, ignore=("wall_time_s",)) -> dict:
-    """Everything a record measured: train_info without its wall time (and the other `ignore`d fields), and the
-    config hash."""
+    """Everything a record measured: train_info without its timings (wall time, the cost's latencies) and the other
+    `ignore`d fields, and the config hash. The cost's bytes (adapter file, peak memory) are compared."""
     rec = results.read_record(record)
     info = {k: v for k, v in rec["train_info"].items() if k not in ignore}
+    if "cost" in info:
+        info["cost"] = {k: v for k, v in info["cost"].items() if k != "latency_s_per_sample"}
     return {"config_hash": rec["run_info"]["config_hash"], **info}
 
 
