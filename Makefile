@@ -5,6 +5,7 @@
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
 #   make results-snapshot  the quick sweeps of both backbones (9 functions, every method) and their report in docs/results
+#   make pareto-snapshot   the accuracy-cost Pareto sweep of docs/results/pareto (ackley, live deep-narrow, quick)
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
 #   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 3 seeds; records in
 #                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
@@ -15,7 +16,8 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot diag-snapshot suites-snapshot clean
+.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot pareto-snapshot diag-snapshot \
+	suites-snapshot clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,10 +57,22 @@ figures: setup-dev
 bench: setup
 	$(BIN)/qlbench bench
 
+# deep-narrow: every method of the paper plus the routing-vs-sharing baselines; the Transformer: every adapter (its
+# full-soap stack of 18 members takes about a minute per step on one core of the 2-core CPU: hours; docs/speed.md)
+SNAPSHOT_DN_METHODS ?= full-soap,lora,dora,hyra,replora,doran,vb-lora,moe-lora,lily,queryable,instruct-queryable,frozen,mean
+SNAPSHOT_TF_METHODS ?= lora,dora,hyra,replora,doran,queryable,instruct-queryable,frozen,mean
 results-snapshot: setup
-	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --out results
-	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --out results
+	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(SNAPSHOT_DN_METHODS) --out results
+	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --methods $(SNAPSHOT_TF_METHODS) --out results
 	$(BIN)/qlbench report results --budget quick --out docs/results
+
+# the accuracy-cost Pareto snapshot: one function on the live (kaiming) deep-narrow backbone, quick budget, 3 seeds
+PARETO_GRID ?= r=4,8 M=4,8 k=1,2,4
+pareto-snapshot: setup
+	$(BIN)/qlbench pareto --function ackley --backbone-init kaiming --methods queryable,lora,moe-lora \
+	  --grid "$(PARETO_GRID)" --budget quick --threads 1 --out pareto-results --no-progress
+	rm -rf docs/results/pareto && mkdir -p docs/results/pareto
+	cp pareto-results/pareto/ackley-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley
@@ -95,4 +109,4 @@ suites-snapshot: setup
 	cp results/suite-report/report.md docs/results/suites-report.md
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .hypothesis
+	rm -rf $(VENV) results pareto-results .pytest_cache .hypothesis

@@ -92,9 +92,11 @@ def run(args) -> int:
         else:
             paths += experiment.run(p, progress=not args.no_progress, log=log)
     frame = pareto.load(paths)
-    slug = (args.function or f"{args.suite}-{args.schedule}") + f"-{args.arch}-{todo[0][2].budget.name}"
+    init = "" if args.backbone_init == "default" else f"-{args.backbone_init}"
+    slug = (args.function or f"{args.suite}-{args.schedule}") + f"-{args.arch}{init}-{todo[0][2].budget.name}"
     ylabel = "average task test MSE after the last stage" if args.suite else "test MSE @ best-train epoch"
-    out = pareto_report.write(frame, Path(args.out) / "pareto" / slug, f"Pareto, {name}, {args.arch}", ylabel)
+    title = f"Pareto, {name}, {args.arch}" + ("" if not init else f" ({args.backbone_init} init)")
+    out = pareto_report.write(frame, Path(args.out) / "pareto" / slug, title, ylabel)
     print(out["markdown"])
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; table and figure in {out['folder']}")
     failed = frame["mean"].isna().sum()
