@@ -78,7 +78,7 @@ LAYERS = [
     ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.suites"],
     ["qlbench.adapters"],
     ["qlbench.engine"],
-    ["qlbench.experiment"],
+    ["qlbench.experiment", "qlbench.cost"],
     [
         "qlbench.stats",
         "qlbench.theory",
@@ -88,7 +88,7 @@ LAYERS = [
         "qlbench.multitask",
         "qlbench.suite_stats",
     ],
-    ["qlbench.diagnostics", "qlbench.ablation"],
+    ["qlbench.diagnostics", "qlbench.ablation", "qlbench.pareto"],
     ["qlbench.report"],
     ["qlbench.commands"],
     ["qlbench.cli"],
