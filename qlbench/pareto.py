@@ -82,12 +82,13 @@ def points(method: str, grid: dict[str, tuple[int, ...]]) -> tuple[list[Point], 
 
 def plans(
     method: str, grid: dict, *, function: str | None = None, suite: str | None = None, schedule: str = "joint", **kw
-) -> list[tuple[Point, object]]:
+) -> tuple[list[tuple[Point, object]], list[str]]:
     """(point, plan) for every valid point: an `experiment.Plan` on `function`, or a `multitask.SuitePlan` on
-    `suite` (one of the two). Every plan is validated before any work (ValueError)."""
+    `suite` (one of the two), and the skipped points (`points`). Every plan is validated before any work
+    (ValueError)."""
     if (function is None) == (suite is None):
         raise ValueError("give exactly one of a function or a suite")
-    valid, _ = points(method, grid)
+    valid, skipped = points(method, grid)
     if not valid:
         raise ValueError(f"the grid has no valid point for {method} (every point has k > M)")
     out = []
@@ -97,7 +98,7 @@ def plans(
         else:
             p = multitask.plan(suite=suite, schedule=schedule, methods=[method], overrides=pt.overrides, **kw)
         out.append((pt, p))
-    return out
+    return out, skipped
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -61,8 +61,6 @@ def run(args) -> int:
     methods = split_list(args.methods)
     if not methods:
         raise UsageError(f"--methods is empty; valid: {', '.join(pareto.GRID_AXES)}")
-    if args.function is None and args.schedule not in multitask.SCHEDULES:
-        raise UsageError(f"unknown schedule {args.schedule!r}; valid: {', '.join(multitask.SCHEDULES)}")
     common = dict(
         arch=args.arch,
         seeds=args.seeds,
@@ -77,8 +75,8 @@ def run(args) -> int:
         target = dict(function=args.function) if args.function else dict(suite=args.suite, schedule=args.schedule)
         todo, skipped = [], {}  # every method's plans, validated before any work
         for m in dict.fromkeys(methods):
-            skipped[m] = pareto.points(m, grid)[1]
-            todo += [(m, pt, p) for pt, p in pareto.plans(m, grid, **target, **common)]
+            pairs, skipped[m] = pareto.plans(m, grid, **target, **common)
+            todo += [(m, pt, p) for pt, p in pairs]
     for m, points in skipped.items():
         if points:
             log(f"qlbench pareto: {m}: {len(points)} point(s) skipped: {', '.join(points)}")

@@ -70,8 +70,7 @@ def method_table(frame: pd.DataFrame) -> pd.DataFrame:
             key = (arch, budget, function, method)
             row |= {m.label: text.seed_cell(summaries[m.column].loc[key]) for m in metrics}
             row[SOURCE_AFTER] = _source_after(g)
-            row["adapter KB"] = _fmt(_median(g, "adapter_bytes") / 1024, 1)
-            row["peak step MB"] = _fmt(_median(g, "peak_train_bytes") / 2**20, 2)
+            row |= _size_cells(g)
             row["b256 latency × frozen"] = _ratio(_median(g, "latency_b256_s"), _median(g, "frozen_latency_b256_s"))
             rows.append(row)
     table = pd.DataFrame(rows)
@@ -296,6 +295,14 @@ def _median(g: pd.DataFrame, col: str) -> float:
     return float(v.median()) if len(v) else math.nan
 
 
+def _size_cells(g: pd.DataFrame) -> dict:
+    """The adapter file and the peak memory of a training step, medians over `g`'s records, as text."""
+    return {
+        "adapter KB": _fmt(_median(g, "adapter_bytes") / 1024, 1),
+        "peak step MB": _fmt(_median(g, "peak_train_bytes") / 2**20, 2),
+    }
+
+
 def cost_table(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per method of one (arch, budget) slice of `results.load` (COST_LEGEND says what each column is)."""
     cells = frame.drop_duplicates("record")
@@ -309,8 +316,7 @@ def cost_table(frame: pd.DataFrame) -> pd.DataFrame:
             "method": method,
             "trainable": "-" if math.isnan(params) else f"{int(params):,}",
             "× LoRA": f"{params / lora:.3f}" if params and lora and not math.isnan(params / lora) else "-",
-            "adapter KB": _fmt(_median(g, "adapter_bytes") / 1024, 1),
-            "peak step MB": _fmt(_median(g, "peak_train_bytes") / 2**20, 2),
+            **_size_cells(g),
         }
         for b in (1, 256):
             t, f = _median(g, f"latency_b{b}_s"), _median(g, f"frozen_latency_b{b}_s")
