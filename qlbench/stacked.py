@@ -7,10 +7,12 @@ touches slice e: a stack of E models is exactly E separate models (tested), comp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 def uniform_members(shape: tuple[int, ...], bound: float, generators: list[torch.Generator]) -> torch.Tensor:
@@ -76,6 +78,26 @@ def bmm_add(input: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, alpha: floa
         y = torch.bmm(b1, b2)
         return input + (y if alpha == 1 else alpha * y)
     return torch.baddbmm(input, b1, b2, alpha=alpha)
+
+
+# Width, in elements, that every member's slice is padded to by `memberwise`: a multiple of the longest step of
+# PyTorch's vectorised CPU loops (two 512-bit vectors of float32, 32 elements), with room for wider vector units.
+LANES = 64
+
+
+def memberwise(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """fn (an element-wise transcendental such as sigmoid or softplus) of t (E, ...), with the same bits for member e
+    at any stack width E.
+
+    PyTorch's CPU element-wise kernels run vector code over a tensor's first elements and finish the tail with
+    scalar code, and for exp-based functions the two differ in the last bits. In a small per-member tensor (one gate
+    per member: (E,)) which of member e's elements fall in the tail depends on E, so a member's numbers would depend
+    on its stack (measured: Queryable LoRA's sigmoid gate in a 19-member stack; docs/speed.md). Padding each member's
+    slice to a multiple of LANES puts every element on the vector path at any E. Large per-member tensors whose
+    size is a multiple of LANES (activations (E, N, 32)) need no padding: they stay on the vector path already."""
+    flat = t.reshape(t.shape[0], -1)  # (E, k)
+    k = flat.shape[1]
+    return fn(F.pad(flat, (0, -k % LANES)))[:, :k].reshape(t.shape)
 
 
 def rank_project(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:

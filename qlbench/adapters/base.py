@@ -83,10 +83,18 @@ EPS = 1e-8  # the optimisers' epsilon (AdamW's and SOAP's default; `qlbench run 
 
 
 def adamw(params, lr: float, weight_decay: float, eps: float = EPS) -> torch.optim.Optimizer:
-    """AdamW as pretraining and every element-wise method use it: fused (one kernel over all tensors; faster than
-    foreach on the deep-narrow stack, docs/speed.md) and exact on stacked leaves, since it acts element by
-    element."""
-    return torch.optim.AdamW(list(params), lr=lr, weight_decay=weight_decay, eps=eps, fused=True)
+    """AdamW as pretraining and every element-wise method use it, exact on stacked leaves (member e's update is the
+    one it would get alone) in both implementations it picks:
+
+    - on CUDA, fused (one kernel over all tensors; every element takes the same arithmetic);
+    - elsewhere, foreach. PyTorch's fused CPU kernel is not position independent: it splits each tensor into
+      cache-line units, vectorises inside them and finishes a short tail with scalar code whose last bits differ,
+      so a member's update depended on how many members its stack held (the (E, 1) head bias of a stack of 18 or
+      more took the vector path, a narrower stack's the scalar one; measured, docs/speed.md "Stack independence").
+    """
+    params = list(params)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, fused=fused, foreach=not fused)
 
 
 # What a method is, as every table, test and benchmark groups it (display order: this order).

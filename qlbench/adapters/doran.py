@@ -29,7 +29,7 @@ from qlbench.adapters.base import AdapterMethod, Site, check_positive
 from qlbench.adapters.dora import rescaled_linear, weight_norm
 from qlbench.adapters.generated import GeneratedFactors
 from qlbench.adapters.replora import RepLoraConfig, RepLoraGenerators
-from qlbench.stacked import ForwardContext, StackedLinear, bmm_add
+from qlbench.stacked import ForwardContext, StackedLinear, bmm_add, memberwise
 
 NAME = "doran"
 
@@ -58,7 +58,7 @@ class DoranLinear(GeneratedFactors, nn.Module):
 
     def tau(self) -> torch.Tensor:
         """tau_l = softplus(rho_l), (E, 1) to broadcast over the output units."""
-        return F.softplus(self.doran_rho).unsqueeze(-1)
+        return memberwise(F.softplus, self.doran_rho).unsqueeze(-1)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         A, B = self.factors(ctx.shared, ctx.scratch)

@@ -29,7 +29,7 @@ import torch.nn as nn
 from qlbench.adapters.base import AdapterMethod, Site, check_nonnegative, check_positive, check_positive_int
 from qlbench.adapters.lora import LoraConfig, lora_factors, low_rank_update
 from qlbench.adapters.routing import Route, route
-from qlbench.stacked import ForwardContext, StackedLinear, normal_members, param, rank_project
+from qlbench.stacked import ForwardContext, StackedLinear, memberwise, normal_members, param, rank_project
 
 NAME = "queryable"  # the method's name: its parameter prefix and its key in model.shared and ctx.scratch
 # Eager deep-narrow layers run as one RoutedLinear autograd node. The gradient-identity tests switch it off to read
@@ -220,7 +220,7 @@ class QueryableLinear(nn.Module):
 
     def routed_update(self, x: torch.Tensor, s: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
         """W0 x + b0 + scale B t with t = s + g S s, for s = A x and the block's S (E, N, r, r)."""
-        g = torch.sigmoid(self.queryable_eta)  # (E,)
+        g = memberwise(torch.sigmoid, self.queryable_eta)  # (E,)
         if ROUTED_NODE and s.dim() == 3 and not torch.compiler.is_compiling():  # eager, one rank state per sample
             W0, b0 = self.base.weight, self.base.bias
             return RoutedLinear.apply(x, s, S.permute(0, 2, 3, 1), g, W0, b0, self.queryable_B, self.scale)
