@@ -10,10 +10,10 @@
   inside an op are not counted, so it is a lower bound of the process's true peak; it is exact in what it counts
   and the same accounting for every method, which is what the comparison needs. None for a method that trains
   nothing;
-- latency_s_per_sample: the median over REPEATS forwards (no grad; fewer, at least MIN_REPEATS, when they would
-  take more than ROUND_BUDGET_S) of one forward's wall time divided by the batch, at batch 1 and at batch 256, for
-  the adapted model and for the frozen backbone timed alternately in the same loop (so drift of a noisy machine
-  hits both alike), under the caller's intra-op threads.
+- latency_s_per_sample: the median over REPEATS forwards (no grad; fewer, at least MIN_REPEATS, when they would take
+  more than ROUND_BUDGET_S; MIN_REPEATS at the smoke budget, `repeats_for`) of one forward's wall time divided by the
+  batch, at batch 1 and at batch 256, for the adapted model and for the frozen backbone timed alternately in the same
+  loop (so drift of a noisy machine hits both alike), under the caller's intra-op threads.
 
 Timings on a shared or noisy machine move; compare methods by their ratio to `frozen` measured in the same record
 (the tables' "× frozen" columns), and quote `qlbench bench` for speed claims.
@@ -34,6 +34,13 @@ REPEATS = 11
 MIN_REPEATS = 3
 WARMUP = 3
 ROUND_BUDGET_S = 2.0  # seconds of timed rounds per batch size, above which fewer rounds are timed
+
+
+def repeats_for(budget_name: str) -> int:
+    """Timed rounds per latency: MIN_REPEATS at the smoke budget, which only checks that everything runs (its
+    seconds-long training would otherwise cost less than its latencies: a Transformer smoke cell's cost took about
+    3 s a method), REPEATS otherwise."""
+    return MIN_REPEATS if budget_name == "smoke" else REPEATS
 
 
 def adapter_bytes(model: torch.nn.Module) -> int:
@@ -103,10 +110,13 @@ def peak_train_bytes(model, optimizer, xb: torch.Tensor, yb: torch.Tensor, task=
     return sum(counted.values()) + sum(saved.values()) + grads, "cpu-accounting"
 
 
-def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, task=None) -> dict[str, float]:
-    """Median seconds per sample of one no-grad forward of each model on x (1, b, d), timed alternately: WARMUP
-    rounds, then REPEATS rounds, or fewer (at least MIN_REPEATS) where a round takes more than
-    ROUND_BUDGET_S / REPEATS seconds (a Transformer at batch 256), so that a record's cost stays a few seconds."""
+def _latency(
+    models: dict[str, torch.nn.Module], x: torch.Tensor, task=None, repeats: int = REPEATS
+) -> dict[str, float]:
+    """Median seconds per sample of one no-grad forward of each model on x (1, b, d), timed alternately: WARMUP untimed
+    rounds (one when `repeats` < REPEATS), then `repeats` rounds, or fewer (at least MIN_REPEATS) where a round takes
+    more than ROUND_BUDGET_S / repeats seconds (a Transformer at batch 256), so that a record's cost stays a few
+    seconds."""
     times: dict[str, list[float]] = {k: [] for k in models}
     sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
 
@@ -121,9 +131,9 @@ def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, task=None) -> 
         return out
 
     with torch.no_grad():
-        for _ in range(WARMUP):
+        for _ in range(WARMUP if repeats >= REPEATS else 1):  # fewer timed rounds, one warm-up
             last = round_()
-        repeats = max(MIN_REPEATS, min(REPEATS, int(ROUND_BUDGET_S / max(sum(last.values()), 1e-9))))
+        repeats = max(MIN_REPEATS, min(repeats, int(ROUND_BUDGET_S / max(sum(last.values()), 1e-9))))
         for _ in range(repeats):
             for k, t in round_().items():
                 times[k].append(t)
@@ -131,15 +141,18 @@ def _latency(models: dict[str, torch.nn.Module], x: torch.Tensor, task=None) -> 
 
 
 @engine.flush_denormals()
-def measure_model(model, frozen, method_name: str, config, data: engine.StackedData, batch_size: int) -> dict:
+def measure_model(
+    model, frozen, method_name: str, config, data: engine.StackedData, batch_size: int, repeats: int = REPEATS
+) -> dict:
     """The cost fields of a record (see the module docstring): `model`, a fresh one-member stack of the method, and
-    `frozen`, its backbone, on that member's data (x_test for the latencies, a training batch for the memory)."""
+    `frozen`, its backbone, on that member's data (x_test for the latencies, a training batch for the memory);
+    `repeats` timed rounds per latency (`repeats_for`)."""
     method = adapters.get(method_name)
     latency = {}
     for b in LATENCY_BATCHES:
         idx = torch.arange(b, device=data.x_test.device) % data.x_test.shape[1]  # cycled to the batch
         task = None if data.task_test is None else data.task_test[:, idx]
-        t = _latency({"adapted": model.eval(), "frozen": frozen.eval()}, data.x_test[:, idx], task)
+        t = _latency({"adapted": model.eval(), "frozen": frozen.eval()}, data.x_test[:, idx], task, repeats)
         latency[str(b)] = {"adapted": t["adapted"], "frozen": t["frozen"]}
     model.train()
     out = {"adapter_bytes": adapter_bytes(model) if method.trains else 0, "latency_s_per_sample": latency}
@@ -152,9 +165,11 @@ def measure_model(model, frozen, method_name: str, config, data: engine.StackedD
     return out | {"peak_train_bytes": peak, "memory_method": how}
 
 
-def measure(pretrained: engine.Pretrained, method_name: str, config, *, batch_size: int, device, dtype) -> dict:
+def measure(
+    pretrained: engine.Pretrained, method_name: str, config, *, batch_size: int, device, dtype, repeats: int = REPEATS
+) -> dict:
     """`measure_model` for `method_name` built on `pretrained`'s first member, beside that member's frozen
     backbone, on its target data."""
     one = pretrained.select([pretrained.members[0]])
     model, data = engine.build_model(one, method_name, config, device=device, dtype=dtype)
-    return measure_model(model, one.model(device=device, dtype=dtype), method_name, config, data, batch_size)
+    return measure_model(model, one.model(device=device, dtype=dtype), method_name, config, data, batch_size, repeats)

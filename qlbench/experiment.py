@@ -400,7 +400,13 @@ def measure_cost(p: Plan, method: str, pre: engine.Pretrained, dtype, log) -> di
     results are not lost for it."""
     try:
         return cost.measure(
-            pre, method, p.configs[method], batch_size=p.budget.adapt.batch_size, device=p.device, dtype=dtype
+            pre,
+            method,
+            p.configs[method],
+            batch_size=p.budget.adapt.batch_size,
+            device=p.device,
+            dtype=dtype,
+            repeats=cost.repeats_for(p.budget.name),
         )
     except Exception as err:  # a cost is an extra: the record is written without it
         log(f"{method}: cost not measured: {type(err).__name__}: {err}")

@@ -412,7 +412,8 @@ def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | 
         if reads_instruction(config):
             bind(model, instruction_table(p.suite, config), 1)
         frozen = one.model(device=p.device, dtype=dtype)
-        return cost.measure_model(model, frozen, name, config, data, p.budget.adapt.batch_size)
+        repeats = cost.repeats_for(p.budget.name)
+        return cost.measure_model(model, frozen, name, config, data, p.budget.adapt.batch_size, repeats)
     except Exception as err:  # a cost is an extra: the record is written without it
         log(f"{row}: cost not measured: {type(err).__name__}: {err}")
         return None

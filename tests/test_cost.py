@@ -84,6 +84,17 @@ def test_latency_times_fewer_rounds_only_when_they_are_slow(monkeypatch, budget_
     assert set(out) == {"a", "b"} and all(v >= 0 for v in out.values())
 
 
+def test_the_smoke_budget_times_the_fewest_rounds_after_one_warm_up(monkeypatch):
+    """A smoke cell's latencies: MIN_REPEATS timed rounds after one warm-up (its training is seconds long);
+    every other budget REPEATS after WARMUP."""
+    assert cost.repeats_for("quick") == cost.repeats_for("paper") == cost.REPEATS
+    assert cost.repeats_for("smoke") == cost.MIN_REPEATS
+    monkeypatch.setattr(cost, "ROUND_BUDGET_S", 1e9)
+    calls = []
+    cost._latency({"a": lambda x, instruction=None: calls.append(1) or x.sum(-1)}, torch.zeros(1, 4, 2), None, 3)
+    assert len(calls) == 1 + cost.MIN_REPEATS
+
+
 @pytest.fixture(scope="module")
 def smoke_records(tmp_path_factory):
     out = tmp_path_factory.mktemp("cost")
