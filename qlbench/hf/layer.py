@@ -1,0 +1,87 @@
+"""The adapted linear of the peft tuner: y = W0 x + b0 + s B (I_r + g S_b) A x, g = sigmoid(eta).
+
+S_b comes from the tuner's router (`model.Routing.operator`): the layer hands it its rank state s = A x and its
+block, and gets the block's routed operator, one per sequence (or per sample for inputs without a token axis).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+from peft.tuners.tuners_utils import BaseTunerLayer
+from transformers.pytorch_utils import Conv1D
+
+
+def features(base: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or a transformers Conv1D (weight (in, out))."""
+    if isinstance(base, nn.Linear):
+        return base.in_features, base.out_features
+    if isinstance(base, Conv1D):
+        return base.weight.shape[0], base.weight.shape[1]
+    raise TypeError(f"queryable_lora adapts nn.Linear and transformers Conv1D layers, not {type(base).__name__}")
+
+
+class QueryableLoraLayer(BaseTunerLayer):
+    adapter_layer_names = ("queryable_A", "queryable_B", "queryable_eta")
+    other_param_names = ("r", "scaling", "block")
+
+    def __init__(self, base_layer: nn.Module, **kwargs) -> None:
+        self.base_layer = base_layer
+        self.r: dict[str, int] = {}
+        self.scaling: dict[str, float] = {}
+        self.block: dict[str, int] = {}  # the adapter's block of this layer, set by the tuner after injection
+        self.queryable_A = nn.ParameterDict({})  # (r, d_in)
+        self.queryable_B = nn.ParameterDict({})  # (d_out, r)
+        self.queryable_eta = nn.ParameterDict({})  # (1,): the gate g = sigmoid(eta)
+        self.routing = None  # the tuner's Routing (a plain object: not a submodule, so saved once, by the tuner)
+        self._disable_adapters = False
+        self.merged_adapters = []
+        self.kwargs = kwargs
+        self.in_features, self.out_features = features(self.get_base_layer())
+
+    def update_layer(self, adapter_name: str, config) -> None:
+        """Add the adapter's A ~ U(+-1/sqrt(d_in)), B = 0, eta = 0 (qlbench's initialisation)."""
+        r = config.r
+        self.r[adapter_name], self.scaling[adapter_name] = r, config.scaling
+        bound = 1.0 / math.sqrt(self.in_features)
+        self.queryable_A[adapter_name] = nn.Parameter(torch.empty(r, self.in_features).uniform_(-bound, bound))
+        self.queryable_B[adapter_name] = nn.Parameter(torch.zeros(self.out_features, r))
+        self.queryable_eta[adapter_name] = nn.Parameter(torch.zeros(1))
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+
+
+class Linear(nn.Module, QueryableLoraLayer):
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config, **kwargs) -> None:
+        super().__init__()
+        QueryableLoraLayer.__init__(self, base_layer, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        raise NotImplementedError("queryable_lora's update depends on the input (its routes): it cannot be merged")
+
+    def unmerge(self) -> None:
+        raise NotImplementedError("queryable_lora's update depends on the input (its routes): it cannot be merged")
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        result = self.base_layer(x, *args, **kwargs)  # (..., d_out)
+        if self.disable_adapters:
+            return result
+        for name in self.active_adapters:
+            if name not in self.queryable_A:
+                continue
+            A, B = self.queryable_A[name], self.queryable_B[name]
+            s = x.to(A.dtype) @ A.T  # (batch, [T,] r)
+            S = self.routing.operator(name, self.block[name], s)  # (batch, r, r)
+            g = torch.sigmoid(self.queryable_eta[name])
+            Ss = s @ S.transpose(-1, -2) if s.dim() == 3 else (S @ s.unsqueeze(-1)).squeeze(-1)  # S s per token
+            t = s + g * Ss
+            result = result + (self.scaling[name] * (t @ B.T)).to(result.dtype)
+        return result
+
+    def __repr__(self) -> str:
+        return "queryable_lora." + super().__repr__()

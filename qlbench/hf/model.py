@@ -1,0 +1,212 @@
+"""The peft tuner: shared memory and router per adapter, blocks in the model's layer order, per-forward state.
+
+What peft's API does not express, and how this tuner does it (docs/hf.md):
+- *State carried across layers.* peft's layers are independent modules; Queryable LoRA's block b routes from its
+  entry rank state and from summaries of the blocks before it. The tuner keeps a per-forward `Routing` state that
+  every adapted layer of an adapter shares, reset by a forward pre-hook on the wrapped model before each forward.
+- *The instruction per call.* That pre-hook also takes an `instruction=` keyword (a (d_c,) or (batch, d_c) tensor)
+  out of the model's keywords before the model sees it, and the attention mask, whose padding the token average of
+  a rank state skips. `set_instruction` binds one per adapter.
+- *A memory shared by all layers.* Each adapter's atoms, keys and router parameters are one `QueryableMemory` in
+  the tuner's `queryable_memory` ModuleDict (saved once, as peft saves tuner-level containers).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+
+from qlbench.adapters.queryable import block_of
+from qlbench.adapters.routing import route
+from qlbench.hf.layer import Linear, QueryableLoraLayer, features
+
+
+class QueryableMemory(nn.Module):
+    """One adapter's atoms C_m (M, r, r), keys k_m (M, d_k), block priors w_b (B, d_k) and router matrices, with
+    qlbench's initialisation (qlbench.adapters.queryable.QueryableMemory, drawn from torch's global generator)."""
+
+    def __init__(self, config):
+        super().__init__()
+        c, r, d_k = config, config.r, config.d_k
+        normal = lambda shape, std: nn.Parameter(torch.randn(*shape) * std)
+        self.atoms = normal((c.n_atoms, r, r), c.atom_std)
+        self.keys = normal((c.n_atoms, d_k), 1.0)
+        self.block_prior = normal((c.n_blocks, d_k), 1.0)
+        self.Q_cur = normal((d_k, r), 1 / math.sqrt(r))
+        self.Q_dep = normal((d_k, r), 1 / math.sqrt(r))
+        self.Q_dep_q = normal((d_k, d_k), 1 / math.sqrt(d_k))
+        self.Q_dep_k = normal((d_k, r), 1 / math.sqrt(r))
+        if c.instruction_dim is not None:
+            self.Q_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
+            self.R_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
+        else:
+            self.Q_ctx = self.R_ctx = None
+        self.config = config
+
+
+@dataclass
+class ForwardState:
+    """One forward's routing scratch, per adapter: each block's pooled rank states and its routed operator."""
+
+    states: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)  # adapter -> block -> [(b, r)]
+    operators: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # adapter -> block -> (b, r, r)
+    mask: torch.Tensor | None = None  # (batch, T) attention mask of this forward, if the model was given one
+    instruction: torch.Tensor | None = None  # (d_c,) or (batch, d_c) given to this forward
+
+
+class Routing:
+    """What the adapted layers of a tuner share: the memories, each adapter's bound instruction, and the state of the
+    forward in progress. A plain object (not an nn.Module), so that no layer registers the memories again."""
+
+    def __init__(self, memories: nn.ModuleDict):
+        self.memories = memories
+        self.instructions: dict[str, torch.Tensor] = {}
+        self.state = ForwardState()
+        self.last: dict[str, dict] = {}  # adapter -> block -> Route of the last forward (inspection, tests)
+
+    def pooled(self, s: torch.Tensor) -> torch.Tensor:
+        """A rank state per sequence: s (batch, T, r) averaged over its tokens (the mask's padding skipped, when the
+        forward had a mask of the same shape), or s (batch, r) itself."""
+        if s.dim() == 2:
+            return s
+        mask = self.state.mask
+        if mask is None or mask.shape != s.shape[:2]:
+            return s.mean(1)
+        w = mask.to(s.dtype).unsqueeze(-1)  # (batch, T, 1)
+        return (s * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+    def operator(self, adapter: str, block: int, s: torch.Tensor) -> torch.Tensor:
+        """S_b (batch, r, r) for this adapter's block, routed by the first layer of the block to run in this forward
+        (from its rank state s and the summaries of the blocks before it); every layer's pooled state is recorded."""
+        memory = self.memories[adapter]
+        c = memory.config
+        state = self.state
+        pooled = self.pooled(s)  # (batch, r)
+        states = state.states.setdefault(adapter, {})
+        operators = state.operators.setdefault(adapter, {})
+        if block not in operators:
+            earlier = [b for b in range(block) if b in states]
+            summaries = (
+                torch.stack([torch.stack(states[b]).mean(0) for b in earlier], dim=1).unsqueeze(0) if earlier else None
+            )  # (1, batch, P, r)
+            instruction = self.instruction(adapter, pooled)
+            r = route(
+                pooled.unsqueeze(0),
+                summaries,
+                w=memory.block_prior[block].unsqueeze(0),
+                Q_cur=memory.Q_cur.unsqueeze(0),
+                Q_dep=memory.Q_dep.unsqueeze(0),
+                Q_dep_q=memory.Q_dep_q.unsqueeze(0),
+                Q_dep_k=memory.Q_dep_k.unsqueeze(0),
+                keys=memory.keys.unsqueeze(0),
+                atoms=memory.atoms.unsqueeze(0),
+                top_k=c.top_k,
+                t_attn=c.t_attn,
+                t_dep=c.t_dep,
+                t_lang=c.t_lang,
+                tau_lang=c.tau_lang,
+                lambda_ctx=c.lambda_ctx,
+                instruction=instruction,
+                Q_ctx=None if memory.Q_ctx is None else memory.Q_ctx.unsqueeze(0),
+                R_ctx=None if memory.R_ctx is None else memory.R_ctx.unsqueeze(0),
+                eps=c.rms_eps,
+            )
+            operators[block] = r.S[0]  # (batch, r, r)
+            self.last.setdefault(adapter, {})[block] = r
+        states.setdefault(block, []).append(pooled)
+        return operators[block]
+
+    def instruction(self, adapter: str, pooled: torch.Tensor) -> torch.Tensor | None:
+        """(1, d_c) or (1, batch, d_c): the forward's instruction, else the adapter's bound one, else None (an error
+        when the adapter's instruction channels are on)."""
+        c = self.memories[adapter].config
+        e = self.state.instruction if self.state.instruction is not None else self.instructions.get(adapter)
+        if e is None:
+            if c.tau_lang or c.lambda_ctx:
+                raise ValueError(
+                    f"adapter {adapter!r} routes on an instruction: pass instruction=e (a ({c.instruction_dim},) or "
+                    f"(batch, {c.instruction_dim}) tensor) to the forward, or call set_instruction"
+                )
+            return None
+        e = e.to(device=pooled.device, dtype=pooled.dtype)
+        if e.shape[-1] != c.instruction_dim or e.dim() > 2 or (e.dim() == 2 and e.shape[0] != pooled.shape[0]):
+            raise ValueError(
+                f"instruction of shape {tuple(e.shape)}: adapter {adapter!r} wants ({c.instruction_dim},) or "
+                f"({pooled.shape[0]}, {c.instruction_dim})"
+            )
+        return e.unsqueeze(0)
+
+
+def layer_index(module_name: str) -> int | None:
+    """The layer a module belongs to: the first integer component of its path (`encoder.layer.3.attention` -> 3)."""
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", module_name)
+    return None if match is None else int(match.group(1))
+
+
+class QueryableLoraModel(BaseTuner):
+    """Queryable LoRA over a transformers model (or any nn.Module with nn.Linear layers); see the module docstring."""
+
+    prefix: str = "queryable_"
+    tuner_layer_cls = QueryableLoraLayer
+    target_module_mapping = {}  # no defaults: target_modules is required
+
+    def _pre_injection_hook(self, model: nn.Module, config, adapter_name: str) -> None:
+        if not hasattr(self, "queryable_memory"):
+            self.queryable_memory = nn.ModuleDict({})
+            self.routing = Routing(self.queryable_memory)
+            self._hook = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
+        self.queryable_memory[adapter_name] = QueryableMemory(config)
+
+    def _begin_forward(self, module, args, kwargs):
+        """Before every forward of the wrapped model: a fresh routing state, this call's instruction (taken out of
+        the keywords) and attention mask."""
+        self.routing.state = ForwardState(
+            mask=kwargs.get("attention_mask"), instruction=kwargs.pop("instruction", None)
+        )
+        return args, kwargs
+
+    def _create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, **kwargs):
+        if isinstance(target, QueryableLoraLayer):
+            target.update_layer(adapter_name, config)
+        else:
+            base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+            features(base)  # a clear TypeError for an unsupported layer
+            new = Linear(target, adapter_name, config)
+            if adapter_name not in self.active_adapters:
+                new.requires_grad_(False)
+            self._replace_module(parent, target_name, new, target)
+
+    def _post_injection_hook(self, model: nn.Module, config, adapter_name: str) -> None:
+        """Blocks in layer order; the memory on the adapted layers' device and dtype; the layers see the Routing."""
+        layers = [
+            (name, m) for name, m in model.named_modules() if isinstance(m, QueryableLoraLayer) and adapter_name in m.r
+        ]
+        indices = [layer_index(name) for name, _ in layers]
+        order = sorted({i for i in indices if i is not None})
+        rank = [order.index(i) if i is not None else len(order) for i in indices]  # unnumbered modules: last
+        n_layers = len(order) + (None in indices)
+        if config.n_blocks > n_layers:
+            raise ValueError(f"n_blocks={config.n_blocks} exceeds the {n_layers} layers holding adapted modules")
+        for (_, layer), k in zip(layers, rank):
+            layer.block[adapter_name] = block_of(k, n_layers, config.n_blocks)
+            layer.routing = self.routing
+        weight = layers[0][1].get_base_layer().weight
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        self.queryable_memory[adapter_name].to(device=weight.device, dtype=dtype)
+
+    def set_instruction(self, e: torch.Tensor | None, adapter_name: str | None = None) -> None:
+        """Bind the frozen instruction embedding e (d_c,) to an adapter (default: the active one); None unbinds.
+        A forward's `instruction=` overrides it. Not saved with the adapter: bind it again after loading."""
+        name = adapter_name or self.active_adapters[0]
+        if e is None:
+            self.routing.instructions.pop(name, None)
+        else:
+            self.routing.instructions[name] = e.detach()
+
+    def _unload_and_optionally_merge(self, *args, **kwargs):
+        raise NotImplementedError("queryable_lora's update depends on the input (its routes): it cannot be merged")
