@@ -174,3 +174,156 @@ def test_the_core_package_does_not_import_peft():
     code = "import sys, qlbench, qlbench.cli, qlbench.adapters, qlbench.experiment; print('peft' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One implementation of the mathematics: the tuner on the deep-narrow backbone (member 0 as plain nn.Linear layers)
+# equals qlbench's own queryable adapter with the same weights, outputs and gradients, in float64.
+
+F64 = torch.float64
+SHARED = ("atoms", "keys", "block_prior", "Q_cur", "Q_dep", "Q_dep_q", "Q_dep_k", "Q_ctx", "R_ctx")
+
+
+class PlainDeepNarrow(torch.nn.Module):
+    """Member 0 of a stacked deep-narrow backbone as nn.Linear layers: x (N, 2) -> (N,)."""
+
+    def __init__(self, stacked):
+        super().__init__()
+
+        def linear(s):
+            s = getattr(s, "base", s)  # an adapted layer's frozen StackedLinear
+            lin = torch.nn.Linear(s.weight.shape[2], s.weight.shape[1], dtype=F64)
+            with torch.no_grad():
+                lin.weight.copy_(s.weight[0])
+                lin.bias.copy_(s.bias[0])
+            return lin
+
+        self.inp, self.head = linear(stacked.inp), linear(stacked.head)
+        self.hidden = torch.nn.ModuleList(linear(layer) for layer in stacked.hidden)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.inp(x))
+        for layer in self.hidden:
+            h = torch.nn.functional.gelu(layer(h))
+        return self.head(h).squeeze(-1)
+
+
+def twin_models(**config):
+    """(qlbench's queryable on a one-member deep-narrow stack, the peft tuner on its plain copy, same weights)."""
+    from qlbench import adapters
+    from qlbench.backbones import build_backbone
+    from qlbench.seeding import generator
+
+    cfg = adapters.get("queryable").config_cls(**config)
+    ours = adapters.get("queryable").build(
+        build_backbone("deep-narrow", ["hf-twin"], dtype=F64), cfg, [generator("test", "hf-twin")], None
+    )
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # non-trivial weights (B and eta start at zero, the atoms small)
+        for name, p in ours.named_parameters():
+            if not p.requires_grad:
+                continue
+            z = torch.randn(p.shape, generator=g, dtype=F64)
+            leaf = name.rsplit(".", 1)[-1]
+            p.copy_(z * {"queryable_B": 0.3, "queryable_eta": 1.5, "atoms": 0.5}.get(leaf, 1 / p.shape[-1] ** 0.5))
+    theirs = peft.get_peft_model(
+        PlainDeepNarrow(ours),
+        QueryableLoraConfig(
+            target_modules=[f"hidden.{i}" for i in range(32)], r=cfg.r, lora_alpha=cfg.alpha, n_blocks=cfg.n_blocks,
+            n_atoms=cfg.n_atoms, top_k=cfg.top_k, d_k=cfg.d_k, tau_lang=cfg.tau_lang, lambda_ctx=cfg.lambda_ctx,
+            instruction_dim=cfg.instruction_dim,
+        ),
+    ).to(F64)  # fmt: skip
+    with torch.no_grad():
+        for i, layer in enumerate(ours.hidden):
+            twin = theirs.base_model.model.hidden[i]
+            twin.queryable_A["default"].copy_(layer.queryable_A[0])
+            twin.queryable_B["default"].copy_(layer.queryable_B[0])
+            twin.queryable_eta["default"].copy_(layer.queryable_eta[:1])
+        memory = theirs.base_model.queryable_memory["default"]
+        for name in SHARED:
+            if getattr(memory, name) is not None:
+                getattr(memory, name).copy_(getattr(ours.shared["queryable"], name)[0])
+    return ours, theirs
+
+
+def adapter_grads(ours, theirs) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    pairs = []
+    for i, layer in enumerate(ours.hidden):
+        twin = theirs.base_model.model.hidden[i]
+        for leaf in ("queryable_A", "queryable_B"):
+            pairs.append((f"{i}.{leaf}", getattr(layer, leaf).grad[0], getattr(twin, leaf)["default"].grad))
+        pairs.append((f"{i}.eta", layer.queryable_eta.grad[:1], twin.queryable_eta["default"].grad))
+    memory = theirs.base_model.queryable_memory["default"]
+    for name in SHARED:
+        if getattr(memory, name) is not None:
+            pairs.append((name, getattr(ours.shared["queryable"], name).grad[0], getattr(memory, name).grad))
+    return pairs
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(n_blocks=4, n_atoms=8, top_k=2), dict(n_blocks=3, n_atoms=6, top_k=3, instruction_dim=8, tau_lang=0.5,
+     lambda_ctx=0.7)],
+    ids=["state-only", "instruction"],
+)  # fmt: skip
+def test_the_tuner_equals_qlbenchs_adapter_on_the_deep_narrow_backbone(config):
+    ours, theirs = twin_models(**config)
+    g = torch.Generator().manual_seed(6)
+    x = torch.rand(1, 40, 2, generator=g, dtype=F64) * 4 - 2  # (1, N, 2)
+    weights = torch.randn(40, generator=g, dtype=F64)
+    e = torch.randn(1, 8, generator=g, dtype=F64) if "instruction_dim" in config else None
+    y_ours = ours(x, e)[0]
+    y_theirs = theirs(x[0]) if e is None else theirs(x[0], instruction=e[0])
+    assert (y_ours - y_theirs).abs().max() < 1e-10 * (1 + y_ours.abs().max())
+    (y_ours * weights).sum().backward()
+    (y_theirs * weights).sum().backward()
+    for name, a, b in adapter_grads(ours, theirs):
+        assert (a - b).abs().max() <= 1e-10 * (1 + a.abs().max()), name
+
+
+def reference_first_block(memory, s: torch.Tensor, k: int, eps: float = 1e-6) -> torch.Tensor:
+    """The paper's routing weights of block 0 (no depth term, no instruction), one sample at a time, written out:
+    q = w_0 + Q_cur s; zeta_m = <RMSNorm(q), RMSNorm(k_m)> / sqrt(d_k); alpha = softmax over the k largest zeta."""
+    rms = lambda v: v / torch.sqrt((v * v).mean() + eps)
+    rows = []
+    for si in s:
+        q = memory.block_prior[0] + memory.Q_cur @ si
+        zeta = torch.stack([rms(q) @ rms(key) for key in memory.keys]) / memory.keys.shape[1] ** 0.5
+        top = torch.topk(zeta, k).indices
+        alpha = torch.zeros_like(zeta)
+        alpha[top] = torch.exp(zeta[top] - zeta[top].max()) / torch.exp(zeta[top] - zeta[top].max()).sum()
+        rows.append(alpha)
+    return torch.stack(rows)
+
+
+def test_the_tuner_routes_as_the_reference_and_a_planted_bug_fails_it(monkeypatch):
+    """Block 0's routing weights on BERT-free ground: the deep-narrow twin, against the reference above; then with
+    the routing weights not renormalised over the top-k (softmax over all M atoms, zero outside the k largest)."""
+    from qlbench.adapters import routing
+
+    _, theirs = twin_models(n_blocks=4, n_atoms=8, top_k=2)
+    x = torch.rand(25, 2, generator=torch.Generator().manual_seed(7), dtype=F64) * 4 - 2
+    hf_routing = theirs.base_model.routing
+
+    def block0_alpha():
+        with torch.no_grad():
+            s = []
+            hook = theirs.base_model.model.hidden[0].register_forward_hook(
+                lambda mod, inp, out: s.append(inp[0] @ mod.queryable_A["default"].T)
+            )
+            theirs(x)
+            hook.remove()
+        return hf_routing.last["default"][0].alpha[0], s[0]
+
+    alpha, s = block0_alpha()
+    memory = theirs.base_model.queryable_memory["default"]
+    assert torch.allclose(alpha, reference_first_block(memory, s, 2), atol=1e-12)
+
+    def not_renormalised(logits, k):
+        top, idx = logits.topk(k, dim=-1)
+        return torch.zeros_like(logits).scatter(-1, idx, logits.softmax(dim=-1).gather(-1, idx))
+
+    monkeypatch.setattr(routing, "topk_softmax", not_renormalised)
+    alpha, s = block0_alpha()
+    assert not torch.allclose(alpha, reference_first_block(memory, s, 2), atol=1e-6)
