@@ -16,6 +16,7 @@ from qlbench.commands import bench as bench_command
 from qlbench.commands import diagnose as diagnose_command
 from qlbench.commands import functions as functions_command
 from qlbench.commands import pareto as pareto_command
+from qlbench.commands import real as real_command
 from qlbench.commands import report as report_command
 from qlbench.commands import results as results_command
 from qlbench.commands import run as run_command
@@ -34,6 +35,7 @@ COMMANDS = (
     report_command,
     ablate_command,
     pareto_command,
+    real_command,
     verify_command,
     diagnose_command,
     signal_command,

