@@ -1,13 +1,14 @@
 """The offline real-model experiment (`qlbench real`): the bundled, pretrained all-MiniLM-L6-v2 adapted through
 peft to three regression tasks over the same generated sentences, which only the task's instruction tells apart.
 
-The tasks (qlbench's choice; no download). A sentence says how many of three fruits someone bought, the fruits in a
-random order ("Ava bought 3 plums, 7 apples and 2 pears."); task t asks for one fruit's count ("How many apples
-were bought?"). Each sample is one (sentence, task) pair and its label the asked count, centred and scaled,
-(count - 4.5) / 2.87 (counts uniform on 0..9, so a constant prediction scores about 1). The model reads the
-instruction followed by the sentence, whatever the method, so every method can tell the tasks apart from its text;
-`instruct-queryable` also routes on the frozen MiniLM embedding of the instruction (qlbench.instructions.embed). What
-the experiment asks is whether routing on the instruction, or routing at all, adds to reading it.
+The tasks (qlbench's choice; no download). A sentence names an animal, a colour and a city ("The owl sat near a
+green car in Lima."); task t asks a yes/no question about one of them ("Is the animal a mammal?", "Is the colour a
+warm colour?", "Is the city in Europe?"). Each sample is one (sentence, task) pair and its label +1 for yes, -1 for
+no (balanced, so a constant prediction scores about 1). The model reads the instruction followed by the sentence,
+whatever the method, so every method can tell the tasks apart from its text; `instruct-queryable` also routes on
+the frozen MiniLM embedding of the instruction (qlbench.instructions.embed). What the experiment asks is whether
+routing on the instruction, or routing at all, adds to reading it. The answers are general knowledge that MiniLM
+has seen; what has to be learnt is which word the question is about.
 
 The model: MiniLM (frozen) -> the method's adapter on every layer's `query` and `value` -> the attention-masked mean
 of the last hidden states (MiniLM's own pooling) -> a trained Linear(384, 1) head. Rows:
@@ -35,20 +36,26 @@ import torch.nn as nn
 
 from qlbench import instructions, store
 
-FRUITS = ("apples", "pears", "plums")
-INSTRUCTIONS = tuple(f"How many {fruit} were bought?" for fruit in FRUITS)
-NAMES = ("Ava", "Ben", "Chloe", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jin", "Kai", "Lea")
+# Each task: its instruction, the sentence slot it asks about, and that slot's words with their yes/no answers.
+ANIMALS = {"cat": 1, "dog": 1, "horse": 1, "whale": 1, "mouse": 1, "bat": 1,
+           "owl": -1, "snake": -1, "frog": -1, "shark": -1, "eagle": -1, "lizard": -1}  # fmt: skip
+COLOURS = {"red": 1, "orange": 1, "yellow": 1, "pink": 1, "gold": 1, "crimson": 1,
+           "blue": -1, "green": -1, "teal": -1, "navy": -1, "cyan": -1, "violet": -1}  # fmt: skip
+CITIES = {"Paris": 1, "Rome": 1, "Berlin": 1, "Madrid": 1, "Oslo": 1, "Vienna": 1,
+          "Tokyo": -1, "Lima": -1, "Cairo": -1, "Delhi": -1, "Sydney": -1, "Toronto": -1}  # fmt: skip
+TASKS = ("mammal", "warm", "europe")
+INSTRUCTIONS = ("Is the animal a mammal?", "Is the colour a warm colour?", "Is the city in Europe?")
+SLOTS = (ANIMALS, COLOURS, CITIES)
 METHODS = ("head-only", "lora", "queryable", "instruct-queryable")
 TARGETS = ["query", "value"]
-MEAN, STD = 4.5, 2.87  # counts uniform on 0..9: mean 4.5, std sqrt(99 / 12)
 
 
 @dataclass(frozen=True)
 class RealConfig:
     """Everything that fixes a record's numbers (its hash names the record's folder)."""
 
-    train_per_task: int = 200
-    test_per_task: int = 200
+    train_per_task: int = 100
+    test_per_task: int = 100
     epochs: int = 10
     batch_size: int = 32
     lr: float = 1e-3
@@ -83,19 +90,21 @@ class Data:
 
 
 def sentences(n_per_task: int, seed: int, split: str) -> tuple[list[str], list[int], list[float]]:
-    """(texts, tasks, labels): n_per_task fresh sentences for each task, each read with its task's instruction.
-    Drawn from numpy's generator seeded by (seed, split) alone."""
+    """(texts, tasks, labels): n_per_task fresh sentences for each task, each read with its task's instruction, half
+    of them answered yes. Drawn from numpy's generator seeded by (seed, split) alone."""
     rng = np.random.default_rng([seed, {"train": 0, "test": 1}[split]])
+    words = [list(slot) for slot in SLOTS]
     texts, tasks, labels = [], [], []
-    for task in range(len(FRUITS)):
-        for _ in range(n_per_task):
-            counts = rng.integers(0, 10, size=len(FRUITS))
-            order = rng.permutation(len(FRUITS))
-            name = NAMES[rng.integers(len(NAMES))]
-            items = [f"{counts[i]} {FRUITS[i]}" for i in order]
-            texts.append(f"{INSTRUCTIONS[task]} {name} bought {items[0]}, {items[1]} and {items[2]}.")
+    for task in range(len(TASKS)):
+        for i in range(n_per_task):
+            picked = [w[rng.integers(len(w))] for w in words]
+            answer = 1 if i % 2 == 0 else -1  # balanced: the asked word drawn among that answer's words
+            asked = [w for w in words[task] if SLOTS[task][w] == answer]
+            picked[task] = asked[rng.integers(len(asked))]
+            animal, colour, city = picked
+            texts.append(f"{INSTRUCTIONS[task]} The {animal} sat near a {colour} car in {city}.")
             tasks.append(task)
-            labels.append((float(counts[task]) - MEAN) / STD)
+            labels.append(float(answer))
     return texts, tasks, labels
 
 
@@ -170,7 +179,7 @@ def mse_per_task(model: Regressor, data: Data, e: torch.Tensor | None, batch: in
         )
     model.train()
     err = (pred - data.y).pow(2)
-    return [err[data.task == t].mean().item() for t in range(len(FRUITS))]
+    return [err[data.task == t].mean().item() for t in range(len(TASKS))]
 
 
 def train_one(
@@ -203,7 +212,7 @@ def train_one(
         "seed": seed,
         "status": "ok" if finite else "diverged",
         "test_mse": float(np.mean(test_tasks)),
-        "test_mse_per_task": dict(zip(FRUITS, test_tasks)),
+        "test_mse_per_task": dict(zip(TASKS, test_tasks)),
         "train_mse": float(np.mean(train_tasks)),
         "trainable_params": trainable(model),
         "wall_time_s": time.perf_counter() - t0,
@@ -216,7 +225,7 @@ def record_path(out: Path, config: RealConfig, method: str) -> Path:
 
 def steps(config: RealConfig) -> int:
     """Optimizer steps of one (method, seed), for progress bars."""
-    n = config.train_per_task * len(FRUITS)
+    n = config.train_per_task * len(TASKS)
     return config.epochs * -(-n // config.batch_size)
 
 

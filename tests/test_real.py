@@ -11,20 +11,28 @@ pytest.importorskip("peft")
 
 from qlbench import cli, real, store  # noqa: E402
 
+# General knowledge, written here apart from qlbench/real.py's tables: the yes answers.
+MAMMALS = {"cat", "dog", "horse", "whale", "mouse", "bat"}
+WARM = {"red", "orange", "yellow", "pink", "gold", "crimson"}
+EUROPE = {"Paris", "Rome", "Berlin", "Madrid", "Oslo", "Vienna"}
+QUESTIONS = {"Is the animal a mammal?": 0, "Is the colour a warm colour?": 1, "Is the city in Europe?": 2}
 
-def parse(text: str) -> tuple[str, dict[str, int]]:
-    """(asked fruit, {fruit: count}) read back from a sample's text."""
-    asked = re.match(r"How many (\w+) were bought\?", text).group(1)
-    return asked, {fruit: int(n) for n, fruit in re.findall(r"(\d+) (apples|pears|plums)", text)}
+
+def parse(text: str) -> tuple[int, tuple[str, str, str]]:
+    """(asked slot, (animal, colour, city)) read back from a sample's text."""
+    m = re.fullmatch(r"(Is the .+\?) The (\w+) sat near a (\w+) car in (\w+)\.", text)
+    return QUESTIONS[m.group(1)], (m.group(2), m.group(3), m.group(4))
 
 
-def test_every_label_is_the_asked_count_read_back_from_the_text():
-    texts, tasks, labels = real.sentences(50, seed=3, split="train")
-    assert len(texts) == 150 and sorted(set(tasks)) == [0, 1, 2]
+def test_every_label_answers_the_question_about_the_asked_word():
+    texts, tasks, labels = real.sentences(60, seed=3, split="train")
+    assert len(texts) == 180 and sorted(set(tasks)) == [0, 1, 2]
     for text, task, label in zip(texts, tasks, labels):
-        asked, counts = parse(text)
-        assert asked == real.FRUITS[task] and sorted(counts) == sorted(real.FRUITS)
-        assert label == pytest.approx((counts[asked] - real.MEAN) / real.STD)
+        asked, words = parse(text)
+        assert asked == task
+        assert label == (1.0 if words[task] in (MAMMALS, WARM, EUROPE)[task] else -1.0), text
+    for task in range(3):  # balanced: a constant prediction scores 1
+        assert sum(label for t, label in zip(tasks, labels) if t == task) == 0
 
 
 def test_the_sentences_are_seeded_and_the_splits_differ():
@@ -34,12 +42,13 @@ def test_the_sentences_are_seeded_and_the_splits_differ():
 
 
 def test_only_the_instruction_tells_the_tasks_apart():
-    """Without its instruction a sentence says nothing of which count is asked: the three tasks' sentences come
-    from one distribution (every fruit in every position), so the same sentence can carry any task's label."""
-    texts, tasks, _ = real.sentences(300, seed=0, split="train")
-    for task in range(3):
-        firsts = {re.search(r"bought \d+ (\w+)", t).group(1) for t, k in zip(texts, tasks) if k == task}
-        assert firsts == set(real.FRUITS)
+    """Without its instruction a sentence does not say which word is asked about: the same sentence, under two
+    questions, has two different answers somewhere in the data (the tasks share one sentence distribution)."""
+    texts, tasks, labels = real.sentences(300, seed=0, split="train")
+    answers: dict[tuple, set] = {}
+    for text, label in zip(texts, labels):
+        answers.setdefault(parse(text)[1], set()).add(label)
+    assert any(len(v) == 2 for v in answers.values())
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys):
@@ -64,7 +73,7 @@ def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeyp
     for method in ("lora", "instruct-queryable"):
         rec = store.read_json(folder / f"{method}.json")
         assert [s["seed"] for s in rec["per_seed"]] == [0] and rec["per_seed"][0]["status"] == "ok"
-        assert set(rec["per_seed"][0]["test_mse_per_task"]) == set(real.FRUITS)
+        assert set(rec["per_seed"][0]["test_mse_per_task"]) == set(real.TASKS)
     assert {p.name for p in folder.iterdir()} >= {"real.md", "real.csv", "real.png", "real.pdf"}
 
     def refuse(*args, **kwargs):

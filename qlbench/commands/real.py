@@ -1,5 +1,5 @@
 """`qlbench real`: the offline real-model experiment (qlbench/real.py): the bundled all-MiniLM-L6-v2 adapted through
-peft with LoRA, Queryable LoRA and Instruction-Queryable LoRA to three instructed counting tasks; records, table and
+peft with LoRA, Queryable LoRA and Instruction-Queryable LoRA to three instructed yes/no tasks; records, table and
 figure."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds 0..N-1 (default 3)")
     p.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
-    p.add_argument("--train-per-task", type=int, default=200, metavar="N", help="training sentences per task")
+    p.add_argument("--train-per-task", type=int, default=100, metavar="N", help="training sentences per task")
     p.add_argument("--threads", type=int, help="intra-op threads (at most the cores present)")
     p.add_argument("--out", default="results", help="results folder; records and report under OUT/real/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -10,11 +10,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from qlbench import stats, store, text
-from qlbench.real import FRUITS
+from qlbench.real import TASKS
 from qlbench.report.write import _save_figure
 
 LEGEND = (
-    "Test MSE of the scaled counts at the end of training (a constant prediction scores about 1), mean ± sample std "
+    "Test MSE of the +1/-1 answers at the end of training (a constant prediction scores about 1), mean ± sample std "
     "over seeds; vs LoRA: the mean over tasks paired with LoRA by seed (paired t-test; win = significantly lower, "
     "tie below 3 pairs or p >= 0.05). The tasks share their sentences and differ only in the instruction that "
     "every method reads in its input (qlbench/real.py)."
@@ -32,7 +32,7 @@ def frame(paths: list[Path]) -> pd.DataFrame:
             rows.append(
                 {"method": rec["method"], "seed": s["seed"], "test_mse": s["test_mse"] if ok else np.inf,
                  "trainable_params": s["trainable_params"]}
-                | {f: tasks[f] if ok else np.inf for f in FRUITS}
+                | {f: tasks[f] if ok else np.inf for f in TASKS}
             )  # fmt: skip
     return pd.DataFrame(rows)
 
@@ -42,7 +42,7 @@ def table(f: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for method, g in f.groupby("method", sort=False):
         cells = {"method": method, "trainable": f"{int(g['trainable_params'].iloc[0]):,}"}
-        for col in (*FRUITS, "test_mse"):
+        for col in (*TASKS, "test_mse"):
             v = g[col].to_numpy(float)
             std = float(np.std(v, ddof=1)) if len(v) > 1 else float("nan")
             cells["mean over tasks" if col == "test_mse" else col] = text.mean_std(float(np.mean(v)), std, len(v))
@@ -63,14 +63,14 @@ def figure(f: pd.DataFrame) -> Figure:
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         g = f[f["method"] == m]
-        for j, task in enumerate((*FRUITS, "test_mse")):
+        for j, task in enumerate((*TASKS, "test_mse")):
             v = g[task].to_numpy(float)
             x = j + (i - (len(methods) - 1) / 2) * width
             ax.bar(x, np.mean(v), width, color=f"C{i}", alpha=0.5, label=m if j == 0 else None)
             ax.plot(np.full(len(v), x), v, "o", color=f"C{i}", ms=3)
-    ax.set_xticks(range(len(FRUITS) + 1), [*FRUITS, "mean"])
-    ax.set_ylabel("test MSE (scaled counts)")
-    ax.set_title("all-MiniLM-L6-v2 adapted to three instructed counting tasks (dots: seeds)")
+    ax.set_xticks(range(len(TASKS) + 1), [*TASKS, "mean"])
+    ax.set_ylabel("test MSE (answers +1 / -1)")
+    ax.set_title("all-MiniLM-L6-v2 adapted to three instructed yes/no tasks (dots: seeds)")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     return fig
