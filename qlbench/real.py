@@ -26,6 +26,7 @@ Needs the `hf` extra (peft, transformers); imported only by `qlbench real`.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -148,6 +149,7 @@ def build(method: str, config: RealConfig, seed: int) -> Regressor:
 
     torch.manual_seed(seed)
     transformers.utils.logging.disable_progress_bar()  # its weight-loading bar, once per model
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # peft's call
     encoder = AutoModel.from_pretrained(model_path())
     encoder.requires_grad_(False)
     sizes = dict(r=config.r, n_atoms=config.n_atoms, top_k=config.top_k, n_blocks=config.n_blocks)
