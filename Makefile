@@ -6,6 +6,7 @@
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
 #   make results-snapshot  the quick sweeps of both backbones (9 functions, every method) and their report in docs/results
 #   make pareto-snapshot   the accuracy-cost Pareto sweep of docs/results/pareto (ackley, live deep-narrow, quick)
+#   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
 #   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 3 seeds; records in
 #                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
@@ -16,7 +17,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot pareto-snapshot diag-snapshot \
+.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot pareto-snapshot real-snapshot diag-snapshot \
 	suites-snapshot clean
 
 $(BIN)/python:
@@ -73,6 +74,13 @@ pareto-snapshot: setup
 	  --grid "$(PARETO_GRID)" --budget quick --threads 1 --out pareto-results --no-progress
 	rm -rf docs/results/pareto && mkdir -p docs/results/pareto
 	cp pareto-results/pareto/ackley-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/
+
+# the real-model snapshot: the bundled all-MiniLM-L6-v2 through peft, 3 seeds (qlbench real; needs setup-dev's hf extra)
+real-snapshot: setup-dev
+	$(BIN)/qlbench real --seeds 3 --threads 1 --out results --no-progress
+	rm -rf docs/results/real && mkdir -p docs/results/real
+	cp $$($(BIN)/python -c "from qlbench import real; print(real.record_path('results', real.RealConfig(), '').parent)")/real.* \
+	  docs/results/real/
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley
