@@ -87,6 +87,8 @@ LAYERS = [
         "qlbench.ray_executor",
         "qlbench.multitask",
         "qlbench.suite_stats",
+        "qlbench.hf",
+        "qlbench.real",
     ],
     ["qlbench.diagnostics", "qlbench.ablation", "qlbench.pareto"],
     ["qlbench.report"],

@@ -18,6 +18,6 @@ from qlbench.hf.config import InstructQueryableLoraConfig, QueryableLoraConfig
 from qlbench.hf.model import QueryableLoraModel
 from qlbench.hf.registry import register
 
-register()
+register(QueryableLoraConfig, QueryableLoraModel)
 
 __all__ = ["InstructQueryableLoraConfig", "QueryableLoraConfig", "QueryableLoraModel", "register"]

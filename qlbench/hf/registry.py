@@ -28,13 +28,9 @@ def peft_type() -> PeftType:
     return PeftType[key]
 
 
-def register() -> None:
-    """Register the tuner with peft (idempotent: a second call does nothing)."""
+def register(config_cls: type, model_cls: type) -> None:
+    """Register the tuner (QueryableLoraConfig, QueryableLoraModel) with peft; a second call does nothing."""
     from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 
-    from qlbench.hf.config import QueryableLoraConfig
-    from qlbench.hf.model import QueryableLoraModel
-
-    if peft_type() in PEFT_TYPE_TO_TUNER_MAPPING:
-        return
-    register_peft_method(name=NAME, config_cls=QueryableLoraConfig, model_cls=QueryableLoraModel, prefix=PREFIX)
+    if peft_type() not in PEFT_TYPE_TO_TUNER_MAPPING:
+        register_peft_method(name=NAME, config_cls=config_cls, model_cls=model_cls, prefix=PREFIX)
