@@ -91,6 +91,25 @@ class RoutingState:
         return torch.stack([torch.stack(self.states[i]).mean(0) for i in range(block)], dim=2)
 
 
+def memory_shapes(c) -> dict[str, tuple[tuple[int, ...], float]]:
+    """The shared memory's parameters, name -> (shape of one member's, std of its N(0, std^2) initialisation), in
+    the order they are drawn; also the peft tuner's (qlbench.hf), which reads the same fields of its config."""
+    r, d_k = c.r, c.d_k
+    shapes = {
+        "atoms": ((c.n_atoms, r, r), c.atom_std),  # C_m (M, r, r)
+        "keys": ((c.n_atoms, d_k), 1.0),  # k_m (M, d_k)
+        "block_prior": ((c.n_blocks, d_k), 1.0),  # w_b (B, d_k)
+        "Q_cur": ((d_k, r), 1 / math.sqrt(r)),
+        "Q_dep": ((d_k, r), 1 / math.sqrt(r)),
+        "Q_dep_q": ((d_k, d_k), 1 / math.sqrt(d_k)),
+        "Q_dep_k": ((d_k, r), 1 / math.sqrt(r)),
+    }
+    if c.instruction_dim is not None:
+        shapes["Q_ctx"] = ((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
+        shapes["R_ctx"] = ((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
+    return shapes
+
+
 class QueryableMemory(nn.Module):
     """The shared memory (atoms C_m and keys k_m) and the router's parameters, one set per member."""
 
@@ -103,7 +122,7 @@ class QueryableMemory(nn.Module):
         like: torch.Tensor,
     ):
         super().__init__()
-        c, r, d_k = config, config.r, config.d_k
+        c = config
         if c.n_blocks > model.n_layers:
             raise ValueError(f"n_blocks={c.n_blocks} exceeds the backbone's {model.n_layers} layers")
         entry_blocks = {block_of(s.target.layer, s.n_layers, c.n_blocks) for s in sites if s.target.role in ENTRY_ROLES}
@@ -113,19 +132,9 @@ class QueryableMemory(nn.Module):
                 f"{sorted(set(range(c.n_blocks)) - entry_blocks)} of {c.n_blocks} have none"
             )
         self.config = c
-        normal = lambda shape, std: param(normal_members(shape, std, generators), like=like)
-        self.atoms = normal((c.n_atoms, r, r), c.atom_std)  # C_m (E, M, r, r)
-        self.keys = normal((c.n_atoms, d_k), 1.0)  # k_m (E, M, d_k)
-        self.block_prior = normal((c.n_blocks, d_k), 1.0)  # w_b (E, B, d_k)
-        self.Q_cur = normal((d_k, r), 1 / math.sqrt(r))
-        self.Q_dep = normal((d_k, r), 1 / math.sqrt(r))
-        self.Q_dep_q = normal((d_k, d_k), 1 / math.sqrt(d_k))
-        self.Q_dep_k = normal((d_k, r), 1 / math.sqrt(r))
-        if c.instruction_dim is not None:
-            self.Q_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
-            self.R_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
-        else:
-            self.Q_ctx = self.R_ctx = None
+        self.Q_ctx = self.R_ctx = None  # without instruction channels
+        for name, (shape, std) in memory_shapes(c).items():  # each (E, *shape), drawn in this order
+            setattr(self, name, param(normal_members(shape, std, generators), like=like))
         # frozen e(c) bound to the members: (E, d_c) one per member, or (E, T, d_c) one per task of a suite
         self.register_buffer("instruction", None)
 

@@ -13,7 +13,6 @@ What peft's API does not express, and how this tuner does it (docs/hf.md):
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn as nn
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 
-from qlbench.adapters.queryable import block_of
+from qlbench.adapters.queryable import block_of, memory_shapes
 from qlbench.adapters.routing import route
 from qlbench.hf.layer import Linear, QueryableLoraLayer, features
 
@@ -32,20 +31,9 @@ class QueryableMemory(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        c, r, d_k = config, config.r, config.d_k
-        normal = lambda shape, std: nn.Parameter(torch.randn(*shape) * std)
-        self.atoms = normal((c.n_atoms, r, r), c.atom_std)
-        self.keys = normal((c.n_atoms, d_k), 1.0)
-        self.block_prior = normal((c.n_blocks, d_k), 1.0)
-        self.Q_cur = normal((d_k, r), 1 / math.sqrt(r))
-        self.Q_dep = normal((d_k, r), 1 / math.sqrt(r))
-        self.Q_dep_q = normal((d_k, d_k), 1 / math.sqrt(d_k))
-        self.Q_dep_k = normal((d_k, r), 1 / math.sqrt(r))
-        if c.instruction_dim is not None:
-            self.Q_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
-            self.R_ctx = normal((d_k, c.instruction_dim), 1 / math.sqrt(c.instruction_dim))
-        else:
-            self.Q_ctx = self.R_ctx = None
+        self.Q_ctx = self.R_ctx = None  # without instruction channels
+        for name, (shape, std) in memory_shapes(config).items():
+            setattr(self, name, nn.Parameter(torch.randn(*shape) * std))
         self.config = config
 
 
