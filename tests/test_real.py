@@ -64,6 +64,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
 
 
 def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("QLBENCH_CACHE", str(tmp_path / "cache"))  # the instructions' embeddings, not in ~/.cache
     argv = ["real", "--methods", "lora,instruct-queryable", "--seeds", "1", "--epochs", "1", "--train-per-task", "4"]
     argv += ["--out", str(tmp_path), "--no-progress"]
     assert cli.main(argv) == 0
