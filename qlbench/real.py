@@ -25,6 +25,7 @@ Needs the `hf` extra (peft, transformers); imported only by `qlbench real`.
 
 from __future__ import annotations
 
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -48,6 +49,7 @@ TASKS = ("mammal", "warm", "europe")
 INSTRUCTIONS = ("Is the animal a mammal?", "Is the colour a warm colour?", "Is the city in Europe?")
 SLOTS = (ANIMALS, COLOURS, CITIES)
 METHODS = ("head-only", "lora", "queryable", "instruct-queryable")
+QUERYABLE = ("queryable", "instruct-queryable")  # the rows whose trained adapters are saved (for qlbench verify)
 TARGETS = ["query", "value"]
 
 
@@ -138,18 +140,24 @@ class Regressor(nn.Module):
         return self.head((h * w).sum(1) / w.sum(1)).squeeze(-1)
 
 
+def transformers_quiet() -> None:
+    """No weight-loading bar per model, no deprecation warning from peft's call into transformers."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
 def build(method: str, config: RealConfig, seed: int) -> Regressor:
     """The method's model on a fresh copy of the pretrained MiniLM; adapter and head drawn from torch's generator
     seeded by (seed) (peft initialises from the global one)."""
     import peft
-    import transformers
     from transformers import AutoModel
 
     from qlbench.hf import InstructQueryableLoraConfig, QueryableLoraConfig
 
     torch.manual_seed(seed)
-    transformers.utils.logging.disable_progress_bar()  # its weight-loading bar, once per model
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # peft's call
+    transformers_quiet()
     encoder = AutoModel.from_pretrained(model_path())
     encoder.requires_grad_(False)
     sizes = dict(r=config.r, n_atoms=config.n_atoms, top_k=config.top_k, n_blocks=config.n_blocks)
@@ -185,9 +193,16 @@ def mse_per_task(model: Regressor, data: Data, e: torch.Tensor | None, batch: in
 
 
 def train_one(
-    method: str, config: RealConfig, seed: int, tokenizer, e: torch.Tensor, progress: Callable[[int], None]
+    method: str,
+    config: RealConfig,
+    seed: int,
+    tokenizer,
+    e: torch.Tensor,
+    progress: Callable[[int], None],
+    save_to: Path | None = None,
 ) -> dict:
-    """Train one (method, seed); returns its per-seed record entry."""
+    """Train one (method, seed); returns its per-seed record entry. `save_to`: where a queryable method's trained
+    adapter is saved (peft's save_pretrained; `qlbench verify --peft` reads it)."""
     t0 = time.perf_counter()
     train, test = dataset(config, seed, "train", tokenizer), dataset(config, seed, "test", tokenizer)
     model = build(method, config, seed)
@@ -207,6 +222,8 @@ def train_one(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             progress(1)
+    if save_to is not None and method in QUERYABLE:
+        save_adapter(model.encoder, save_to)
     test_tasks = mse_per_task(model, test, routed_e)
     train_tasks = mse_per_task(model, train, routed_e)
     finite = all(np.isfinite(test_tasks + train_tasks))
@@ -223,6 +240,67 @@ def train_one(
 
 def record_path(out: Path, config: RealConfig, method: str) -> Path:
     return Path(out) / "real" / config.hash() / f"{method}.json"
+
+
+def adapter_dir(out: Path, config: RealConfig, method: str, seed: int) -> Path:
+    """Where a queryable method's trained adapter of one seed is saved (a peft adapter folder)."""
+    return record_path(out, config, method).parent / "adapters" / f"{method}-seed{seed}"
+
+
+def save_adapter(encoder, folder: Path) -> None:
+    """encoder.save_pretrained into `folder`, through a temporary sibling renamed into place."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    encoder.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def verify_adapter(folder: Path, n: int = 60) -> dict:
+    """The paper's bounds on a saved queryable_lora adapter folder (qlbench.hf.verify), over the first task's
+    first n test sentences of seed 0 (with that task's instruction when the adapter routes on one), on the base
+    model the adapter names (a local folder: nothing is downloaded). Returns `qlbench verify`'s report."""
+    import peft
+    from transformers import AutoModel, AutoTokenizer
+
+    from qlbench import verify
+    from qlbench.hf import verify as hf_verify
+    from qlbench.hf.registry import peft_type
+
+    folder = Path(folder)
+    if not (folder / "adapter_config.json").is_file():
+        raise ValueError(f"{folder} is not a peft adapter folder (no adapter_config.json)")
+    config = peft.PeftConfig.from_pretrained(str(folder))
+    if config.peft_type != peft_type():
+        raise ValueError(f"{folder} holds a {config.peft_type} adapter; verify checks queryable_lora adapters")
+    base_path = config.base_model_name_or_path
+    if not base_path or not Path(base_path).is_dir():
+        raise ValueError(f"the adapter's base model {base_path!r} is not a local folder (nothing is downloaded)")
+    transformers_quiet()
+    model = peft.PeftModel.from_pretrained(AutoModel.from_pretrained(base_path), str(folder)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    texts = sentences(n, 0, "test")[0][:n]  # task 0's sentences
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    x = torch.stack([enc["input_ids"], enc["attention_mask"]], 1).unsqueeze(0).double()  # (1, n, 2, L)
+    e = instructions.embed([INSTRUCTIONS[0]]).double() if config.instruction_dim else None  # (1, d_c)
+    call = lambda m, xc, e_: m(
+        input_ids=xc[:, 0].long(), attention_mask=xc[:, 1].long(), **({} if e_ is None else {"instruction": e_})
+    )
+    rows = [verify.finite_row(b.summary()) for b in hf_verify.check(model, x, e, call=call)]
+    return {
+        "schema": 1,
+        "record": str(folder),
+        "function": f"real: {TASKS[0]} ({INSTRUCTIONS[0]})",
+        "arch": Path(base_path).name,
+        "method": "instruct-queryable" if config.instruction_dim else "queryable",
+        "budget": "-",
+        "test_samples": n,
+        "members": 1,
+        "arithmetic": "float64 recomputation of the saved weights",
+        "instruction": "the task's e(c), e' = e + delta" if e is not None else "none (no instruction channels)",
+        "statements": rows,
+        "violated": sum(r["status"] == "VIOLATED" for r in rows),
+    }
 
 
 def steps(config: RealConfig) -> int:
@@ -263,7 +341,7 @@ def run(
                 per_seed.append(done[seed])
                 continue
             log(f"{m} seed {seed}")
-            per_seed.append(train_one(m, config, seed, tokenizer, e, progress))
+            per_seed.append(train_one(m, config, seed, tokenizer, e, progress, adapter_dir(out, config, m, seed)))
             record = {"method": m, "config": asdict(config) | {"seeds": sorted({s["seed"] for s in per_seed})},
                       "config_hash": config.hash(), "per_seed": sorted(per_seed, key=lambda s: s["seed"])}  # fmt: skip
             store.write_json(record, path)

@@ -327,3 +327,49 @@ def test_the_tuner_routes_as_the_reference_and_a_planted_bug_fails_it(monkeypatc
     monkeypatch.setattr(routing, "topk_softmax", not_renormalised)
     alpha, s = block0_alpha()
     assert not torch.allclose(alpha, reference_first_block(memory, s, 2), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The paper's bounds from the tuner's live modules (qlbench.hf.verify): on the deep-narrow twin they are the bounds
+# qlbench's own checks report on qlbench's adapter with the same weights; on BERT every statement holds.
+
+
+def summaries(bounds) -> dict:
+    return {(b.label, b.quantity): b.summary() for b in bounds}
+
+
+@pytest.mark.parametrize("instruction", [False, True], ids=["state-only", "instruction"])
+def test_the_bounds_of_the_tuner_are_qlbenchs_bounds_on_the_same_weights(instruction):
+    from qlbench.hf import verify as hf_verify
+    from qlbench.theory import checks
+
+    config = dict(n_blocks=4, n_atoms=8, top_k=2)
+    if instruction:
+        config |= dict(instruction_dim=8, tau_lang=0.5, lambda_ctx=0.7)
+    ours, theirs = twin_models(**config)
+    g = torch.Generator().manual_seed(8)
+    x = torch.rand(1, 30, 2, generator=g, dtype=F64) * 4 - 2
+    e = torch.randn(1, 8, generator=g, dtype=F64) if instruction else None
+    a, b = summaries(checks.check_model(ours, x, e)), summaries(hf_verify.check(theirs, x, e))
+    assert a.keys() == b.keys() and len(a) >= 10
+    for key, row in a.items():
+        other = b[key]
+        assert (row["items"], row["status"]) == (other["items"], other["status"]), key
+        for field in ("max_observed", "ratio"):  # the worst item's values: ties in the ratio may pick another item
+            if row[field] is not None:
+                assert other[field] == pytest.approx(row[field], rel=1e-9, abs=1e-12), (key, field)
+
+
+def test_every_statement_holds_on_a_wrapped_bert():
+    from qlbench.hf import verify as hf_verify
+
+    model, _ = wrapped("bert", instruct=True, n_blocks=3)
+    model.eval()
+    batch = inputs(batch=6, tokens=9)
+    x = torch.stack([batch["input_ids"], torch.ones_like(batch["input_ids"])], 1).unsqueeze(0)  # (1, N, 2, L)
+    e = torch.nn.functional.normalize(torch.randn(1, 384, generator=torch.Generator().manual_seed(9)), dim=1)
+    call = lambda m, xc, e_: m(input_ids=xc[:, 0].long(), attention_mask=xc[:, 1].long(), instruction=e_)
+    rows = [b.summary() for b in hf_verify.check(model, x, e, call=call)]
+    assert {r["label"] for r in rows} >= {"prop:app_convex_hull_bound", "cor:app_query_norm_bound"}
+    assert [r for r in rows if r["status"] == "VIOLATED"] == []
+    assert sum(r["items"] for r in rows) > 100

@@ -82,3 +82,14 @@ def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(real, "train_one", refuse)
     assert cli.main(argv) == 0  # resumed: everything on record
+    capsys.readouterr()
+
+    # the saved instruct-queryable adapter, checked by qlbench verify on its base model (the bundled MiniLM)
+    adapter = folder / "adapters" / "instruct-queryable-seed0"
+    assert (adapter / "adapter_config.json").is_file() and not (folder / "adapters" / "lora-seed0").exists()
+    assert cli.main(["verify", "--peft", str(adapter)]) == 0
+    out = capsys.readouterr().out
+    assert "prop:app_convex_hull_bound" in out and "VIOLATED" not in out
+    assert store.read_json(adapter / "verify.json")["violated"] == 0
+    assert cli.main(["verify", "--peft", str(tmp_path)]) == 2
+    assert "not a peft adapter folder" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from qlbench.commands import usage_errors
+from qlbench.commands import UsageError, usage_errors
 
 
 def register(subparsers) -> None:
@@ -46,6 +46,13 @@ def register(subparsers) -> None:
         default=verify.METHOD,
         help=f"the routed method to check, one of: {', '.join(verify.METHODS)} (default {verify.METHOD})",
     )
+    p.add_argument(
+        "--peft",
+        type=Path,
+        metavar="FOLDER",
+        help="instead of a cell: a saved queryable_lora peft adapter (e.g. qlbench real's results/real/<hash>/"
+        "adapters/queryable-seed0), checked on its base model over the real experiment's sentences (hf extra)",
+    )
     p.add_argument("--out", type=Path, metavar="PATH", help="JSON report (default <results>/verify.json)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while training")
@@ -54,9 +61,18 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from qlbench import experiment, verify
-    from qlbench.store import write_json
 
     log = lambda message: print(message, file=sys.stderr, flush=True)
+    if args.peft is not None:
+        try:
+            import peft  # noqa: F401
+        except ImportError as err:
+            raise UsageError(f"verify --peft needs the hf extra (pip install 'qlbench[hf]'): {err}") from None
+        from qlbench import real
+
+        with usage_errors():
+            report = real.verify_adapter(args.peft)
+        return finish(report, args.out or args.peft / "verify.json", log)
     if args.results is not None:
         with usage_errors():
             record = verify.find_record(args.results, args.arch, args.function, args.budget, args.method)
@@ -71,6 +87,14 @@ def run(args) -> int:
         out = args.out or folder / "verify.json"
     with usage_errors():
         report = verify.verify_record(record, args.device)
+    return finish(report, out, log)
+
+
+def finish(report: dict, out: Path, log) -> int:
+    """Print the report's table, write its JSON and name every violated statement; exit 1 if one is violated."""
+    from qlbench import verify
+    from qlbench.store import write_json
+
     print(
         f"qlbench verify: {report['method']} on {report['function']} ({report['arch']}, budget {report['budget']}, "
         f"{report['members']} member(s) x {report['test_samples']} test samples)"

@@ -9,6 +9,7 @@ RMS_eps(x) = sqrt(mean(x^2) + eps) among the vectors that the statement's chain 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -571,10 +572,17 @@ def perturbed_instruction(e: torch.Tensor, generator: torch.Generator, rel: floa
 
 
 def check_model(
-    model: torch.nn.Module, x: torch.Tensor, instruction: torch.Tensor | None = None, *, chunk: int = 200, seed: int = 0
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    instruction: torch.Tensor | None = None,
+    *,
+    chunk: int = 200,
+    seed: int = 0,
+    tracer: Callable[..., Trace] = trace,
 ) -> list[Bound]:
     """Every norm and Lipschitz statement over the samples x (E, N, ...) in float64 (a float64 copy of the weights
-    is made in place: pass a model you no longer train). Lipschitz statements probe e' = e + delta per chunk."""
+    is made in place: pass a model you no longer train). Lipschitz statements probe e' = e + delta per chunk.
+    `tracer(model, x_chunk, instruction)` traces one forward (a peft-wrapped model: qlbench.hf.verify)."""
     model.double()
     x = x.to(torch.float64)
     if instruction is not None:
@@ -583,7 +591,7 @@ def check_model(
     out: list[Bound] = []
     with torch.no_grad():
         for i in range(0, x.shape[1], chunk):
-            t = trace(model, x[:, i : i + chunk], instruction)
+            t = tracer(model, x[:, i : i + chunk], instruction)
             for fn in NORM_STATEMENTS:
                 out += fn(t)
             if instruction is not None:
