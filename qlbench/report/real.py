@@ -69,7 +69,8 @@ def figure(f: pd.DataFrame) -> Figure:
             ax.bar(x, np.mean(v), width, color=f"C{i}", alpha=0.5, label=m if j == 0 else None)
             ax.plot(np.full(len(v), x), v, "o", color=f"C{i}", ms=3)
     ax.set_xticks(range(len(TASKS) + 1), [*TASKS, "mean"])
-    ax.set_ylabel("test MSE (answers +1 / -1)")
+    ax.set_yscale("log")  # the adapters sit two orders of magnitude below the head alone
+    ax.set_ylabel("test MSE (answers +1 / -1), log scale")
     ax.set_title("all-MiniLM-L6-v2 adapted to three instructed yes/no tasks (dots: seeds)")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
