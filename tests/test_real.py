@@ -93,3 +93,10 @@ def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeyp
     assert store.read_json(adapter / "verify.json")["violated"] == 0
     assert cli.main(["verify", "--peft", str(tmp_path)]) == 2
     assert "not a peft adapter folder" in capsys.readouterr().err
+
+    # qlbench report has a section for them; a damaged record is said and skipped, never a traceback
+    (folder / "queryable.json").write_text("{not json")
+    assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    captured = capsys.readouterr()
+    assert "On a real model" in captured.out and "queryable.json" in captured.err
+    assert (tmp_path / "report" / "real" / folder.name / "real.png").is_file()

@@ -1,7 +1,8 @@
 """`qlbench report RESULTS`: the paper's tables (one row per function, one column per method) with paired
 statistics against LoRA, in Markdown, LaTeX and CSV, and seaborn figures; one table set per (arch, budget, backbone
-init); the gradient concentration table and gradient figures where records hold gradient diagnostics; and a suite
-section (qlbench/report/suite.py) for the records of `qlbench suite`."""
+init); the gradient concentration table and gradient figures where records hold gradient diagnostics; a suite
+section (qlbench/report/suite.py) for the records of `qlbench suite`; and a real-model section
+(qlbench/report/real.py) for the records of `qlbench real`."""
 
 from __future__ import annotations
 
@@ -56,10 +57,11 @@ def run(args) -> int:
     log = lambda message: print(f"qlbench report: {message}", file=sys.stderr)
     frame = results.load(args.folder, on_damaged=log)
     suite_frame = suite_stats.load(args.folder, on_damaged=log)
-    if frame.empty and suite_frame.empty:
+    real_runs = sorted(p for p in (args.folder / "real").glob("*") if p.is_dir() and any(p.glob("*.json")))
+    if frame.empty and suite_frame.empty and not real_runs:
         raise UsageError(
-            f"no records under {args.folder / 'records'} or {args.folder / 'suites'}; `qlbench sweep --out "
-            f"{args.folder}` or `qlbench suite --out {args.folder}` writes some"
+            f"no records under {args.folder / 'records'}, {args.folder / 'suites'} or {args.folder / 'real'}; "
+            f"`qlbench sweep --out {args.folder}`, `qlbench suite` or `qlbench real` writes some"
         )
     for key, value in (("arch", args.arch), ("budget", args.budget), ("backbone_init", args.backbone_init)):
         if value is not None:
@@ -85,6 +87,16 @@ def run(args) -> int:
             files.append(out / "report.md")
         elif "md" in formats:  # append the suite section to the single-task report
             store.write_text("\n\n".join(markdown), out / "report.md")
+    for real_dir in real_runs:  # qlbench real's records, one folder per configuration
+        from qlbench.report import real as real_report
+
+        written = real_report.write(sorted(real_dir.glob("*.json")), out / "real" / real_dir.name, on_damaged=log)
+        if written["markdown"]:
+            markdown.append(written["markdown"])
+            files += written["files"]
+    if real_runs and "md" in formats and markdown:
+        store.write_text("\n\n".join(markdown), out / "report.md")
+        files.append(out / "report.md")
     print("\n\n".join(markdown))
     print(f"\nwritten to {out}: {', '.join(sorted(set(str(Path(p).relative_to(out)) for p in files)))}")
     return 0

@@ -10,7 +10,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from qlbench import stats, store, text
-from qlbench.real import TASKS
+from qlbench.real import METHODS, TASKS
 from qlbench.report.write import _save_figure
 
 LEGEND = (
@@ -21,13 +21,20 @@ LEGEND = (
 )
 
 
-def frame(paths: list[Path]) -> pd.DataFrame:
-    """One row per (method, seed) of the records, every task's MSE and the mean."""
+def frame(paths: list[Path], on_damaged=None) -> pd.DataFrame:
+    """One row per (method, seed) of the records, every task's MSE and the mean, methods in METHODS order. A record
+    that cannot be read is reported through `on_damaged` and skipped (raised when None)."""
     rows = []
-    for path in paths:
-        rec = store.read_json(path)
-        for s in rec["per_seed"]:
-            tasks = s["test_mse_per_task"]
+    for path in sorted(paths, key=lambda p: METHODS.index(p.stem) if p.stem in METHODS else len(METHODS)):
+        try:
+            rec = store.read_json(path)
+            per_seed = [(s, s["test_mse_per_task"]) for s in rec["per_seed"]]
+        except (store.DamagedFile, KeyError, TypeError) as err:
+            if on_damaged is None:
+                raise
+            on_damaged(f"{path}: unreadable real-model record ({err}); skipped")
+            continue
+        for s, tasks in per_seed:
             ok = s.get("status") == "ok"
             rows.append(
                 {"method": rec["method"], "seed": s["seed"], "test_mse": s["test_mse"] if ok else np.inf,
@@ -77,9 +84,11 @@ def figure(f: pd.DataFrame) -> Figure:
     return fig
 
 
-def write(paths: list[Path], folder: Path) -> dict:
+def write(paths: list[Path], folder: Path, on_damaged=None) -> dict:
     """real.md, real.csv and real.png / .pdf into `folder`; returns {markdown, files}."""
-    f = frame(paths)
+    f = frame(paths, on_damaged)
+    if f.empty:
+        return {"markdown": "", "files": []}
     folder.mkdir(parents=True, exist_ok=True)
     md = f"### On a real model: all-MiniLM-L6-v2\n\n{text.markdown(table(f))}\n\n{LEGEND}\n"
     files = [folder / "real.md", folder / "real.csv"]
