@@ -239,7 +239,7 @@ def train_one(
 
 
 def record_path(out: Path, config: RealConfig, method: str) -> Path:
-    return Path(out) / "real" / config.hash() / f"{method}.json"
+    return store.Store(out).real_dir / config.hash() / f"{method}.json"
 
 
 def adapter_dir(out: Path, config: RealConfig, method: str, seed: int) -> Path:

@@ -141,8 +141,10 @@ def read_record(path: Path) -> dict:
 
 
 def find_records(root: Path) -> list[Path]:
-    """The records of a results folder (or, for a folder of loose records, every JSON file below it)."""
-    return Store(root).records() or sorted(Path(root).rglob("*.json"))
+    """The records of a results folder (or, for a folder of loose records, every JSON file below it; a results
+    folder's other JSON files, such as suite or real-model records, are not cell records)."""
+    store = Store(root)
+    return store.records() or ([] if store.is_results_folder() else sorted(Path(root).rglob("*.json")))
 
 
 PER_SEED_COLUMNS = (

@@ -157,6 +157,16 @@ class Store:
     def bench_dir(self) -> Path:
         return self.root / "bench"
 
+    @property
+    def real_dir(self) -> Path:
+        """`qlbench real`'s records, one folder per configuration (qlbench/real.py)."""
+        return self.root / "real"
+
+    def is_results_folder(self) -> bool:
+        """Whether the folder holds any part of this layout (records, suites, real-model runs, backbones, bench)."""
+        parts = ("records", "suites", self.real_dir.name, self.backbone_dir.name, self.bench_dir.name)
+        return any((self.root / part).is_dir() for part in parts)
+
     def records(self, arch: str = "*", function: str = "*", method: str = "*", budget: str = "*") -> list[Path]:
         """Record files matching the pattern parts, sorted."""
         return sorted(self.root.glob(f"records/{arch}/{function}/{method}/{budget}-*.json"))

@@ -98,5 +98,6 @@ def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeyp
     (folder / "queryable.json").write_text("{not json")
     assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "report")]) == 0
     captured = capsys.readouterr()
-    assert "On a real model" in captured.out and "queryable.json" in captured.err
+    assert "On a real model" in captured.out and "queryable.json: unreadable real-model record" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1, captured.err  # the real records are not cell records
     assert (tmp_path / "report" / "real" / folder.name / "real.png").is_file()

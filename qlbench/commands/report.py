@@ -57,10 +57,11 @@ def run(args) -> int:
     log = lambda message: print(f"qlbench report: {message}", file=sys.stderr)
     frame = results.load(args.folder, on_damaged=log)
     suite_frame = suite_stats.load(args.folder, on_damaged=log)
-    real_runs = sorted(p for p in (args.folder / "real").glob("*") if p.is_dir() and any(p.glob("*.json")))
+    real_dir = store.Store(args.folder).real_dir
+    real_runs = sorted(p for p in real_dir.glob("*") if p.is_dir() and any(p.glob("*.json")))
     if frame.empty and suite_frame.empty and not real_runs:
         raise UsageError(
-            f"no records under {args.folder / 'records'}, {args.folder / 'suites'} or {args.folder / 'real'}; "
+            f"no records under {args.folder / 'records'}, {args.folder / 'suites'} or {real_dir}; "
             f"`qlbench sweep --out {args.folder}`, `qlbench suite` or `qlbench real` writes some"
         )
     for key, value in (("arch", args.arch), ("budget", args.budget), ("backbone_init", args.backbone_init)):
@@ -87,10 +88,10 @@ def run(args) -> int:
             files.append(out / "report.md")
         elif "md" in formats:  # append the suite section to the single-task report
             store.write_text("\n\n".join(markdown), out / "report.md")
-    for real_dir in real_runs:  # qlbench real's records, one folder per configuration
+    for run_dir in real_runs:  # qlbench real's records, one folder per configuration
         from qlbench.report import real as real_report
 
-        written = real_report.write(sorted(real_dir.glob("*.json")), out / "real" / real_dir.name, on_damaged=log)
+        written = real_report.write(sorted(run_dir.glob("*.json")), out / "real" / run_dir.name, on_damaged=log)
         if written["markdown"]:
             markdown.append(written["markdown"])
             files += written["files"]
