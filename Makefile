@@ -77,10 +77,10 @@ pareto-snapshot: setup
 
 # the real-model snapshot: the bundled all-MiniLM-L6-v2 through peft, 3 seeds (qlbench real; needs setup-dev's hf extra)
 real-snapshot: setup-dev
-	$(BIN)/qlbench real --seeds 3 --threads 1 --out results --no-progress
+	$(BIN)/qlbench real --seeds 3 --threads 1 --out real-results --no-progress
 	rm -rf docs/results/real && mkdir -p docs/results/real
-	cp $$($(BIN)/python -c "from qlbench import real; print(real.record_path('results', real.RealConfig(), '').parent)")/real.* \
-	  docs/results/real/
+	cp $$($(BIN)/python -c "from qlbench import real; \
+	  print(real.record_path('real-results', real.RealConfig(), '').parent)")/real.* docs/results/real/
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley
