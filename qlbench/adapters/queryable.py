@@ -163,27 +163,34 @@ class QueryableMemory(nn.Module):
                 instruction = torch.gather(instruction, 1, idx.unsqueeze(-1).expand(E, N, instruction.shape[-1]))
         if (c.tau_lang or c.lambda_ctx) and instruction is None:
             raise ValueError("this queryable adapter uses the instruction channels: pass an instruction embedding")
-        return route(
-            s_entry,
-            summaries,
-            w=self.block_prior[:, block],
-            Q_cur=self.Q_cur,
-            Q_dep=self.Q_dep,
-            Q_dep_q=self.Q_dep_q,
-            Q_dep_k=self.Q_dep_k,
-            keys=self.keys,
-            atoms=self.atoms,
-            top_k=c.top_k,
-            t_attn=c.t_attn,
-            t_dep=c.t_dep,
-            t_lang=c.t_lang,
-            tau_lang=c.tau_lang,
-            lambda_ctx=c.lambda_ctx,
-            instruction=instruction,
-            Q_ctx=self.Q_ctx,
-            R_ctx=self.R_ctx,
-            eps=c.rms_eps,
-        )
+        return route_with(self, block, s_entry, summaries, instruction)
+
+
+def route_with(memory, block: int, s_entry, summaries, instruction) -> Route:
+    """Algorithm 2 for one block from `memory`'s parameters (each (E, ...)) and its config's sizes and temperatures:
+    qlbench's QueryableMemory, or the peft tuner's memory seen as a stack of one (qlbench.hf.model.MemoryView)."""
+    c = memory.config
+    return route(
+        s_entry,
+        summaries,
+        w=memory.block_prior[:, block],
+        Q_cur=memory.Q_cur,
+        Q_dep=memory.Q_dep,
+        Q_dep_q=memory.Q_dep_q,
+        Q_dep_k=memory.Q_dep_k,
+        keys=memory.keys,
+        atoms=memory.atoms,
+        top_k=c.top_k,
+        t_attn=c.t_attn,
+        t_dep=c.t_dep,
+        t_lang=c.t_lang,
+        tau_lang=c.tau_lang,
+        lambda_ctx=c.lambda_ctx,
+        instruction=instruction,
+        Q_ctx=memory.Q_ctx,
+        R_ctx=memory.R_ctx,
+        eps=c.rms_eps,
+    )
 
 
 class QueryableLinear(nn.Module):

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 
-from qlbench.adapters.queryable import block_of, memory_shapes
-from qlbench.adapters.routing import route
+from qlbench.adapters.queryable import block_of, memory_shapes, route_with
+from qlbench.adapters.routing import Route
 from qlbench.hf.layer import Linear, QueryableLoraLayer, features
 
 
@@ -35,6 +35,23 @@ class QueryableMemory(nn.Module):
         for name, (shape, std) in memory_shapes(config).items():
             setattr(self, name, nn.Parameter(torch.randn(*shape) * std))
         self.config = config
+
+
+class MemoryView:
+    """A tuner memory as a one-member stack: every parameter (1, ...) as qlbench's QueryableMemory holds them, its
+    config, and `route` (qlbench.adapters.queryable.route_with)."""
+
+    NAMES = ("atoms", "keys", "block_prior", "Q_cur", "Q_dep", "Q_dep_q", "Q_dep_k", "Q_ctx", "R_ctx")
+
+    def __init__(self, memory: QueryableMemory):
+        for name in self.NAMES:
+            value = getattr(memory, name)
+            setattr(self, name, None if value is None else value.unsqueeze(0))
+        self.config = memory.config
+
+    def route(self, block: int, s_entry, summaries, instruction) -> Route:
+        """s_entry (1, N, r), summaries (1, N, P, r) or None, instruction (1, d_c), (1, N, d_c) or None."""
+        return route_with(self, block, s_entry, summaries, instruction)
 
 
 @dataclass
@@ -72,7 +89,6 @@ class Routing:
         """S_b (batch, r, r) for this adapter's block, routed by the first layer of the block to run in this forward
         (from its rank state s and the summaries of the blocks before it); every layer's pooled state is recorded."""
         memory = self.memories[adapter]
-        c = memory.config
         state = self.state
         pooled = self.pooled(s)  # (batch, r)
         states = state.states.setdefault(adapter, {})
@@ -83,27 +99,7 @@ class Routing:
                 torch.stack([torch.stack(states[b]).mean(0) for b in earlier], dim=1).unsqueeze(0) if earlier else None
             )  # (1, batch, P, r)
             instruction = self.instruction(adapter, pooled)
-            r = route(
-                pooled.unsqueeze(0),
-                summaries,
-                w=memory.block_prior[block].unsqueeze(0),
-                Q_cur=memory.Q_cur.unsqueeze(0),
-                Q_dep=memory.Q_dep.unsqueeze(0),
-                Q_dep_q=memory.Q_dep_q.unsqueeze(0),
-                Q_dep_k=memory.Q_dep_k.unsqueeze(0),
-                keys=memory.keys.unsqueeze(0),
-                atoms=memory.atoms.unsqueeze(0),
-                top_k=c.top_k,
-                t_attn=c.t_attn,
-                t_dep=c.t_dep,
-                t_lang=c.t_lang,
-                tau_lang=c.tau_lang,
-                lambda_ctx=c.lambda_ctx,
-                instruction=instruction,
-                Q_ctx=None if memory.Q_ctx is None else memory.Q_ctx.unsqueeze(0),
-                R_ctx=None if memory.R_ctx is None else memory.R_ctx.unsqueeze(0),
-                eps=c.rms_eps,
-            )
+            r = MemoryView(memory).route(block, pooled.unsqueeze(0), summaries, instruction)
             operators[block] = r.S[0]  # (batch, r, r)
             self.last.setdefault(adapter, {})[block] = r
         states.setdefault(block, []).append(pooled)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 
 from qlbench.adapters.queryable import QueryableConfig, RoutingState
-from qlbench.adapters.routing import Route, route
 from qlbench.hf.layer import Linear
+from qlbench.hf.model import MemoryView
 from qlbench.theory.checks import Bound, check_model
 from qlbench.theory.tracing import LayerCall, Trace
 
@@ -27,27 +27,6 @@ def _config(c) -> QueryableConfig:
         t_dep=c.t_dep, t_lang=c.t_lang, tau_lang=c.tau_lang, lambda_ctx=c.lambda_ctx,
         instruction_dim=c.instruction_dim, atom_std=c.atom_std, rms_eps=c.rms_eps,
     )  # fmt: skip
-
-
-class MemoryView:
-    """A tuner memory as a one-member QueryableMemory: every parameter (1, ...), and `route` as qlbench's."""
-
-    NAMES = ("atoms", "keys", "block_prior", "Q_cur", "Q_dep", "Q_dep_q", "Q_dep_k", "Q_ctx", "R_ctx")
-
-    def __init__(self, memory):
-        for name in self.NAMES:
-            value = getattr(memory, name)
-            setattr(self, name, None if value is None else value.unsqueeze(0))
-        self.config = _config(memory.config)
-
-    def route(self, block: int, s_entry, summaries, instruction) -> Route:
-        c = self.config
-        return route(
-            s_entry, summaries, w=self.block_prior[:, block], Q_cur=self.Q_cur, Q_dep=self.Q_dep,
-            Q_dep_q=self.Q_dep_q, Q_dep_k=self.Q_dep_k, keys=self.keys, atoms=self.atoms, top_k=c.top_k,
-            t_attn=c.t_attn, t_dep=c.t_dep, t_lang=c.t_lang, tau_lang=c.tau_lang, lambda_ctx=c.lambda_ctx,
-            instruction=instruction, Q_ctx=self.Q_ctx, R_ctx=self.R_ctx, eps=c.rms_eps,
-        )  # fmt: skip
 
 
 class BaseView:
@@ -114,6 +93,7 @@ def trace(model, x: torch.Tensor, instruction: torch.Tensor | None = None, call:
     states = {b: [p.unsqueeze(0) for p in ps] for b, ps in routing.state.states[adapter].items()}
     state = RoutingState(states=states, routes=dict(sorted(routing.last[adapter].items())))
     memory = MemoryView(tuner.queryable_memory[adapter])
+    memory.config = _config(memory.config)  # qlbench's QueryableConfig, as the checks read it
     return Trace(memory, memory.config, instruction, out, state, calls)
 
 
