@@ -9,6 +9,7 @@ exactly the gradient it would get alone (a stacked run equals E separate runs; t
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -78,6 +79,14 @@ def resolve_device(device: str, cuda: bool | None = None) -> torch.device:
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda")
     return torch.device(device)
+
+
+def check_threads(threads) -> None:
+    """A user's intra-op thread count: None (the default) or an integer from 1 to the cores present (ValueError
+    otherwise). More threads than cores oversubscribe the machine: 999 once drove a 2-core machine's load to 170."""
+    cores = os.cpu_count() or 1
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cores):
+        raise ValueError(f"threads must be an integer from 1 to {cores} (the cores present), got {threads!r}")
 
 
 def auto_threads(arch: str, members: int, requested: int | None = None) -> int | None:

@@ -195,8 +195,7 @@ def check_settings(*, eps, dtype: str, threads) -> None:
         raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    if threads is not None and not (isinstance(threads, int) and threads >= 1):
-        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+    engine.check_threads(threads)
 
 
 def seed_count(budget: engine.Budget, seeds: int | None) -> int:

@@ -68,7 +68,7 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "argv, word",
-    [(["--archs", "cnn"], "cnn"), (["--methods", "lora,bogus"], "bogus"), (["--threads", "0"], "--threads")],
+    [(["--archs", "cnn"], "cnn"), (["--methods", "lora,bogus"], "bogus"), (["--threads", "0"], "threads must be")],
 )
 def test_bench_bad_input(argv, word, capsys):
     assert cli.main(["bench", "--quick", *argv]) == 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from qlbench import adapters, bench, engine
@@ -43,8 +42,8 @@ def run(args) -> int:
         for m in methods:
             adapters.get(m)
         device = engine.resolve_device(args.device)
-    if args.threads is not None and not 1 <= args.threads <= (os.cpu_count() or 1):
-        raise UsageError(f"--threads must be between 1 and this machine's {os.cpu_count()} CPUs, got {args.threads}")
+    with usage_errors():
+        engine.check_threads(args.threads)
     out = args.out or Store("results").bench_dir
     settings = bench.Settings.make(args.quick, args.threads)
     report = bench.run(archs, methods, settings, device, progress=not args.no_progress)

@@ -4,11 +4,10 @@ figure."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from qlbench import real
+from qlbench import engine, real
 from qlbench.commands import UsageError, split_list, usage_errors
 from qlbench.progress import bar
 from qlbench.report import real as real_report
@@ -39,9 +38,8 @@ def run(args) -> int:
     methods = split_list(args.methods)
     if not methods or (bad := [m for m in methods if m not in real.METHODS]):
         raise UsageError(f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real.METHODS)}")
-    cores = os.cpu_count() or 1
-    if args.threads is not None and not 1 <= args.threads <= cores:
-        raise UsageError(f"--threads must be from 1 to {cores} (the cores present), got {args.threads}")
+    with usage_errors():
+        engine.check_threads(args.threads)
     if args.seeds is None or args.seeds < 1:
         raise UsageError(f"--seeds must be an integer >= 1, got {args.seeds}")
     try:

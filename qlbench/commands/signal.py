@@ -53,8 +53,8 @@ def run(args) -> int:
         raise UsageError("--backbone-init is empty; give one or more of default, kaiming, orthogonal")
     if args.seeds is not None and args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    with usage_errors():
+        engine.check_threads(args.threads)
     with usage_errors():
         b = engine.budget(args.budget, args.arch)
         zoo.card(args.function)
