@@ -82,8 +82,9 @@ def resolve_device(device: str, cuda: bool | None = None) -> torch.device:
 
 
 def check_threads(threads) -> None:
-    """A user's intra-op thread count: None (the default) or an integer from 1 to the cores present (ValueError
-    otherwise). More threads than cores oversubscribe the machine: 999 once drove a 2-core machine's load to 170."""
+    """A user's intra-op thread count for work on this machine: None (the default) or an integer from 1 to the cores
+    present (ValueError otherwise; the commands check it before any work, a Ray sweep against its largest node).
+    More threads than cores oversubscribe the machine: 999 once drove a 2-core machine's load to 170."""
     cores = os.cpu_count() or 1
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cores):
         raise ValueError(f"threads must be an integer from 1 to {cores} (the cores present), got {threads!r}")

@@ -195,7 +195,8 @@ def check_settings(*, eps, dtype: str, threads) -> None:
         raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    engine.check_threads(threads)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
 
 
 def seed_count(budget: engine.Budget, seeds: int | None) -> int:

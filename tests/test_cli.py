@@ -61,8 +61,9 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, expect):
         ["signal", "--function", "matyas"],
         ["bench", "--quick"],
         ["real"],
+        ["pareto", "--function", "matyas", "--budget", "smoke"],
     ],
-    ids=["run", "sweep", "suite", "signal", "bench", "real"],
+    ids=["run", "sweep", "suite", "signal", "bench", "real", "pareto"],
 )
 def test_more_threads_than_cores_are_refused_before_any_work(capsys, tmp_path, argv):
     out = tmp_path / "out"

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import experiment, multitask, pareto
+from qlbench import engine, experiment, multitask, pareto
 from qlbench.backbones import ARCHS, INITS
 from qlbench.commands import UsageError, split_list, usage_errors
 from qlbench.report import pareto as pareto_report
@@ -71,6 +71,7 @@ def run(args) -> int:
         backbone_init=args.backbone_init,
     )
     with usage_errors():
+        engine.check_threads(args.threads)
         grid = pareto.parse_grid(args.grid)
         target = dict(function=args.function) if args.function else dict(suite=args.suite, schedule=args.schedule)
         todo, skipped = [], {}  # every method's plans, validated before any work

@@ -172,6 +172,9 @@ def run(args, functions: list[str]) -> int:
     if not args.out.strip():
         raise UsageError("--out is empty; give a results folder")
     executor = check_executor(args)
+    if executor == "local":  # on Ray the largest node's CPUs bound it (ray_executor.check)
+        with usage_errors():
+            engine.check_threads(args.threads)
     overrides = parse_overrides(args.hp)
     instruction = getattr(args, "instruction", None)
     if instruction is not None:

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import experiment, multitask, suite_stats, suites
+from qlbench import engine, experiment, multitask, suite_stats, suites
 from qlbench.backbones import ARCHS, INITS
 from qlbench.commands import parse_overrides, split_list, usage_errors
 
@@ -50,6 +50,7 @@ def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with usage_errors():
+        engine.check_threads(args.threads)
         p = multitask.plan(
             suite=args.suite,
             schedule=args.schedule,
