@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from qlbench import instructions, store
+from qlbench.adapters.base import check_positive_int
 
 # Each task: its instruction, the sentence slot it asks about, and that slot's words with their yes/no answers.
 ANIMALS = {"cat": 1, "dog": 1, "horse": 1, "whale": 1, "mouse": 1, "bat": 1,
@@ -70,10 +71,9 @@ class RealConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
 
     def __post_init__(self):
-        for name in ("train_per_task", "test_per_task", "epochs", "batch_size", "r", "n_atoms", "top_k", "n_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_int(
+            self, "train_per_task", "test_per_task", "epochs", "batch_size", "r", "n_atoms", "top_k", "n_blocks"
+        )
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
             raise ValueError(f"seeds must be integers >= 0, got {self.seeds!r}")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from peft.config import PeftConfig
 
 from qlbench import instructions
+from qlbench.adapters.base import check_nonnegative, check_positive, check_positive_int
 from qlbench.hf.registry import peft_type
 
 
@@ -43,18 +44,11 @@ class QueryableLoraConfig(PeftConfig):
     def __post_init__(self):
         super().__post_init__()
         self.peft_type = peft_type()
-        for name in ("r", "n_blocks", "n_atoms", "d_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int(self, "r", "n_blocks", "n_atoms", "d_k")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_atoms:
             raise ValueError(f"top_k must be an integer in [1, n_atoms={self.n_atoms}], got {self.top_k!r}")
-        for name in ("lora_alpha", "t_attn", "t_dep", "t_lang", "rms_eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("tau_lang", "lambda_ctx", "atom_std"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        check_positive(self, "lora_alpha", "t_attn", "t_dep", "t_lang", "rms_eps")
+        check_nonnegative(self, "tau_lang", "lambda_ctx", "atom_std")
         if (self.tau_lang or self.lambda_ctx) and self.instruction_dim is None:
             raise ValueError("tau_lang or lambda_ctx > 0 needs an instruction embedding: set instruction_dim")
         if self.target_modules is None:
