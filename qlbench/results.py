@@ -28,6 +28,7 @@ import datetime as dt
 import math
 import os
 import platform
+import re
 import subprocess
 import warnings
 from pathlib import Path
@@ -37,6 +38,7 @@ import pandas as pd
 import torch
 
 import qlbench
+from qlbench import schema
 from qlbench.store import DamagedFile, Store, finite, read_json, stable_hash
 
 SCHEMA = 1
@@ -133,10 +135,16 @@ def gradient_fields(curves, i: int) -> dict:
 
 
 def read_record(path: Path) -> dict:
-    """A record; DamagedFile (a one-line ValueError) if the file is empty, truncated or not a record."""
+    """A record; DamagedFile (a one-line ValueError) if the file is empty, truncated, not a record, or a record of
+    the current schema whose contents are wrong (`schema.problem`: fields, types, its config hash against its
+    config and its file name, a per-seed entry per seed)."""
     rec = read_json(path)
     if not {"run_info", "train_info"} <= rec.keys():
         raise DamagedFile(f"{path} is damaged (a JSON object without run_info and train_info)")
+    if rec.get("schema") == SCHEMA:
+        named = re.fullmatch(r".+-([0-9a-f]{16})", Path(path).stem)
+        if found := schema.problem(rec, named.group(1) if named else None):
+            raise DamagedFile(f"{path} is damaged ({found})")
     return rec
 
 
@@ -159,6 +167,9 @@ PER_SEED_COLUMNS = (
     "source_test_mse",
     "source_test_mse_after",
 )
+
+
+DIVERGED_INF = ("best_train_mse", "best_test_mse", "test_at_best_train")  # inf for a diverged seed in `load`
 
 
 def _paths(paths_or_root) -> list[Path]:
@@ -260,6 +271,9 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     ):
         if col in frame:
             frame[col] = frame[col].astype(float)
+    if "status" in frame:  # a diverged seed's best values are inf, as every table counts them (not its last finite)
+        diverged = frame["status"] == "diverged"
+        frame.loc[diverged, list(DIVERGED_INF)] = math.inf
     return frame
 
 

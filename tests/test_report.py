@@ -101,7 +101,7 @@ def test_a_diverged_seed_that_would_look_best_is_not_marked(frame):
     assert row(data, "six_hump", "full-soap")["best_overall"]
     assert row(data, "six_hump", "queryable")["best_adapter"]
     cells = md_cells(report.paper_markdown(data), "six_hump")
-    assert cells["dora"] == "inf (1/5 div.)"
+    assert cells["dora"] == "inf (1/5 div.; 4 ok: 0.0160 ± 0.0034)"  # the survivors 0.02, 0.015, 0.012, 0.017
     assert cells["full-soap"] == "**0.550 ± 0.041†**"  # below LoRA on every seed
     assert cells["queryable"].startswith("*0.") and cells["queryable"].endswith("†*")
     assert not cells["queryable"].startswith("**")
@@ -128,7 +128,7 @@ def test_significance_mark_only_where_paired_test_says_so(frame):
 
 def test_seed_counts_are_shown(frame):
     md = report.paper_markdown(report.table_data(frame, "best-train"))
-    assert "n = 5 seeds" in md and "inf (k/n div.)" in md
+    assert "n = 5 seeds" in md and "inf (k/n div.; m ok: mean ± std)" in md
     assert md_cells(md, "dropwave")["doran"] == "***0.800 ± 0.10 (n=3)†***"  # 3 pairs, t p = 0.02
     assert md_cells(md, "dropwave")["dora"] == "-"  # not run
 
@@ -185,7 +185,7 @@ def test_latex_is_booktabs_escaped_and_ascii(frame):
     header = tex.split(r"\toprule")[1].split(r"\midrule")[0].strip()
     assert len(body) == 2 and all(line.count("&") == header.count("&") == 9 for line in body)
     six = next(line for line in body if line.startswith("six"))
-    assert r"\textbf{0.550 $\pm$ 0.041\textsuperscript{$\dagger$}}" in six and "inf (1/5 div.)" in six
+    assert r"\textbf{0.550 $\pm$ 0.041\textsuperscript{$\dagger$}}" in six and r"inf (1/5 div.; 4 ok: 0.0160 $\pm$ 0.0034)" in six
     assert six.count(r"\textbf") == 1 and six.count(r"\textit") == 1
     assert tex.count("{") == tex.count("}") and tex.count("$") % 2 == 0
 

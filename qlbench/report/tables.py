@@ -123,10 +123,11 @@ def _seeds(data: pd.DataFrame) -> int:
 
 
 def _cell_text(r, n_common: int, fmt: str) -> str:
-    """One paper-table cell: mean ± std, "inf (k/n div.)", "failed"; (n=k) when not n_common seeds; † when the
-    method differs significantly from LoRA."""
-    if r.n_diverged:
-        cell = f"inf ({r.n_diverged}/{r.n} div.)"
+    """One paper-table cell: mean ± std, "inf (k/n div.; m ok: mean ± std)", "failed"; (n=k) when not n_common
+    seeds; † when the method differs significantly from LoRA."""
+    if r.n_diverged:  # the survivors' mean with the count it stands on, as the README says
+        ok = f"; {r.n_ok} ok: {text.mean_std(r.mean_ok, r.std_ok, r.n_ok, fmt)}" if r.n_ok else ""
+        cell = f"inf ({r.n_diverged}/{r.n} div.{ok})"
     elif r.n_ok == 0:
         cell = "failed" if r.n_failed else "n/a"
     else:
@@ -154,9 +155,10 @@ def legend(data: pd.DataFrame, fmt: str) -> str:
     return (
         f"{k['bold']} = lowest mean overall; {k['italic']} = lowest mean among adapters (full fine-tuning excluded); "
         f"{k['dagger']} = differs from LoRA, paired by seed, p {k['lt']} 0.05 (paired t-test; Wilcoxon signed-rank "
-        "when a seed diverged; at least 3 pairs); inf (k/n div.) = k of n seeds diverged, counted as MSE = inf in "
-        f"every mark and test; frozen and mean are reference columns, never marked; mean {k['pm']} sample std over "
-        f"n = {_seeds(data)} seeds unless marked (n=k); - = not run."
+        f"when a seed diverged; at least 3 pairs); inf (k/n div.; m ok: mean {k['pm']} std) = k of n seeds diverged, "
+        "counted as MSE = inf in every mark and test, the m survivors' mean shown; frozen and mean are reference "
+        f"columns, never marked; mean {k['pm']} sample std over n = {_seeds(data)} seeds unless marked (n=k); "
+        "- = not run."
     )
 
 

@@ -204,7 +204,7 @@ def _slice_figures(frame, curves, folder: Path, metric: str, files: list) -> Non
         c = curves[(curves["arch"] == arch) & (curves["budget"] == budget)]
         for split in ("train", "test") if len(c) else ():
             _save_figure(files, figures.curves_figure(c, split), folder / f"curves-{split}")
-    if "lora" in set(frame["method"]):
+    if "lora" in set(frame["method"]) and len(set(frame["method"])) > 1:  # LoRA alone has nothing to compare
         _save_figure(files, figures.log_ratio_figure(frame, metric), folder / f"log-ratio-{metric}")
     for x in figures.COST_AXES:
         if (fig := figures.cost_figure(frame, metric, x)) is not None:
