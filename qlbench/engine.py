@@ -483,6 +483,23 @@ def pretrain_needed(
     return any(p is None or not p.exists() for p in paths)
 
 
+def _read_backbone(path: Path, arch: str) -> dict:
+    """A cached member, checked by content: DamagedFile (one line) unless it holds a state with exactly the
+    backbone's weight names and per-member shapes (from a shapes-only build on the meta device) and its two source
+    MSEs as numbers."""
+    saved = load_torch(path)
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise DamagedFile(f"{path} is damaged (not a backbone file: no state)")
+    meta = build_backbone(arch, [("shape", 0)], device="meta").state_dict()  # shapes do not depend on init
+    want = {k: tuple(v.shape[1:]) for k, v in meta.items()}
+    got = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in saved["state"].items()}
+    if wrong := sorted(set(want) ^ set(got)) or [k for k in want if got[k] != want[k]]:
+        raise DamagedFile(f"{path} is damaged ({wrong[0]}: not the {arch} backbone's weights)")
+    if not all(isinstance(saved.get(k), float) for k in ("source_train_mse", "source_test_mse")):
+        raise DamagedFile(f"{path} is damaged (no source MSEs)")
+    return saved
+
+
 @flush_denormals()
 def pretrain(
     arch: str,
@@ -509,9 +526,9 @@ def pretrain(
     for i, path in enumerate(paths):
         if path is not None and path.exists():
             try:
-                cached[i] = load_torch(path)
+                cached[i] = _read_backbone(path, arch)
             except DamagedFile as err:
-                log(f"{err}; moved to {set_aside(path).name}, retraining that backbone")
+                log(f"{err}; {set_aside(path)}, retraining that backbone")
     todo = [i for i in range(len(members)) if i not in cached]
     if todo:
         sub = padded([members[i] for i in todo])  # trained as a stack of at least MIN_STACK

@@ -7,21 +7,34 @@ the same config hash are skipped, so an interrupted run resumes where it stopped
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
-import tempfile
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qlbench import adapters, cost, engine, results, zoo
+from qlbench import adapters, cost, engine, results, stacked, zoo
 from qlbench.backbones import ARCHS, build_backbone, check_init
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.seeding import generator
-from qlbench.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash, write_json
+from qlbench.store import (
+    DamagedFile,
+    Store,
+    check_writable,
+    claim,
+    clean_temps,
+    load_torch,
+    save_torch,
+    set_aside,
+    stable_hash,
+    write_json,
+)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -130,6 +143,8 @@ def plan(
         raise ValueError(f"no function given; valid: {', '.join(zoo.names())}")
     for f in functions:
         zoo.card(f)  # raises with the valid names
+    if len(set(functions)) != len(functions):
+        raise ValueError(f"function listed twice in {','.join(functions)}")
     methods = list(methods or adapters.DEFAULT_METHODS)
     for m in methods:
         adapters.get(m)
@@ -144,11 +159,13 @@ def plan(
             configs[m] = adapters.get(m).make_config(**overrides)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{m}: {err}") from None
-    dry_build(arch, configs)
-    check_writable(Path(out_dir))
+    sizes = dry_build(arch, configs)
     if compile not in ("auto", "on", "off"):
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
     dev = engine.resolve_device(device, cuda)
+    if cuda is None:  # trains on this machine (a Ray plan's workers are elsewhere)
+        check_memory(sizes, len(set(functions)) * n_seeds, dtype, dev)
+    check_writable(Path(out_dir))
     use_compile = compile == "on" or (compile == "auto" and engine.compile_by_default(dev, b.name))
     return Plan(
         functions=list(dict.fromkeys(functions)),
@@ -222,30 +239,64 @@ def check_overrides(overrides: dict | None, methods: list[str], reserved: dict[s
     return overrides
 
 
-def check_writable(folder: Path) -> None:
-    """The results folder exists or can be created, and a file can be written in it (ValueError otherwise)."""
-    if not str(folder).strip():
-        raise ValueError("the results folder is empty; give a path")
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"results folder {folder} is a file, not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as err:
-        raise ValueError(f"cannot write to results folder {folder}: {err.strerror or err}") from None
-
-
-def dry_build(arch: str, configs: dict[str, object]) -> None:
+def dry_build(arch: str, configs: dict[str, object]) -> dict[str, tuple[int, int]]:
     """Build every method on a one-member backbone on the meta device (shapes only, no memory, no arithmetic), so
     a config that cannot be built on this arch (targets it lacks, more blocks than layers ...) fails before any
-    work, as a ValueError naming the method."""
+    work, as a ValueError naming the method. Returns method -> (numbers held per member, of them trainable)."""
     backbone = build_backbone(arch, [("dry-build", 0)], device="meta")
     y = torch.zeros(1, 1, device="meta")
+    sizes = {}
     for name, config in configs.items():
         try:
-            adapters.get(name).build(copy.deepcopy(backbone), config, [generator("dry-build", name)], y)
+            with stacked.shapes_only():
+                model = adapters.get(name).build(copy.deepcopy(backbone), config, [generator("dry-build", name)], y)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{name}: {err}") from None
+        tensors = [*model.parameters(), *model.buffers()]
+        sizes[name] = (sum(t.numel() for t in tensors), sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return sizes
+
+
+DATA_PER_MEMBER = 2 * (zoo.SOURCE_SIZE + zoo.TARGET_SIZE) * 3  # numbers: source and target (x, y), with copies
+MEMORY_FACTOR = 4  # a trainable number is held 4 times (weight, gradient, Adam's two moments)
+
+
+def plan_bytes(sizes: dict[str, tuple[int, int]], members: int, dtype: str) -> int:
+    """A lower estimate of the memory one stacked method of a plan needs, for its largest method: every number the
+    model holds, each trainable one MEMORY_FACTOR times, and the data, for `members` members (activations and the
+    allocator's overhead not counted)."""
+    per_member = max(held + (MEMORY_FACTOR - 1) * trainable for held, trainable in sizes.values()) + DATA_PER_MEMBER
+    return per_member * members * DTYPES[dtype].itemsize
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a plan may use: free CUDA memory, or the CPU's available memory (/proc/meminfo's MemAvailable, else
+    the physical memory); None when it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(sizes: dict[str, tuple[int, int]], members: int, dtype: str, device: torch.device) -> None:
+    """ValueError (one line, the estimate and the limit) when a plan's largest stacked method cannot fit this
+    machine's memory: refused before anything is allocated. qlbench interpretation: the whole stack is estimated,
+    as the local executor trains it; a Ray plan is not checked (its workers are other machines)."""
+    need, have = plan_bytes(sizes, members, dtype), available_bytes(device)
+    if have is not None and need > have:
+        raise ValueError(
+            f"this plan needs at least {need / 2**30:,.1f} GiB ({members:,} stacked member(s)) but {device} has "
+            f"{have / 2**30:,.1f} GiB available; use fewer seeds or functions, or smaller sizes (--hp)"
+        )
 
 
 def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -276,12 +327,12 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     if not path.exists():
         raise FileNotFoundError(f"no saved weights for {method_name} at {path}")
     try:
-        saved = load_torch(path, map_location=dev)
+        saved = read_model(path, rec, map_location=dev)
+        params = dict(model.named_parameters())
+        if wrong := [n for n, v in saved["state"].items() if n not in params or params[n].shape != v.shape]:
+            raise DamagedFile(f"{path} is damaged ({wrong[0]} is not a weight of this shape in {method_name})")
     except DamagedFile as err:
-        raise ValueError(f"{err}; moved to {set_aside(path).name}: `qlbench run` recomputes the cell") from None
-    if saved["config_hash"] != rec["run_info"]["config_hash"]:
-        raise ValueError(f"{path} belongs to another run than {record}")
-    params = dict(model.named_parameters())
+        raise ValueError(f"{err}; {set_aside(path)}: `qlbench run` recomputes the cell") from None
     with torch.no_grad():
         for name, value in saved["state"].items():
             params[name].copy_(value)
@@ -296,7 +347,7 @@ def _finished(path: Path, config: dict, log) -> bool:
     try:
         rec = results.read_record(path)
     except DamagedFile as err:
-        log(f"{err}; moved to {set_aside(path).name}, the cell is recomputed")
+        log(f"{err}; {set_aside(path)}, the cell is recomputed")
         return False
     if rec["run_info"]["config_hash"] != stable_hash(config) or rec["train_info"]["status"] == "failed":
         return False
@@ -314,11 +365,38 @@ def _model_intact(record: Path, rec: dict, log) -> bool:
         log(f"{path} is missing; the cell is recomputed")
         return False
     try:
-        load_torch(path)
+        read_model(path, rec)
     except DamagedFile as err:
-        log(f"{err}; moved to {set_aside(path).name}, the cell is recomputed")
+        log(f"{err}; {set_aside(path)}, the cell is recomputed")
         return False
     return True
+
+
+def read_model(path: Path, rec: dict, map_location="cpu") -> dict:
+    """The adapter weights saved with a record, checked by content: DamagedFile (one line) unless the file holds
+    {config_hash, state} with the record's config hash, and a state of tensors, one row per seed of the record,
+    that add up to the record's trainable parameters per seed (a file of another cell or another config, an empty
+    dict, a cut or widened tensor)."""
+    saved = load_torch(path, map_location=map_location)
+    run, train = rec["run_info"], rec["train_info"]
+    seeds = len(run["seeds"])
+
+    def damaged(why: str) -> DamagedFile:
+        return DamagedFile(f"{path} is damaged ({why})")
+
+    if not isinstance(saved, dict) or not {"config_hash", "state"} <= saved.keys():
+        raise damaged("not an adapter file: no config_hash and state")
+    if saved["config_hash"] != run["config_hash"]:
+        raise damaged(f"it belongs to config {saved['config_hash']}, not to its record's {run['config_hash']}")
+    state = saved["state"]
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise damaged("its state is not a non-empty table of tensors")
+    if any(v.dim() == 0 or v.shape[0] != seeds for v in state.values()):
+        raise damaged(f"a tensor without one row per seed ({seeds})")
+    numel = sum(v[0].numel() for v in state.values())
+    if numel != train["trainable_params"]:
+        raise damaged(f"{numel} weights per seed, not the record's {train['trainable_params']} trainable parameters")
+    return saved
 
 
 def pending(p: Plan, log) -> dict[str, list[str]]:
@@ -344,14 +422,29 @@ def record_paths(p: Plan) -> list[Path]:
     return [p.record_path(f, m) for m in p.methods for f in p.functions]
 
 
+@contextlib.contextmanager
+def claimed(p: Plan, log) -> Iterator[dict[str, list[str]]]:
+    """The plan's unfinished cells (`pending`) that this process may train: temporaries of killed writers in the
+    results folder are removed first, and each cell is locked (`store.claim`) while the block runs; a cell another
+    process is training is left to it and said so."""
+    if stale := clean_temps(p.out_dir) if p.out_dir.is_dir() else []:
+        log(f"removed {len(stale)} temporary file(s) left by killed writers in {p.out_dir}")
+    todo = pending(p, log)
+    with claim([p.record_path(f, m) for m, fs in todo.items() for f in fs]) as held:
+        mine = {m: [f for f in fs if p.record_path(f, m) in held] for m, fs in todo.items()}
+        if busy := sum(len(fs) for fs in todo.values()) - sum(len(fs) for fs in mine.values()):
+            log(f"{busy} cell(s) are being trained by another process: left to it")
+        yield mine
+
+
 def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
     """Run every unfinished cell of the plan (every cell with `p.force`) in this process; returns the record paths
     of all cells (finished before or now). `qlbench.ray_executor.run` does the same on Ray."""
     dtype = DTYPES[p.dtype]
-    todo = pending(p, log)
-    functions = [f for f in p.functions if any(f in fs for fs in todo.values())]
-    with engine.num_threads(threads(p, len(functions) * len(p.seeds))):
-        _run(p, todo, functions, dtype, progress, log)
+    with claimed(p, log) as todo:
+        functions = [f for f in p.functions if any(f in fs for fs in todo.values())]
+        with engine.num_threads(threads(p, len(functions) * len(p.seeds))):
+            _run(p, todo, functions, dtype, progress, log)
     return record_paths(p)
 
 

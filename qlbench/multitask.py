@@ -41,7 +41,7 @@ from qlbench.backbones import ARCHS, check_init
 from qlbench.progress import bar as progress_bar
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext
-from qlbench.store import DamagedFile, Store, set_aside, stable_hash, write_json
+from qlbench.store import DamagedFile, Store, check_writable, claim, clean_temps, set_aside, stable_hash, write_json
 
 SCHEDULES = ("joint", "sequential", "held-out")
 VARIANTS = {  # row -> (registered method, its fixed settings)
@@ -180,7 +180,7 @@ def plan(
     n_seeds = experiment.seed_count(b, seeds)
     reserved = {"tasks": f"the suite's task count ({len(s.tasks)})"}
     overrides = experiment.check_overrides(overrides, [method_of(r)[0] for r in chosen], reserved)
-    configs = {}
+    configs, sizes = {}, {}
     for r in chosen:
         name, fixed = method_of(r)
         settings = overrides | fixed | {"tasks": len(s.tasks)}
@@ -188,8 +188,10 @@ def plan(
             configs[r] = adapters.get(name).make_config(**settings)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{r}: {err}") from None
-        experiment.dry_build(arch, {name: configs[r]})  # each row: variants share their method's name
-    experiment.check_writable(Path(out_dir))
+        sizes[r] = experiment.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
+    dev = engine.resolve_device(device)
+    experiment.check_memory(sizes, n_seeds * len(s.tasks), dtype, dev)  # members x tasks: the data's share
+    check_writable(Path(out_dir))
     return SuitePlan(
         suite=s,
         schedule=schedule,
@@ -198,7 +200,7 @@ def plan(
         seeds=list(range(n_seeds)),
         budget=b,
         configs=configs,
-        device=engine.resolve_device(device),
+        device=dev,
         dtype=dtype,
         out_dir=Path(out_dir),
         threads=threads,
@@ -306,7 +308,7 @@ def pending(p: SuitePlan, log) -> list[str]:
         try:
             rec = results.read_record(path)
         except DamagedFile as err:
-            log(f"{err}; moved to {set_aside(path).name}, the row is recomputed")
+            log(f"{err}; {set_aside(path)}, the row is recomputed")
             todo.append(r)
             continue
         if rec["train_info"]["status"] == "failed":
@@ -317,8 +319,20 @@ def pending(p: SuitePlan, log) -> list[str]:
 
 
 def run(p: SuitePlan, *, progress: bool = True, log=print) -> list[Path]:
-    """Run every unfinished row of the plan; returns every row's record path."""
-    todo = pending(p, log)
+    """Run every unfinished row of the plan; returns every row's record path. As `experiment.run`: temporaries of
+    killed writers are removed, and each row is locked while it trains (a row another process trains is left)."""
+    if stale := clean_temps(p.out_dir) if p.out_dir.is_dir() else []:
+        log(f"removed {len(stale)} temporary file(s) left by killed writers in {p.out_dir}")
+    rows = pending(p, log)
+    with claim([p.record_path(r) for r in rows]) as held:
+        todo = [r for r in rows if p.record_path(r) in held]
+        if busy := len(rows) - len(todo):
+            log(f"{busy} row(s) are being trained by another process: left to it")
+        _run_rows(p, todo, progress, log)
+    return [p.record_path(r) for r in p.rows]
+
+
+def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:
     if todo:
         with engine.num_threads(engine.auto_threads(p.arch, len(p.seeds), p.threads)):
             with progress_bar(
@@ -335,7 +349,6 @@ def run(p: SuitePlan, *, progress: bool = True, log=print) -> list[Path]:
                 for r in todo:
                     bar.set_description(f"{p.suite.name} {p.schedule} {r} x{len(p.seeds)}")
                     run_row(p, r, pre, bar.update if r in trained else None, log)
-    return [p.record_path(r) for r in p.rows]
 
 
 def _pretrain_needed(p: SuitePlan) -> bool:

@@ -145,8 +145,7 @@ def run(
     if not (isinstance(retries, int) and retries >= 0):
         raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
     ray = _ray()
-    with connect() as cluster:
-        todo = experiment.pending(p, log)
+    with connect() as cluster, experiment.claimed(p, log) as todo:
         work = units(p, todo, group_size)
         if not work:
             return experiment.record_paths(p)

@@ -334,7 +334,7 @@ def run(
             try:
                 done = {s["seed"]: s for s in store.read_json(path)["per_seed"]}
             except (store.DamagedFile, KeyError, TypeError) as err:
-                log(f"{path}: {err}; moved to {store.set_aside(path).name}, recomputing")
+                log(f"{path}: {err}; {store.set_aside(path)}, recomputing")
         per_seed = []
         for seed in config.seeds:
             if seed in done:

@@ -6,6 +6,8 @@ touches slice e: a stack of E models is exactly E separate models (tested), comp
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,15 +16,43 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+_SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Within it the member initialisers draw nothing: they return meta tensors of the right shape, so a model can
+    be built to count its weights without allocating them (`experiment.dry_build`, whatever the sizes asked)."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
+def _meta(shape: tuple[int, ...], generators: list[torch.Generator]) -> torch.Tensor | None:
+    return torch.empty((len(generators), *shape), dtype=torch.float64, device="meta") if _SHAPES_ONLY.get() else None
+
 
 def uniform_members(shape: tuple[int, ...], bound: float, generators: list[torch.Generator]) -> torch.Tensor:
     """(E, *shape) drawn U(-bound, bound), member e from generators[e] only (float64, CPU)."""
+    if (meta := _meta(shape, generators)) is not None:
+        return meta
     return torch.stack([(torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * bound for g in generators])
 
 
 def normal_members(shape: tuple[int, ...], std: float, generators: list[torch.Generator]) -> torch.Tensor:
     """(E, *shape) drawn N(0, std^2), member e from generators[e] only (float64, CPU)."""
+    if (meta := _meta(shape, generators)) is not None:
+        return meta
     return torch.stack([torch.randn(shape, generator=g, dtype=torch.float64) * std for g in generators])
+
+
+def zero_members(shape: tuple[int, ...], members: int) -> torch.Tensor:
+    """(E, *shape) zeros (float64, CPU; meta within `shapes_only`)."""
+    if _SHAPES_ONLY.get():
+        return torch.empty((members, *shape), dtype=torch.float64, device="meta")
+    return torch.zeros((members, *shape), dtype=torch.float64)
 
 
 def param(values: torch.Tensor, like: torch.Tensor | None = None, *, device=None, dtype=None) -> nn.Parameter:

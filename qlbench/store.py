@@ -15,14 +15,18 @@ in qlbench builds these paths.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
 import os
 import pickle
+import re
+import socket
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -44,12 +48,40 @@ def _umask() -> int:
     return mask
 
 
+_WRITER = f"{re.sub(r'[^A-Za-z0-9]', '', socket.gethostname())[:32] or 'host'}-{os.getpid()}"  # in temp names
+_TEMP = re.compile(r"\..+\.(?P<host>[A-Za-z0-9]*)-(?P<pid>\d+)\.[^.]+\.tmp")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def clean_temps(root: Path) -> list[Path]:
+    """Remove the temporary files that writers killed mid-write (kill -9, a crash) left under `root`, and return
+    them: those named by a process of this machine that no longer runs. A live writer's temp file and another
+    machine's (a shared folder) are left alone."""
+    host = _WRITER.rsplit("-", 1)[0]
+    removed = []
+    for tmp in Path(root).rglob(".*.tmp"):
+        m = _TEMP.fullmatch(tmp.name)
+        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call write(tmp) on a temp file next to `path`, then rename it into place with the user's umask applied
     (mkstemp creates files 0600). On any error the temp file is removed and `path` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_WRITER}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
@@ -80,18 +112,105 @@ def save_torch(obj, path: Path) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
+def check_writable(folder: Path, what: str = "results folder") -> None:
+    """ValueError (one line) unless `folder` is a folder this process can write in, or can be created: every
+    existing part of the path a folder, the nearest existing one writable. Creates nothing, so a command refused
+    later leaves no folder behind."""
+    folder = Path(folder)
+    if not str(folder).strip():
+        raise ValueError(f"the {what} is empty; give a path")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what} {folder} is a file, not a folder")
+    base = next((a for a in (folder, *folder.absolute().parents) if a.exists()), None)
+    if base is None or not base.is_dir():
+        raise ValueError(f"cannot create {what} {folder}: {base} is a file, not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write to {what} {folder}: {base} is not writable")
+    if base == folder:
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as err:
+            raise ValueError(f"cannot write to {what} {folder}: {err.strerror or err}") from None
+
+
+def _lock(path: Path) -> int | None:
+    """An exclusive, non-blocking lock on the hidden file `.<name>.lock` next to `path` (flock): its descriptor, or
+    None when another process holds it. Retried when the file was removed between open and lock."""
+    lock = path.with_name(f".{path.name}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # its holder released and removed it: take the new one
+
+
+def _unlock(path: Path, fd: int) -> None:
+    path.with_name(f".{path.name}.lock").unlink(missing_ok=True)  # removed while held: no debris, no race
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def claim(paths: list[Path]) -> Iterator[set[Path]]:
+    """Lock each record path for this process while it trains that cell; yields the paths it holds. A path that
+    another process holds is left out (that process trains it), so two runs never train the same cell at once. The
+    locks are released, and their files removed, on exit (a killed process's lock dies with it). POSIX flock:
+    local file systems; on a network file system two machines may not see each other's locks."""
+    held = {}
+    try:
+        for path in dict.fromkeys(Path(p) for p in paths):
+            if (fd := _lock(path)) is not None:
+                held[path] = fd
+        yield set(held)
+    finally:
+        for path, fd in held.items():
+            _unlock(path, fd)
+
+
 class DamagedFile(ValueError):
     """A file that exists but cannot be read (truncated, empty, not what it should hold)."""
 
 
-def set_aside(path: Path) -> Path:
-    """Move a damaged file to `<name>.damaged-<n>` next to it (the first free n) and return the new path."""
+def set_aside(path: Path) -> str:
+    """Move a damaged file to `<name>.damaged-<n>` next to it (the first free n) and say so ("moved to NAME").
+    Safe when several processes set aside the same file at once: the new name is taken by an exclusive hard link,
+    so no two take the same n and nothing is overwritten, and a process that finds the file already gone says
+    "already set aside by another process"."""
     path = Path(path)
     n = 1
-    while (aside := path.with_name(f"{path.name}.damaged-{n}")).exists():
-        n += 1
-    os.replace(path, aside)
-    return aside
+    while True:
+        aside = path.with_name(f"{path.name}.damaged-{n}")
+        try:
+            os.link(path, aside)  # fails if `aside` exists: the name is ours alone
+        except FileExistsError:
+            n += 1
+            continue
+        except FileNotFoundError:
+            return "already set aside by another process"
+        except OSError:  # a file system without hard links: a plain rename (not race-safe)
+            if aside.exists():
+                n += 1
+                continue
+            try:
+                os.replace(path, aside)
+            except FileNotFoundError:
+                return "already set aside by another process"
+            return f"moved to {aside.name}"
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # another process linked the same file and removed it first: one copy is enough
+            os.unlink(aside)
+            return "already set aside by another process"
+        return f"moved to {aside.name}"
 
 
 def read_json(path: Path) -> dict:
@@ -107,10 +226,24 @@ def read_json(path: Path) -> dict:
 
 
 def load_torch(path: Path, map_location="cpu"):
-    """torch.load, with DamagedFile (one line) for an empty or truncated file."""
+    """torch.load, with DamagedFile (one line) for an empty, truncated or garbled file: whatever the reader raises
+    on bad bytes (a truncated zip gives OSError EINVAL, garbage an unpickling or a lookup error). A missing or
+    unreadable file, or no memory, is not damage and propagates."""
     try:
         return torch.load(path, map_location=map_location)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as err:
+    except (FileNotFoundError, PermissionError, IsADirectoryError, MemoryError):
+        raise
+    except (
+        OSError,
+        RuntimeError,
+        EOFError,
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        ValueError,
+        LookupError,
+        AttributeError,
+        TypeError,
+    ) as err:
         message = str(err).splitlines()[0] if str(err) else ""
         raise DamagedFile(f"{path} is damaged ({err.__class__.__name__}: {message})") from None
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from qlbench.adapters.base import AdapterMethod, Site, check_positive_int
 from qlbench.adapters.generated import GeneratedLoraLinear, role_shape_key
 from qlbench.adapters.lora import LoraConfig
-from qlbench.stacked import normal_members, param, uniform_members
+from qlbench.stacked import normal_members, param, uniform_members, zero_members
 
 NAME = "hyra"
 
@@ -81,7 +81,7 @@ class HyperNetwork(nn.Module):
         W_out_A = W_out_A / z.pow(2).sum(-1).mean(-1).sqrt().view(E, 1, 1)
         self.layer_emb, self.head_emb = param(layer_emb, like=like), param(head_emb, like=like)
         self.W_in, self.W_out_A = param(W_in, like=like), param(W_out_A, like=like)
-        self.W_out_B = param(torch.zeros(E, d_out // heads * c.r, c.hyper_hidden, dtype=torch.float64), like=like)
+        self.W_out_B = param(zero_members((d_out // heads * c.r, c.hyper_hidden), E), like=like)
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's A (E, L, r, d_in) from H([e_l; 0]) and B (E, L, d_out, r), block j from H([e_l; h_j]):

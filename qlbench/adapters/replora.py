@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from qlbench.adapters.base import AdapterMethod, Site, check_positive_int
 from qlbench.adapters.generated import GeneratedLoraLinear, key_slots, role_shape_key
 from qlbench.adapters.lora import LoraConfig
-from qlbench.stacked import normal_members, param, uniform_members
+from qlbench.stacked import normal_members, param, uniform_members, zero_members
 
 NAME = "replora"
 
@@ -110,7 +110,7 @@ class RepLoraGenerators(nn.ModuleDict):
             latents[role_shape_key(site, b)].append(uniform_members((r, b.d_in), 1.0 / math.sqrt(b.d_in), generators))
         for key, b in shapes.items():
             latent_A = param(torch.stack(latents[key], dim=1), like=like)  # A~ (E, L, r, d_in)
-            latent_B = param(torch.zeros(E, len(groups[key]), b.d_out, r, dtype=torch.float64), like=like)  # B~ = 0
+            latent_B = param(zero_members((len(groups[key]), b.d_out, r), E), like=like)  # B~ = 0
             self[key] = GeneratorPair(*nets[key], latent_A, latent_B)
 
 
