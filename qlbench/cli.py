@@ -7,7 +7,10 @@ qlbench/commands/, one module each.
 
 from __future__ import annotations
 
+import errno
+import signal
 import sys
+import threading
 
 from qlbench import __version__
 from qlbench.commands import Parser, UsageError
@@ -52,9 +55,24 @@ def build_parser() -> Parser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that atomic writes clean up and the message is the same as SIGINT's."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = None
+    previous = (
+        signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
+    )
+    saved = "finished cells are saved and will be skipped on the next run"
     try:
         args = parser.parse_args(argv)
         return args.func(args)
@@ -62,8 +80,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qlbench {args.command}: error: {err}" if args else f"qlbench: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("qlbench: interrupted; finished cells are saved and will be skipped on the next run", file=sys.stderr)
+        print(f"qlbench: interrupted; {saved}", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"qlbench: terminated (SIGTERM); {saved}", file=sys.stderr)
+        return 143
+    except OSError as err:
+        if err.errno not in FULL:
+            raise
+        where = f" writing {err.filename}" if err.filename else ""
+        print(f"qlbench: error: {FULL[err.errno]}{where}; {saved}: free space and run again", file=sys.stderr)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

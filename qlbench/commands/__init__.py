@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+from pathlib import Path
 
 
 class UsageError(Exception):
@@ -28,6 +29,22 @@ def usage_errors():
         yield
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+def check_out(folder, what: str = "output folder") -> None:
+    """UsageError (one line) unless `folder` is, or can be created as, a writable folder; creates nothing."""
+    from qlbench.store import check_writable
+
+    with usage_errors():
+        check_writable(Path(folder), what)
+
+
+def check_out_file(path) -> None:
+    """UsageError (one line) unless a file can be written at `path` (not a folder; its folder writable)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder; give a file path for the report")
+    check_out(path.parent, "folder of the report")
 
 
 def split_list(text: str) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qlbench import ablation, experiment, multitask, suite_stats, text, zoo
 from qlbench.backbones import ARCHS, INITS
-from qlbench.commands import UsageError, usage_errors
+from qlbench.commands import UsageError, check_out, usage_errors
 
 
 def register(subparsers) -> None:
@@ -48,6 +48,7 @@ def run(args) -> int:
         return run_suite(args, log)
     if args.schedule != "joint" or args.backbone_init != "default":
         raise UsageError("--schedule and --backbone-init apply to --suite only; valid with --function: neither")
+    check_out(args.out, "results folder")
     with usage_errors():
         plans = ablation.plans(
             function=args.function,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from qlbench import adapters, bench, engine
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, split_list, usage_errors
 from qlbench.store import Store, write_json, write_text
 
 
@@ -45,6 +45,7 @@ def run(args) -> int:
     with usage_errors():
         engine.check_threads(args.threads)
     out = args.out or Store("results").bench_dir
+    check_out(out, "bench folder")
     settings = bench.Settings.make(args.quick, args.threads)
     report = bench.run(archs, methods, settings, device, progress=not args.no_progress)
     text = bench.markdown(report)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from qlbench import diagnostics, results, store, text, zoo
 from qlbench.backbones import ARCHS, INITS
-from qlbench.commands import UsageError, usage_errors
+from qlbench.commands import UsageError, check_out, usage_errors
 
 
 def register(subparsers) -> None:
@@ -62,6 +62,9 @@ def run(args) -> int:
         seeds = rec["run_info"]["seeds"]
         if args.seed is not None and args.seed not in seeds:
             raise ValueError(f"seed {args.seed} is not in the cell; valid: {', '.join(map(str, seeds))}")
+    if args.out is not None:
+        check_out(args.out, "figure folder")
+    with usage_errors():
         model, data, rec = diagnostics.load_cell(record, args.device)
     cfg = rec["run_info"]["config"]
     init = cfg.get("backbone_init", "default")

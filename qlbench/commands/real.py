@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from qlbench import engine, real
-from qlbench.commands import UsageError, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, split_list, usage_errors
 from qlbench.progress import bar
 from qlbench.report import real as real_report
 
@@ -49,8 +49,7 @@ def run(args) -> int:
     with usage_errors():
         config = real.RealConfig(epochs=args.epochs, train_per_task=args.train_per_task, seeds=tuple(range(args.seeds)))
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a folder")
+    check_out(out, "results folder")
     import torch
 
     if args.threads is not None:

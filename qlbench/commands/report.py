@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qlbench import results, stats, store, suite_stats, text
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, usage_errors
+from qlbench.commands import UsageError, check_out, usage_errors
 
 
 def register(subparsers) -> None:
@@ -53,7 +53,8 @@ def run(args) -> int:
     if args.arch is not None and args.arch not in ARCHS:
         raise UsageError(f"unknown arch {args.arch!r}; valid: {', '.join(ARCHS)}")
     if not args.folder.is_dir():
-        raise UsageError(f"results folder {args.folder} does not exist")
+        raise UsageError(f"results folder {args.folder} " + ("is a file" if args.folder.exists() else "does not exist"))
+    check_out(args.out or args.folder / "report", "report folder")
     log = lambda message: print(f"qlbench report: {message}", file=sys.stderr)
     frame = results.load(args.folder, on_damaged=log)
     suite_frame = suite_stats.load(args.folder, on_damaged=log)

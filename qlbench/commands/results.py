@@ -22,7 +22,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     if not args.folder.is_dir():
-        raise UsageError(f"results folder {args.folder} does not exist")
+        raise UsageError(f"results folder {args.folder} " + ("is a file" if args.folder.exists() else "does not exist"))
     log = lambda m: print(f"qlbench results: {m}", file=sys.stderr)
     table = results.index(args.folder, on_damaged=log)
     suite_table = suite_stats.index(suite_stats.load(args.folder, on_damaged=log))

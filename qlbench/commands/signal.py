@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qlbench import diagnostics, engine, progress, store, text, zoo
 from qlbench.backbones import ARCHS, INITS, check_init
-from qlbench.commands import UsageError, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, split_list, usage_errors
 
 
 def register(subparsers) -> None:
@@ -61,6 +61,7 @@ def run(args) -> int:
         for init in inits:
             check_init(args.arch, init)
         engine.resolve_device(args.device)
+    check_out(args.out, "results folder")
     log = lambda message: print(message, file=sys.stderr, flush=True)
     seeds = b.seeds if args.seeds is None else args.seeds
     with (

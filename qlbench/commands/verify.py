@@ -8,8 +8,9 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from uuid import uuid4
 
-from qlbench.commands import UsageError, usage_errors
+from qlbench.commands import UsageError, check_out_file, usage_errors
 
 
 def register(subparsers) -> None:
@@ -70,6 +71,7 @@ def run(args) -> int:
             raise UsageError(f"verify --peft needs the hf extra (pip install 'qlbench[hf]'): {err}") from None
         from qlbench import real
 
+        check_out_file(args.out or args.peft / "verify.json")
         with usage_errors():
             report = real.verify_adapter(args.peft)
         return finish(report, args.out or args.peft / "verify.json", log)
@@ -77,9 +79,13 @@ def run(args) -> int:
         with usage_errors():
             record = verify.find_record(args.results, args.arch, args.function, args.budget, args.method)
         out = args.out or args.results / "verify.json"
+        check_out_file(out)
     else:
         arch, function = args.arch or "deep-narrow", args.function or verify.DEFAULT_FUNCTION
-        folder = args.out.parent if args.out is not None else Path(tempfile.mkdtemp(prefix="qlbench-verify-"))
+        # a new temp folder's name, created by the run only once the plan is valid (a refusal leaves nothing)
+        folder = args.out.parent if args.out is not None else Path(tempfile.gettempdir()) / f"qlbench-verify-{uuid4()}"
+        if args.out is not None:
+            check_out_file(args.out)
         with usage_errors():
             plan = verify.smoke_plan(folder, arch, function, args.device, args.method)
         log(f"qlbench verify: training a smoke {args.method} cell ({function} on {arch}) in {folder}")
