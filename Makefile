@@ -1,6 +1,7 @@
 # qlbench: every target sets up what it needs in ./.venv first (CPU build of torch 2.13.0, then the package).
 #   make run      the main job: dropwave on the deep-narrow backbone, every method, `quick` budget
 #   make test     the default test suite (what CI runs, after make lint)
+#   make test-faults  the property-based fault test (CI runs it after make test)
 #   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
@@ -17,7 +18,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow lint format figures bench results-snapshot pareto-snapshot real-snapshot diag-snapshot \
+.PHONY: setup setup-dev run test test-slow test-faults lint format figures bench results-snapshot pareto-snapshot real-snapshot diag-snapshot \
 	suites-snapshot clean
 
 $(BIN)/python:
@@ -51,6 +52,10 @@ format: setup-dev
 
 test-slow: setup-dev
 	$(BIN)/python -m pytest -q -m slow
+
+# the property-based fault test (random damage fed to results, report, verify and run); CI runs it after `make test`
+test-faults: setup-dev
+	$(BIN)/python -m pytest -q -m faults
 
 figures: setup-dev
 	cd notebooks && ../$(BIN)/jupyter execute 01_function_zoo.ipynb
