@@ -6,7 +6,8 @@
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
 #   make results-snapshot  the quick sweeps of both backbones (9 functions, every method) and their report in docs/results
-#   make pareto-snapshot   the accuracy-cost Pareto sweep of docs/results/pareto (ackley, live deep-narrow, quick)
+#   make pareto-snapshot   the accuracy-cost Pareto sweeps of docs/results/pareto (ackley and the zoo-4 suite, live
+#                          deep-narrow, quick)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
 #   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 3 seeds; records in
@@ -74,11 +75,16 @@ results-snapshot: setup
 
 # the accuracy-cost Pareto snapshot: one function on the live (kaiming) deep-narrow backbone, quick budget, 3 seeds
 PARETO_GRID ?= r=4,8 M=4,8 k=1,2,4
+# and one suite (zoo-4, joint): instruct-queryable over r x k at M = 8, and LoRA over r (each point a suite row)
+PARETO_SUITE_GRID ?= r=4,8 M=8 k=1,2
 pareto-snapshot: setup
 	$(BIN)/qlbench pareto --function ackley --backbone-init kaiming --methods queryable,lora,moe-lora \
 	  --grid "$(PARETO_GRID)" --budget quick --threads 1 --out pareto-results --no-progress
-	rm -rf docs/results/pareto && mkdir -p docs/results/pareto
+	$(BIN)/qlbench pareto --suite zoo-4 --schedule joint --backbone-init kaiming --methods instruct-queryable,lora \
+	  --grid "$(PARETO_SUITE_GRID)" --budget quick --threads 1 --out pareto-results --no-progress
+	rm -rf docs/results/pareto && mkdir -p docs/results/pareto/zoo-4-joint
 	cp pareto-results/pareto/ackley-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/
+	cp pareto-results/pareto/zoo-4-joint-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/zoo-4-joint/
 
 # the real-model snapshot: the bundled all-MiniLM-L6-v2 through peft, 3 seeds (qlbench real; needs setup-dev's hf extra)
 real-snapshot: setup-dev
@@ -109,10 +115,13 @@ diag-snapshot: setup
 SUITES ?= docs/results/suite-records
 SUITE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --out $(SUITES) \
 	--no-progress
+# the routing-vs-sharing baselines on zoo-4 (joint and sequential), beside the default rows
+SUITE_BASELINES ?= vb-lora,moe-lora,lily
 suites-snapshot: setup
 	for s in zoo-4 shifts-ackley; do for sched in joint sequential; do \
 	  $(SUITE_RUN) --suite $$s --schedule $$sched || exit 1; \
 	  $(SUITE_RUN) --suite $$s-same-instruction --schedule $$sched --methods instruct-queryable || exit 1; done; done
+	for sched in joint sequential; do $(SUITE_RUN) --suite zoo-4 --schedule $$sched --methods $(SUITE_BASELINES) || exit 1; done
 	$(SUITE_RUN) --suite shifts-ackley --schedule held-out
 	$(SUITE_RUN) --suite shifts-ackley-same-instruction --schedule held-out --methods instruct-queryable
 	$(BIN)/qlbench report $(SUITES) --format md,csv --out results/suite-report
