@@ -261,11 +261,12 @@ DATA_PER_MEMBER = 2 * (zoo.SOURCE_SIZE + zoo.TARGET_SIZE) * 3  # numbers: source
 MEMORY_FACTOR = 4  # a trainable number is held 4 times (weight, gradient, Adam's two moments)
 
 
-def plan_bytes(sizes: dict[str, tuple[int, int]], members: int, dtype: str) -> int:
+def plan_bytes(sizes: dict[str, tuple[int, int]], members: int, dtype: str, tasks: int = 1) -> int:
     """A lower estimate of the memory one stacked method of a plan needs, for its largest method: every number the
-    model holds, each trainable one MEMORY_FACTOR times, and the data, for `members` members (activations and the
-    allocator's overhead not counted)."""
-    per_member = max(held + (MEMORY_FACTOR - 1) * trainable for held, trainable in sizes.values()) + DATA_PER_MEMBER
+    model holds, each trainable one MEMORY_FACTOR times, and the data of `tasks` tasks, for `members` members
+    (activations and the allocator's overhead not counted)."""
+    model = max(held + (MEMORY_FACTOR - 1) * trainable for held, trainable in sizes.values())
+    per_member = model + DATA_PER_MEMBER * tasks
     return per_member * members * DTYPES[dtype].itemsize
 
 
@@ -287,11 +288,13 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_memory(sizes: dict[str, tuple[int, int]], members: int, dtype: str, device: torch.device) -> None:
+def check_memory(
+    sizes: dict[str, tuple[int, int]], members: int, dtype: str, device: torch.device, tasks: int = 1
+) -> None:
     """ValueError (one line, the estimate and the limit) when a plan's largest stacked method cannot fit this
     machine's memory: refused before anything is allocated. qlbench interpretation: the whole stack is estimated,
     as the local executor trains it; a Ray plan is not checked (its workers are other machines)."""
-    need, have = plan_bytes(sizes, members, dtype), available_bytes(device)
+    need, have = plan_bytes(sizes, members, dtype, tasks), available_bytes(device)
     if have is not None and need > have:
         raise ValueError(
             f"this plan needs at least {need / 2**30:,.1f} GiB ({members:,} stacked member(s)) but {device} has "

@@ -190,7 +190,7 @@ def plan(
             raise ValueError(f"{r}: {err}") from None
         sizes[r] = experiment.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
     dev = engine.resolve_device(device)
-    experiment.check_memory(sizes, n_seeds * len(s.tasks), dtype, dev)  # members x tasks: the data's share
+    experiment.check_memory(sizes, n_seeds, dtype, dev, tasks=len(s.tasks))  # one member per seed, T tasks' data
     check_writable(Path(out_dir))
     return SuitePlan(
         suite=s,
