@@ -69,6 +69,7 @@ LAYERS = [
         "qlbench",
         "qlbench.seeding",
         "qlbench.store",
+        "qlbench.schema",
         "qlbench.soap",
         "qlbench.stacked",
         "qlbench.gradients",
