@@ -1,7 +1,7 @@
 # qlbench: every target sets up what it needs in ./.venv first (CPU build of torch 2.13.0, then the package).
 #   make run      the main job: dropwave on the deep-narrow backbone, every method, `quick` budget
 #   make test     the default test suite (what CI runs, after make lint)
-#   make test-faults  the property-based fault test (CI runs it after make test)
+#   make test-faults  the slower fault cases and the random-damage test (CI runs them after make test)
 #   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
@@ -54,7 +54,7 @@ format: setup-dev
 test-slow: setup-dev
 	$(BIN)/python -m pytest -q -m slow
 
-# the property-based fault test (random damage fed to results, report, verify and run); CI runs it after `make test`
+# the slower fault cases and the property-based random-damage test (tests/test_faults.py); CI runs them after `make test`
 test-faults: setup-dev
 	$(BIN)/python -m pytest -q -m faults
 

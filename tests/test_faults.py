@@ -1,7 +1,8 @@
 """The fault suite: bad input, damaged files and killed or racing processes, as a new user and a hostile one would
 try them (docs/faults.md lists the cases). Every case ends in one line, never a traceback; nothing finished is
 lost; a damaged file is set aside and recomputed; nothing that was refused leaves a folder or a temp file behind.
-The property-based test at the end feeds random damage to the files of a finished results folder."""
+The property-based test at the end feeds random damage to the files of a finished results folder. The slower
+cases carry the `faults` marker: `make test-faults` runs them (CI does, after `make test`)."""
 
 from __future__ import annotations
 
@@ -189,6 +190,7 @@ DAMAGE = (
 )
 
 
+@pytest.mark.faults  # slow: run by `make test-faults` (CI)
 @pytest.mark.parametrize("how", DAMAGE)
 def test_a_record_with_wrong_contents_is_set_aside_listed_and_recomputed(folder, capsys, how):
     path = record(folder)
@@ -252,6 +254,7 @@ MODEL_DAMAGE = (
 )
 
 
+@pytest.mark.faults  # slow: run by `make test-faults` (CI)
 @pytest.mark.parametrize("how", MODEL_DAMAGE)
 def test_an_adapter_file_with_wrong_contents_is_set_aside_and_recomputed(folder, capsys, how):
     path = _damage_model(folder, how)
@@ -269,6 +272,7 @@ def test_an_adapter_file_with_wrong_contents_is_set_aside_and_recomputed(folder,
     assert rec["train_info"]["status"] == "ok"
 
 
+@pytest.mark.faults  # slow: run by `make test-faults` (CI)
 @pytest.mark.parametrize("how", ["empty dict", "deep-narrow weights cut", "no source MSEs"])
 def test_a_backbone_file_with_wrong_contents_is_set_aside_and_retrained(folder, capsys, how):
     backbone = sorted(Store(folder).backbone_dir.glob("*.pt"))[0]
@@ -314,6 +318,7 @@ def test_temporaries_of_killed_writers_are_removed_and_a_live_writers_kept(folde
         sleeper.wait()
 
 
+@pytest.mark.faults  # slow: run by `make test-faults` (CI)
 def test_a_killed_run_leaves_no_temp_file_after_the_next_run(tmp_path):
     out = tmp_path / "r"
     cmd = [sys.executable, "-m", "qlbench.cli", "run", *SMOKE, "--methods", "lora,queryable", "--out", str(out)]
@@ -360,6 +365,7 @@ def _set_aside(path: str, barrier, out) -> None:
         out.put(f"error {type(err).__name__}")
 
 
+@pytest.mark.faults  # slow: run by `make test-faults` (CI)
 def test_processes_setting_aside_one_damaged_file_at_once_never_fail_or_duplicate(tmp_path):
     ctx = multiprocessing.get_context("fork")
     for trial in range(20):
@@ -398,6 +404,7 @@ def test_a_cell_another_process_trains_is_left_to_it(folder, capsys):
         assert again == {path}
 
 
+@pytest.mark.faults  # slow: run by `make test-faults` (CI)
 def test_sigterm_stops_with_a_message_like_sigint(tmp_path):
     out = tmp_path / "r"
     cmd = [sys.executable, "-m", "qlbench.cli", "run", *SMOKE, "--budget", "quick", "--out", str(out)]
