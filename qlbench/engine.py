@@ -9,6 +9,7 @@ exactly the gradient it would get alone (a stacked run equals E separate runs; t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -483,6 +484,14 @@ def pretrain_needed(
     return any(p is None or not p.exists() for p in paths)
 
 
+@functools.cache
+def _member_shapes(arch: str) -> dict[str, tuple[int, ...]]:
+    """One member's weight names and shapes, from a shapes-only build on the meta device (they do not depend on
+    the init), computed once per arch."""
+    meta = build_backbone(arch, [("shape", 0)], device="meta").state_dict()
+    return {k: tuple(v.shape[1:]) for k, v in meta.items()}
+
+
 def _read_backbone(path: Path, arch: str) -> dict:
     """A cached member, checked by content: DamagedFile (one line) unless it holds a state with exactly the
     backbone's weight names and per-member shapes (from a shapes-only build on the meta device) and its two source
@@ -490,8 +499,7 @@ def _read_backbone(path: Path, arch: str) -> dict:
     saved = load_torch(path)
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise DamagedFile(f"{path} is damaged (not a backbone file: no state)")
-    meta = build_backbone(arch, [("shape", 0)], device="meta").state_dict()  # shapes do not depend on init
-    want = {k: tuple(v.shape[1:]) for k, v in meta.items()}
+    want = _member_shapes(arch)
     got = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in saved["state"].items()}
     if wrong := sorted(set(want) ^ set(got)) or [k for k in want if got[k] != want[k]]:
         raise DamagedFile(f"{path} is damaged ({wrong[0]}: not the {arch} backbone's weights)")

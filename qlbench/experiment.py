@@ -425,13 +425,18 @@ def record_paths(p: Plan) -> list[Path]:
     return [p.record_path(f, m) for m in p.methods for f in p.functions]
 
 
+def remove_stale_temps(folder: Path, log) -> None:
+    """Remove the temp files that killed writers left in a results folder (`store.clean_temps`), and say how many."""
+    if stale := clean_temps(folder):
+        log(f"removed {len(stale)} temporary file(s) left by killed writers in {folder}")
+
+
 @contextlib.contextmanager
 def claimed(p: Plan, log) -> Iterator[dict[str, list[str]]]:
     """The plan's unfinished cells (`pending`) that this process may train: temporaries of killed writers in the
     results folder are removed first, and each cell is locked (`store.claim`) while the block runs; a cell another
     process is training is left to it and said so."""
-    if stale := clean_temps(p.out_dir) if p.out_dir.is_dir() else []:
-        log(f"removed {len(stale)} temporary file(s) left by killed writers in {p.out_dir}")
+    remove_stale_temps(p.out_dir, log)
     todo = pending(p, log)
     with claim([p.record_path(f, m) for m, fs in todo.items() for f in fs]) as held:
         mine = {m: [f for f in fs if p.record_path(f, m) in held] for m, fs in todo.items()}

@@ -41,7 +41,7 @@ from qlbench.backbones import ARCHS, check_init
 from qlbench.progress import bar as progress_bar
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext
-from qlbench.store import DamagedFile, Store, check_writable, claim, clean_temps, set_aside, stable_hash, write_json
+from qlbench.store import DamagedFile, Store, check_writable, claim, set_aside, stable_hash, write_json
 
 SCHEDULES = ("joint", "sequential", "held-out")
 VARIANTS = {  # row -> (registered method, its fixed settings)
@@ -321,8 +321,7 @@ def pending(p: SuitePlan, log) -> list[str]:
 def run(p: SuitePlan, *, progress: bool = True, log=print) -> list[Path]:
     """Run every unfinished row of the plan; returns every row's record path. As `experiment.run`: temporaries of
     killed writers are removed, and each row is locked while it trains (a row another process trains is left)."""
-    if stale := clean_temps(p.out_dir) if p.out_dir.is_dir() else []:
-        log(f"removed {len(stale)} temporary file(s) left by killed writers in {p.out_dir}")
+    experiment.remove_stale_temps(p.out_dir, log)
     rows = pending(p, log)
     with claim([p.record_path(r) for r in rows]) as held:
         todo = [r for r in rows if p.record_path(r) in held]

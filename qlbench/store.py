@@ -65,7 +65,7 @@ def _alive(pid: int) -> bool:
 def clean_temps(root: Path) -> list[Path]:
     """Remove the temporary files that writers killed mid-write (kill -9, a crash) left under `root`, and return
     them: those named by a process of this machine that no longer runs. A live writer's temp file and another
-    machine's (a shared folder) are left alone."""
+    machine's (a shared folder) are left alone; a folder that does not exist yet has none."""
     host = _WRITER.rsplit("-", 1)[0]
     removed = []
     for tmp in Path(root).rglob(".*.tmp"):
