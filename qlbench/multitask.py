@@ -8,7 +8,9 @@ A suite run adapts one method on a stack of seeds (member e = seed e) to every t
     sequential  T stages: stage t trains on task t only. Everything trainable (adapters, routers, gates, keys,
                 atoms) carries over from stage t - 1; the backbone stays frozen. qlbench interpretation: each stage
                 starts a fresh optimiser (AdamW's moments reset, the same learning rate), as a practitioner
-                fine-tuning the adapted model on the next task would; the paper does not say.
+                fine-tuning the adapted model on the next task would; the paper does not say. Parameters owned
+                by one task (lora-per-task's factors, task-lora's cores) are decayed only in stages that train
+                that task (adapters.base.isolate_tasks), so an untrained task's own parameters stay bit for bit.
     held-out    one stage, joint over the first T - 1 tasks; the last task is never trained on and is evaluated
                 zero-shot (an instruction method with its own sentence; lora-per-task and task-lora with that task's
                 untouched factors or core, i.e. the frozen backbone and the shared LoRA).
@@ -37,6 +39,7 @@ import torch
 
 from qlbench import adapters, cost, engine, experiment, instructions, results, suites, zoo
 from qlbench.adapters import instruct, queryable
+from qlbench.adapters.base import isolate_tasks
 from qlbench.backbones import ARCHS, check_init
 from qlbench.progress import bar as progress_bar
 from qlbench.seeding import generator
@@ -111,8 +114,12 @@ class SuitePlan:
         return [(suites.base_name(self.suite.name), s) for s in self.seeds]
 
     def cell_config(self, row: str) -> dict:
+        """The row's fully resolved config. A task-owned row on a schedule with stages that leave tasks out carries
+        "task_decay": "own-stages" (isolate_tasks): records written before it decayed every task in every stage and
+        must not be reused; every other row's hash is as before."""
         method, _ = method_of(row)
-        return {
+        isolated = adapters.get(method).kind == "task" and self.schedule != "joint"
+        return ({"task_decay": "own-stages"} if isolated else {}) | {
             "suite": self.suite.name,
             "suite_card": dataclasses.asdict(self.suite),
             "schedule": self.schedule,
@@ -378,6 +385,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
         if method.trains:
             data = task_data(p.suite, seeds, tasks, dtype=dtype, device=p.device)
             optimizer = method.optimizer(model, config, p.budget.adapt.lr, p.budget.adapt.weight_decay, p.eps)
+            optimizer = isolate_tasks(optimizer, model, tasks)  # a task's own parameters move only in its stages
             order = [generator("order", "suite", p.suite.name, p.schedule, k, s) for s in seeds]
             phase, every = p.budget.adapt, p.budget.eval_every
             curves.append(engine.fit(model, optimizer, data, phase, every, order, progress=progress))

@@ -184,3 +184,54 @@ def test_task_methods_count_their_parameters():
     layers = TINY_DEEP_NARROW.depth
     assert adapters.trainable_parameter_count(build("lora-per-task", "deep-narrow", tasks=T)) == T * lora
     assert adapters.trainable_parameter_count(build("task-lora", "deep-narrow", tasks=T)) == lora + layers * T * 64
+
+
+def slices(model: torch.nn.Module, task: int) -> list[torch.Tensor]:
+    """Copies of one task's own blocks of every task-owned parameter (the oracle reads the layers' layout: block
+    t of r along lora-per-task's A rows and B columns, core t of task-lora's cores)."""
+    out = []
+    for module in model.modules():
+        if hasattr(module, "lora_per_task_A"):
+            r = module.r
+            out += [module.lora_per_task_A[:, task * r : (task + 1) * r].clone()]
+            out += [module.lora_per_task_B[:, :, task * r : (task + 1) * r].clone()]
+        if hasattr(module, "task_lora_C"):
+            out += [module.task_lora_C[:, task].clone()]
+    return out
+
+
+def train_one_task(model: torch.nn.Module, task: int, isolate: bool) -> None:
+    """Ten AdamW steps (lr 1e-2, weight decay 0.01, as a stage's fresh optimiser) on samples of one task only."""
+    opt = adapters.get("lora").optimizer(model, None, lr=1e-2, weight_decay=0.01)
+    if isolate:
+        opt = adapters.base.isolate_tasks(opt, model, [task])
+    x, _ = inputs()
+    tasks = torch.full(x.shape[:2], task)
+    for _ in range(10):
+        model(x, task=tasks).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("method", ["lora-per-task", "task-lora"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_stage_moves_only_its_own_tasks_parameters(method, arch):
+    """With a real learning rate and AdamW's weight decay, training task 1 leaves tasks 0 and 2's own parameters
+    bit for bit and moves task 1's. The planted bug (AdamW's decay on every task's block, the code before
+    isolate_tasks) changes the untrained blocks, so this check can fail."""
+    for isolate in (True, False):
+        model = build(method, arch, tasks=T)
+        perturb(model, method)  # B away from zero so that decay and gradients reach every block
+        before = {t: slices(model, t) for t in range(T)}
+        train_one_task(model, 1, isolate)
+        after = {t: slices(model, t) for t in range(T)}
+        untouched = all(torch.equal(a, b) for t in (0, 2) for a, b in zip(before[t], after[t]))
+        assert untouched == isolate
+        assert not any(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+
+
+def test_a_stage_of_every_task_keeps_the_plain_optimiser():
+    """A stage that trains every task (joint) decays every block as AdamW does: isolate_tasks changes nothing."""
+    model = build("lora-per-task", "deep-narrow", tasks=T)
+    opt = adapters.get("lora").optimizer(model, None, lr=1e-2, weight_decay=0.01)
+    assert adapters.base.isolate_tasks(opt, model, list(range(T))) is opt and len(opt.param_groups) == 1

@@ -97,6 +97,54 @@ def adamw(params, lr: float, weight_decay: float, eps: float = EPS) -> torch.opt
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, fused=fused, foreach=not fused)
 
 
+def task_owned(model: nn.Module) -> list[tuple[nn.Parameter, int, int]]:
+    """The parameters whose slices each belong to one task of a suite, as (parameter, task axis, T): a layer
+    declares them in `task_axes` (attribute name -> the axis along which its T tasks' equal blocks lie) and holds
+    its task count in `tasks` (lora-per-task's A and B, task-lora's cores)."""
+    return [
+        (getattr(m, name), dim, m.tasks)
+        for m in model.modules()
+        for name, dim in getattr(m, "task_axes", {}).items()
+        if getattr(m, name).requires_grad
+    ]
+
+
+def isolate_tasks(optimizer: torch.optim.Optimizer, model: nn.Module, trained: list[int]) -> torch.optim.Optimizer:
+    """Restrict decoupled weight decay on task-owned parameters (`task_owned`) to the tasks a stage trains.
+
+    AdamW decays every parameter at every step, trained or not (p *= 1 - lr wd), so a task's own factors shrank in
+    stages that never see the task: lora-per-task "forgot" earlier tasks. Here those parameters move to a group of
+    their own without decay, and a step pre-hook applies AdamW's decay, p *= 1 - lr wd, to the trained tasks'
+    blocks only. An untrained task's block then gets no gradient, so a fresh optimiser's moments stay 0 and its
+    update is exactly 0: the block stays bit for bit. Call before the first step (the optimiser holds no state).
+    A stage that trains every task keeps the plain optimiser (the same decay everywhere, numbers unchanged)."""
+    owned = task_owned(model)
+    if not owned or all(set(range(T)) <= set(trained) for _, _, T in owned):
+        return optimizer
+    ids = {id(p) for p, _, _ in owned}
+    (group,) = [g for g in optimizer.param_groups if any(id(p) in ids for p in g["params"])]
+    wd = group["weight_decay"]
+    group["params"] = [p for p in group["params"] if id(p) not in ids]
+    optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": [p for p, _, _ in owned]})
+    optimizer.param_groups[-1]["weight_decay"] = 0.0
+    masks = []
+    for p, dim, T in owned:  # 1 on the trained tasks' blocks along `dim`, 0 elsewhere, broadcastable to p
+        width = p.shape[dim] // T
+        on = torch.zeros(p.shape[dim], dtype=torch.bool, device=p.device)
+        for t in trained:
+            on[t * width : (t + 1) * width] = True
+        masks.append(on.view([-1 if d == dim else 1 for d in range(p.dim())]))
+
+    def decay(opt, args, kwargs) -> None:
+        factor = 1.0 - group["lr"] * wd  # AdamW's decoupled decay, read at each step as AdamW reads its lr
+        with torch.no_grad():
+            for (p, _, _), on in zip(owned, masks):
+                p.mul_(torch.where(on, torch.tensor(factor, dtype=p.dtype, device=p.device), 1.0))
+
+    optimizer.register_step_pre_hook(decay)
+    return optimizer
+
+
 # What a method is, as every table, test and benchmark groups it (display order: this order).
 KINDS = {
     "full": "full fine-tuning (every backbone weight trains)",

@@ -49,6 +49,8 @@ def task_mask(task: torch.Tensor, tasks: int, r: int, like: torch.Tensor) -> tor
 class LoraPerTaskLinear(nn.Module):
     """A frozen StackedLinear plus T rank-r updates, one per task."""
 
+    task_axes = {"lora_per_task_A": 1, "lora_per_task_B": 2}  # task t owns block t of r along these axes
+
     def __init__(self, base: StackedLinear, site: Site, config: TaskConfig, generators: list[torch.Generator]):
         super().__init__()
         T, r = config.tasks, config.r

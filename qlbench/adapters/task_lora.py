@@ -25,9 +25,11 @@ NAME = "task-lora"
 class TaskLoraLinear(nn.Module):
     """A frozen StackedLinear plus s B C_t A x with a per-task core C_t (E, T, r, r)."""
 
+    task_axes = {"task_lora_C": 1}  # task t owns core t (adapters.base.isolate_tasks)
+
     def __init__(self, base: StackedLinear, site: Site, config: TaskConfig, generators: list[torch.Generator]):
         super().__init__()
-        self.base, self.scale = base, config.scale
+        self.base, self.scale, self.tasks = base, config.scale, config.tasks
         self.task_lora_A, self.task_lora_B = lora_factors(base, config.r, generators)
         eye = torch.eye(config.r, device=base.weight.device, dtype=base.weight.dtype)
         self.task_lora_C = nn.Parameter(eye.expand(base.members, config.tasks, -1, -1).clone())  # (E, T, r, r)
