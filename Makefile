@@ -66,8 +66,8 @@ bench: setup
 
 # deep-narrow: every method of the paper plus the routing-vs-sharing baselines; the Transformer: every adapter (its
 # full-soap stack of 18 members takes about a minute per step on one core of the 2-core CPU: hours; docs/speed.md)
-SNAPSHOT_DN_METHODS ?= full-soap,lora,dora,hyra,replora,doran,vb-lora,moe-lora,lily,queryable,instruct-queryable,frozen,mean
-SNAPSHOT_TF_METHODS ?= lora,dora,hyra,replora,doran,queryable,instruct-queryable,frozen,mean
+SNAPSHOT_DN_METHODS ?= full-soap,lora,lora-matched,dora,hyra,replora,doran,vb-lora,moe-lora,lily,queryable,instruct-queryable,frozen,mean
+SNAPSHOT_TF_METHODS ?= lora,lora-matched,dora,hyra,replora,doran,queryable,instruct-queryable,frozen,mean
 results-snapshot: setup
 	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(SNAPSHOT_DN_METHODS) --out results
 	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --methods $(SNAPSHOT_TF_METHODS) --out results

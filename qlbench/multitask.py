@@ -56,6 +56,7 @@ VARIANTS = {  # row -> (registered method, its fixed settings)
 }
 DEFAULT_ROWS = (
     "lora",
+    "lora-matched",
     "lora-per-task",
     "task-lora",
     "queryable",

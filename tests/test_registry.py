@@ -14,7 +14,7 @@ def test_kinds_as_the_paper_groups_the_methods():
     # Written out here on purpose: a method registered under the wrong kind would silently move between a
     # table's groups (a routed adapter ranked as a static baseline, a reference row ranked at all).
     assert adapters.of_kind("full") == ("full-soap", "full-adamw")
-    assert adapters.of_kind("static") == ("lora", "dora", "hyra", "replora", "doran", "vb-lora")
+    assert adapters.of_kind("static") == ("lora", "lora-matched", "dora", "hyra", "replora", "doran", "vb-lora")
     assert adapters.of_kind("task") == ("lora-per-task", "task-lora")
     assert adapters.of_kind("routed") == ("moe-lora", "lily", "queryable", "instruct-queryable")
     assert adapters.of_kind("reference") == ("frozen", "mean")
