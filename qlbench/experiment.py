@@ -92,6 +92,11 @@ class Plan:
             **kwargs,
         )
 
+    @property
+    def chosen(self) -> dict:
+        """The settings beyond the config that every record states, defaults included (results.settings)."""
+        return {"eps": self.eps, "backbone_init": self.backbone_init, "noise": self.noise}
+
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused.
 
@@ -491,6 +496,7 @@ def write_failed(p: Plan, method: str, functions: list[str], message: str, wall_
             status="failed",
             message=message,
             wall_time_s=wall_time_s,
+            chosen=p.chosen,
         )
         write_json(rec, p.record_path(f, method))
 
@@ -580,6 +586,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
             grad_epochs=c.grad_epochs,
             per_seed=per_seed,
             cost=costs,
+            chosen=p.chosen,
         )
         if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
             save_torch(

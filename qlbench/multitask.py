@@ -444,7 +444,9 @@ def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> No
     """Adapt one row and commit its record (a failure is recorded as a failed row)."""
     t0 = time.perf_counter()
     config = p.cell_config(row)
-    common = dict(config=config, seeds=p.seeds, device=p.device)
+    # suites: eager steps, labels standardised per task with their own noise (suites.py), no --noise option
+    chosen = {"eps": p.eps, "backbone_init": p.backbone_init, "noise": "suite-standardised"}
+    common = dict(config=config, seeds=p.seeds, device=p.device, chosen=chosen)
     try:
         res = adapt(p, row, pre, progress)
     except Exception as err:  # record the failure and go on with the other rows

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from qlbench import instructions, store
+from qlbench import instructions, results, store
 from qlbench.adapters.base import check_positive_int
 
 # Each task: its instruction, the sentence slot it asks about, and that slot's words with their yes/no answers.
@@ -343,7 +343,9 @@ def run(
             log(f"{m} seed {seed}")
             per_seed.append(train_one(m, config, seed, tokenizer, e, progress, adapter_dir(out, config, m, seed)))
             record = {"method": m, "config": asdict(config) | {"seeds": sorted({s["seed"] for s in per_seed})},
-                      "config_hash": config.hash(), "per_seed": sorted(per_seed, key=lambda s: s["seed"])}  # fmt: skip
+                      "config_hash": config.hash(), "per_seed": sorted(per_seed, key=lambda s: s["seed"]),
+                      "git": results.git_info(),  # where the code came from, and every setting beyond the config
+                      "settings": results.settings(device="cpu", compile=False, dtype="float32")}  # fmt: skip
             store.write_json(record, path)
         paths.append(path)
     return paths

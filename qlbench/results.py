@@ -3,7 +3,8 @@ any set of records into the tidy DataFrame every table, figure and notebook read
 
 Record layout (schema 1), in the spirit of huggingface peft's method_comparison:
     run_info:   created_at, qlbench_version, git {commit, dirty}, config (fully resolved), config_hash, budget,
-                device, compile, dtype, seeds
+                device, compile, dtype, seeds, settings (every setting that can change a number, defaults
+                included: eps, backbone_init, noise, device, compile, dtype, threads, library versions; not hashed)
     train_info: status (ok | diverged | failed), message, wall_time_s, stacked_members, trainable_params,
                 total_params, eval_epochs, grad_epochs, per_seed [{seed, status, diverged_epoch, best_train_mse,
                 best_train_epoch, best_test_mse (test-selected, as the paper), best_test_epoch,
@@ -25,6 +26,7 @@ latency_s_per_sample {"1": {adapted, frozen}, "256": {adapted, frozen}}; missing
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
 import math
 import os
 import platform
@@ -54,6 +56,34 @@ def git_info() -> dict:
         return {"commit": commit, "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
+
+
+VERSIONED = ("qlbench", "torch", "numpy", "scipy", "pandas", "peft", "transformers")  # libraries that make numbers
+
+
+def library_versions() -> dict:
+    """Python's and each VERSIONED library's installed version (None where it is not installed)."""
+    out = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def settings(*, device, compile: bool, dtype: str, **chosen) -> dict:
+    """Every setting that can change a record's numbers, at default values too: the caller's `chosen` ones (the
+    optimiser's eps, the backbone init, the label noise ...), the device, compile, dtype, intra-op threads (a
+    reduction's order) and the library versions. Not hashed: the config hash keeps its keys, so every record
+    written before this field existed keeps a valid hash (run_info.settings is optional in schema.py)."""
+    return chosen | {
+        "device": str(device),
+        "compile": bool(compile),
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "versions": library_versions(),
+    }
 
 
 def meta_info(device: torch.device) -> dict:
@@ -86,7 +116,10 @@ def make_record(
     grad_epochs: list[int] | None = None,
     per_seed: list[dict] | None = None,
     cost: dict | None = None,
+    chosen: dict | None = None,
 ) -> dict:
+    """A record of one cell or suite row. `chosen`: the run's settings beyond its config and device (eps, backbone
+    init, noise), recorded with the rest in run_info.settings (`settings`)."""
     per_seed = [{k: (finite(v) if isinstance(v, float) else v) for k, v in s.items()} for s in per_seed or []]
     for s in per_seed:
         for k in ("train_curve", "test_curve", "grad_shared_norm"):
@@ -107,6 +140,7 @@ def make_record(
             "compile": compile,
             "dtype": config["dtype"],
             "seeds": seeds,
+            "settings": settings(device=device, compile=compile, dtype=config["dtype"], **(chosen or {})),
         },
         "train_info": {
             "status": status,

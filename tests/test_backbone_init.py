@@ -11,7 +11,7 @@ import torch
 from scipy import integrate
 from scipy.stats import norm
 
-from qlbench import diagnostics, engine, experiment
+from qlbench import diagnostics, engine, experiment, multitask
 from qlbench.backbones import GELU_GAIN, build_backbone
 from qlbench.store import Store
 
@@ -133,3 +133,28 @@ def test_transformer_features_feed_the_signal_profile():
     assert sorted(profile["layer"]) == list(range(9)) and (profile["spread"] > 0).all()
     with pytest.raises(ValueError, match="deep-narrow only"):
         diagnostics.signal_profile("transformer", "levy", ["orthogonal"], "smoke", seeds=1, pretrained=False)
+
+
+def test_a_record_states_every_setting_at_default_values_too(tmp_path):
+    """run_info.settings holds every setting that can change a number even where it is the default (eps, backbone
+    init, noise, device, compile, dtype, threads, library versions), while the config and its hash keep their keys
+    (the literal hashes above); a suite row's record states them too."""
+    plan = experiment.plan(
+        functions=["matyas"], arch="deep-narrow", methods=["lora"], seeds=2, budget="smoke", device="cpu",
+        out_dir=tmp_path, threads=1,
+    )  # fmt: skip
+    (path,) = experiment.run(plan, progress=False, log=lambda m: None)
+    run = experiment.results.read_record(path)["run_info"]
+    assert "eps" not in run["config"] and "backbone_init" not in run["config"]  # hashed only when not default
+    s = run["settings"]
+    assert (s["eps"], s["backbone_init"], s["noise"]) == (1e-8, "default", "relative")
+    assert (s["device"], s["compile"], s["dtype"], s["threads"]) == ("cpu", False, "float32", 1)
+    assert s["versions"]["torch"] == torch.__version__  # the installed distribution, local tag included
+    assert {"python", "qlbench", "numpy", "scipy", "pandas"} <= set(s["versions"])
+    suite = multitask.plan(
+        suite="zoo-4", schedule="joint", arch="deep-narrow", methods=["mean"], budget="smoke", seeds=2,
+        out_dir=tmp_path, threads=1,
+    )  # fmt: skip
+    (row,) = multitask.run(suite, progress=False, log=lambda m: None)
+    s = experiment.results.read_record(row)["run_info"]["settings"]
+    assert (s["eps"], s["backbone_init"], s["device"], s["dtype"]) == (1e-8, "default", "cpu", "float32")
