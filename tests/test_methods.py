@@ -473,6 +473,14 @@ def test_every_routed_adapter_has_a_lora_row_of_its_size(name, arch):
         assert name == "instruct-queryable"  # a new oversized routed adapter needs a matched row of its own
 
 
+@pytest.mark.parametrize("arch", FULL)
+def test_lora_matched_differs_from_lora_in_its_rank_only(arch):
+    """Its layers are LoRA's with LoRA's scale s = alpha / r = 2, at a rank above 8."""
+    model, _, _ = build("lora-matched", copy.deepcopy(full_backbone(arch)), (0,))
+    layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+    assert layers and all(m.scale == 2.0 and m.lora_A.shape[1] == (15 if arch == "deep-narrow" else 9) for m in layers)
+
+
 def documented_counts() -> dict[str, tuple[int, int]]:
     """docs/methods.md's trainable counts, method -> (deep-narrow, Transformer), from its parameter table."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "methods.md").read_text()

@@ -6,8 +6,8 @@ win of a bigger model over a smaller one.
 
 P_matched is the matched method's trainable count at its defaults (and this config's targets) on the very
 backbone being adapted, counted on a shapes-only copy (nothing drawn, nothing allocated). qlbench interpretation:
-alpha stays LoRA's 16, so s = 16 / r as for a peft user who raises r with lora_alpha fixed (and as the Pareto
-sweep's LoRA points). On the deep-narrow (32 layers of 32 x 32) this gives r = 15, 30,720 parameters against
+the scale s = alpha / r stays LoRA's 2 (alpha = 2 r, as the Pareto sweep's LoRA points), so the row differs from
+`lora` in its rank only. On the deep-narrow (32 layers of 32 x 32) this gives r = 15, 30,720 parameters against
 instruct-queryable's 30,048; on the Transformer (q, k, v, o of 8 layers, d = 256) r = 9, 147,456 against 144,736.
 """
 
@@ -29,11 +29,12 @@ MATCHED = "instruct-queryable"
 
 @dataclass
 class MatchedLoraConfig:
-    alpha: float = 16.0  # LoRA's scaling numerator: s = alpha / r
+    alpha: float | None = None  # LoRA's scaling numerator, s = alpha / r; None: 2 r (LoRA's s = 16 / 8 = 2)
     targets: tuple[str, ...] | None = None  # backbone target roles (also the matched method's); None = default
 
     def __post_init__(self):
-        check_positive(self, "alpha")
+        if self.alpha is not None:
+            check_positive(self, "alpha")
         check_targets(self)
 
 
@@ -77,7 +78,8 @@ class MatchedLora(AdapterMethod):
 
     def lora_config(self, backbone: nn.Module, config: MatchedLoraConfig, y_train=None) -> lora.LoraConfig:
         """The plain LoRA config this row trains on `backbone`."""
-        return lora.LoraConfig(r=self.rank(backbone, config, y_train), alpha=config.alpha, targets=config.targets)
+        r = self.rank(backbone, config, y_train)
+        return lora.LoraConfig(r=r, alpha=2.0 * r if config.alpha is None else config.alpha, targets=config.targets)
 
     def build(self, backbone, config, generators, y_train):
         return lora.METHOD.build(backbone, self.lora_config(backbone, config, y_train), generators, y_train)
