@@ -25,6 +25,8 @@ Needs the `hf` extra (peft, transformers); imported only by `qlbench real`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import shutil
 import time
 import warnings
@@ -49,7 +51,7 @@ CITIES = {"Paris": 1, "Rome": 1, "Berlin": 1, "Madrid": 1, "Oslo": 1, "Vienna": 
 TASKS = ("mammal", "warm", "europe")
 INSTRUCTIONS = ("Is the animal a mammal?", "Is the colour a warm colour?", "Is the city in Europe?")
 SLOTS = (ANIMALS, COLOURS, CITIES)
-METHODS = ("head-only", "lora", "queryable", "instruct-queryable")
+METHODS = ("head-only", "lora", "lora-matched", "queryable", "instruct-queryable")
 QUERYABLE = ("queryable", "instruct-queryable")  # the rows whose trained adapters are saved (for qlbench verify)
 TARGETS = ["query", "value"]
 
@@ -156,13 +158,14 @@ def build(method: str, config: RealConfig, seed: int) -> Regressor:
 
     from qlbench.hf import InstructQueryableLoraConfig, QueryableLoraConfig
 
+    r = matched_rank(config) if method == "lora-matched" else config.r
     torch.manual_seed(seed)
     transformers_quiet()
     encoder = AutoModel.from_pretrained(model_path())
     encoder.requires_grad_(False)
     sizes = dict(r=config.r, n_atoms=config.n_atoms, top_k=config.top_k, n_blocks=config.n_blocks)
-    if method == "lora":
-        lora = peft.LoraConfig(r=config.r, lora_alpha=2 * config.r, target_modules=TARGETS)
+    if method in ("lora", "lora-matched"):
+        lora = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS)
         encoder = peft.get_peft_model(encoder, lora)
     elif method == "queryable":
         encoder = peft.get_peft_model(encoder, QueryableLoraConfig(target_modules=TARGETS, **sizes))
@@ -171,6 +174,15 @@ def build(method: str, config: RealConfig, seed: int) -> Regressor:
     elif method != "head-only":
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     return Regressor(encoder, encoder.config.hidden_size)
+
+
+@functools.cache
+def matched_rank(config: RealConfig) -> int:
+    """The LoRA rank whose encoder count is nearest instruct-queryable's (ties: the larger): the size control."""
+    target = trainable(build("instruct-queryable", config, 0).encoder)
+    unit = trainable(build("lora", dataclasses.replace(config, r=1), 0).encoder)
+    low = max(1, target // unit)
+    return min((low, low + 1), key=lambda r: (abs(r * unit - target), -r))
 
 
 def trainable(model: nn.Module) -> int:

@@ -53,7 +53,7 @@ def test_only_the_instruction_tells_the_tasks_apart():
 
 def test_bad_input_is_one_line_and_exit_2(capsys):
     for argv, words in [
-        (["real", "--methods", "moe"], "valid: head-only, lora, queryable, instruct-queryable"),
+        (["real", "--methods", "moe"], "valid: head-only, lora, lora-matched, queryable, instruct-queryable"),
         (["real", "--threads", "999"], "threads must be an integer from 1 to"),
         (["real", "--seeds", "0"], "--seeds must be an integer >= 1"),
         (["real", "--epochs", "0"], "epochs must be an integer >= 1"),
@@ -101,3 +101,15 @@ def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeyp
     assert "On a real model" in captured.out and "queryable.json: unreadable real-model record" in captured.err
     assert len(captured.err.strip().splitlines()) == 1, captured.err  # the real records are not cell records
     assert (tmp_path / "report" / "real" / folder.name / "real.png").is_file()
+
+
+def test_lora_matched_is_lora_of_instruct_queryables_size():
+    """On the real model the size control is peft's LoRA at the rank whose encoder count is nearest
+    instruct-queryable's (r = 9: 82,944 against 87,356; LoRA r = 8: 73,728, 0.84 times), with LoRA's alpha = 2 r."""
+    config = real.RealConfig()
+    methods = ("lora", "lora-matched", "instruct-queryable")
+    sizes = {m: real.trainable(real.build(m, config, 0).encoder) for m in methods}
+    assert real.matched_rank(config) == 9
+    assert abs(sizes["lora-matched"] / sizes["instruct-queryable"] - 1) <= 0.10
+    assert abs(sizes["lora"] / sizes["instruct-queryable"] - 1) > 0.10
+    assert sizes["lora-matched"] == 9 * sizes["lora"] // 8  # LoRA's count is linear in r
