@@ -19,6 +19,10 @@ Conventions (docs/methods.md, "Interpretations in the statistics", says the same
   The primary p is the t-test's when defined, else Wilcoxon's. Outcome: "win" / "loss" when p < ALPHA, there
   are at least MIN_PAIRS pairs, and the method is lower / higher (sign of mean(d) for the t-test, of the
   signed-rank sums for Wilcoxon); otherwise "tie".
+- **Multiplicity.** A table asks many questions at once (every function x method against the baseline: about 40 at
+  3 seeds), so `compare` decides on Holm-adjusted p over that family (`holm`, per (arch, budget) and metric), not on
+  each raw p: a win or loss (the tables' † and win/tie/loss) needs p_holm < ALPHA. The raw p stays beside it.
+  `paired_test` alone decides one comparison on its raw p; a caller that runs a family of them adjusts it.
 - **Minimum seeds.** An exact two-sided Wilcoxon (or sign) test on n pairs cannot go below 2 / 2**n: 0.25 for n = 3,
   0.0625 for n = 5, 0.03125 for n = 6. With 5 seeds only the t-test can reach p < 0.05, so a comparison that
   involves a diverged seed is always a tie below 6 seeds. Fewer than MIN_PAIRS = 3 pairs is always a tie.
@@ -236,9 +240,28 @@ def paired_test(a, b, alpha: float = ALPHA) -> dict:
     return out
 
 
+def holm(pvalues) -> np.ndarray:
+    """Holm (1979) step-down adjusted p-values of one family, in the input's order: with the m non-NaN p sorted
+    ascending, p_(i) becomes max over j <= i of min(1, (m - j + 1) p_(j)). Rejecting where the adjusted p < alpha
+    keeps the chance of any false claim in the family at most alpha, whatever the tests' dependence, and never
+    rejects less than Bonferroni. NaN (no test) stays NaN and is not counted in m."""
+    p = np.asarray(pvalues, float)
+    out = np.full(p.shape, math.nan)
+    tested = ~np.isnan(p)
+    order = np.argsort(p[tested], kind="stable")  # ascending; ties keep input order and get the same value
+    m = len(order)
+    steps = (m - np.arange(m)) * p[tested][order]  # (m - j + 1) p_(j), j = 1..m
+    adjusted = np.empty(m)
+    adjusted[order] = np.minimum(1.0, np.maximum.accumulate(steps))  # monotone in p, capped at 1
+    out[tested] = adjusted
+    return out
+
+
 def compare(frame: pd.DataFrame, metric: str, baseline: str = "lora") -> pd.DataFrame:
     """Every method against `baseline` (a method name or "best-static") in every (arch, budget, function): one row
-    with CELL, method, baseline and the fields of `paired_test`. Empty when the baseline is absent."""
+    with CELL, method, baseline, the fields of `paired_test` and p_holm, its p Holm-adjusted over the family of one
+    table (every (function, method) of the same (arch, budget)). `outcome` is decided on p_holm: a raw win or loss
+    whose p_holm is not below ALPHA is a tie. Empty when the baseline is absent."""
     p = pairs(frame, metric_column(metric), baseline)
     rows = [
         {**dict(zip(CELL + ["method", "baseline"], key)), **paired_test(g["a"], g["b"])}
@@ -258,13 +281,16 @@ def compare(frame: pd.DataFrame, metric: str, baseline: str = "lora") -> pd.Data
         "p",
         "outcome",
     ]
-    return pd.DataFrame(rows, columns=cols)
+    out = pd.DataFrame(rows, columns=cols)
+    out.insert(cols.index("p") + 1, "p_holm", out.groupby(["arch", "budget"])["p"].transform(holm))
+    out["outcome"] = out["outcome"].where(out["p_holm"] < ALPHA, "tie")  # p_holm >= p: only fewer claims
+    return out
 
 
 def win_tie_loss(comparison: pd.DataFrame) -> pd.DataFrame:
-    """Across functions, per (arch, budget, method): wins, ties, losses from `compare` and the two-sided sign test
-    on wins vs losses (ties dropped; NaN when there is no win or loss). With f decided functions its p cannot go
-    below 2 / 2**f."""
+    """Across functions, per (arch, budget, method): wins, ties, losses from `compare` (its outcome, decided on the
+    Holm-adjusted p) and the two-sided sign test on wins vs losses (ties dropped; NaN when there is no win or loss).
+    With f decided functions its p cannot go below 2 / 2**f."""
     rows = []
     for (arch, budget, method), g in comparison.groupby(["arch", "budget", "method"], sort=False):
         wins, ties, losses = (int((g["outcome"] == o).sum()) for o in ("win", "tie", "loss"))

@@ -164,11 +164,13 @@ def cell(values: pd.Series, status: pd.Series) -> str:
 def summary(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (slice, method) in the tables' method order: n seeds, trainable parameters, every metric as
     "mean ± std" text (columns METRICS, and one column per task with its final MSE), and the paired test of the
-    average against LoRA over the common seeds (vs-lora: the mean difference and p; outcome win | tie | loss)."""
+    average against LoRA over the common seeds (p raw, p_holm Holm-adjusted over the slice's table; vs-lora: the
+    mean difference, p and Holm p as text; outcome win | tie | loss, decided on p_holm)."""
     out = []
     for key, g in frame.groupby(SLICE, sort=True):
         tasks = g["tasks"].iloc[0]
         base = g[g["method"] == BASELINE]
+        tested = []  # (row, paired test) of every row of this slice's table compared with LoRA: one Holm family
         for method in stats.method_order(g["method"].unique()):
             m = g[g["method"] == method]
             row = dict(zip(SLICE, key)) | {
@@ -188,11 +190,21 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
                 row[name] = cell(finals, m["status"])
             if method != BASELINE and len(base) and stats.is_adapter(method):
                 paired = m.merge(base, on="seed", suffixes=("", "_b"))
-                t = stats.paired_test(paired["average"], paired["average_b"])
-                row["vs-lora"] = f"{text.num(t['mean_diff'], 2)} (p {text.num(t['p'], 2)})" if t["n"] >= 2 else "-"
-                row["outcome"] = t["outcome"]
+                tested.append((row, stats.paired_test(paired["average"], paired["average_b"])))
             out.append(row)
+        _vs_lora(tested)
     return pd.DataFrame(out)
+
+
+def _vs_lora(tested: list[tuple[dict, dict]]) -> None:
+    """Fill p, p_holm, vs-lora and outcome of one table's rows (in place) from their paired tests against LoRA. A
+    table compares every row with LoRA at once, so its rows are one family: p_holm is Holm-adjusted over it
+    (`stats.holm`), and a win or loss needs p_holm < ALPHA, not only the raw p."""
+    adjusted = stats.holm([t["p"] for _, t in tested])  # NaN (no test) stays out of the family
+    for (row, t), p_holm in zip(tested, adjusted):
+        shown = f"{text.num(t['mean_diff'], 2)} (p {text.num(t['p'], 2)}, Holm {text.num(p_holm, 2)})"
+        row |= {"p": t["p"], "p_holm": p_holm, "vs-lora": shown if t["n"] >= 2 else "-"}
+        row["outcome"] = t["outcome"] if p_holm < stats.ALPHA else "tie"  # p_holm >= p: only fewer claims
 
 
 def mean_over_seeds(frame: pd.DataFrame, column: str, of=lambda a: a) -> np.ndarray | None:
@@ -211,7 +223,9 @@ COLUMN_NOTES = {
     "fwt": "GEM forward transfer on -MSE (> 0: earlier stages helped)",
     "usage-kl": "final symmetric KL between the tasks' atom usage, mean over task pairs (nats)",
     "route-drift": "total variation of each task's usage from one stage to the next, mean",
-    "vs-lora": "mean difference of the average against LoRA, paired over seeds, and its p",
+    "vs-lora": "mean difference of the average against LoRA, paired over seeds, its raw p and its p Holm-adjusted "
+    "over the table's {family} comparisons with LoRA",
+    "outcome": "win / loss when the Holm-adjusted p < 0.05 (with at least 3 pairs), else tie",
 }
 
 
@@ -221,7 +235,7 @@ def table_text(summary) -> str:
     rows = summary.to_dict("records")
     present = lambda key: any(isinstance(r.get(key), str) and r[key] not in ("-", "") for r in rows)
     tasks = [c for c in summary.columns if c not in (*SLICE, "method", "n", "trainable_params")]
-    tasks = [c for c in tasks if c not in (*METRICS, "vs-lora", "outcome")]
+    tasks = [c for c in tasks if c not in (*METRICS, "vs-lora", "outcome", "p", "p_holm")]
     columns = [
         Column("method", "method"),
         Column("trainable", "trainable_params", lambda v: "-" if v is None or v != v else f"{int(v):,}"),
@@ -230,5 +244,8 @@ def table_text(summary) -> str:
         *(Column(m, m, lambda v: "-" if not isinstance(v, str) else v) for m in METRICS[1:] if present(m)),
         *(Column(c, c, lambda v: "-" if not isinstance(v, str) else v) for c in ("vs-lora", "outcome") if present(c)),
     ]
-    notes = [f"{c.heading}: {COLUMN_NOTES[c.heading]}" for c in columns if c.heading in COLUMN_NOTES]
+    family = sum(isinstance(r.get("p"), float) and not math.isnan(r["p"]) for r in rows)  # the rows tested vs LoRA
+    notes = [
+        f"{c.heading}: {COLUMN_NOTES[c.heading].format(family=family)}" for c in columns if c.heading in COLUMN_NOTES
+    ]
     return text.table(rows, columns) + ("\n\n" + "; ".join(notes) if notes else "")

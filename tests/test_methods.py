@@ -483,7 +483,7 @@ def test_lora_matched_differs_from_lora_in_its_rank_only(arch):
 
 def documented_counts() -> dict[str, tuple[int, int]]:
     """docs/methods.md's trainable counts, method -> (deep-narrow, Transformer), from its parameter table."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "methods.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs/methods.md").read_text()
     rows = re.findall(r"^\| `([a-z-]+)` \|.*\| ([\d,]+) / ([\d,]+) \|$", text, re.M)
     return {m: (int(a.replace(",", "")), int(b.replace(",", ""))) for m, a, b in rows}
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from qlbench import stats
+from qlbench import stats, suite_stats
 
 
 class Div(float):
@@ -203,6 +203,76 @@ def test_win_tie_loss_and_sign_test():
     assert (wtl["wins"], wtl["ties"], wtl["losses"], wtl["functions"]) == (5, 1, 1, 7)
     assert wtl["sign_p"] == pytest.approx(0.21875)
     assert wtl["sign_p"] == pytest.approx(sps.binomtest(5, 6, 0.5).pvalue)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multiplicity: Holm over one table's family
+
+
+def test_holm_hand_computed_with_nan_left_out():
+    """p = (0.01, 0.04, 0.03, 0.005), m = 4. Ascending: 0.005, 0.01, 0.03, 0.04 times m - j + 1 = 4, 3, 2, 1 gives
+    0.02, 0.03, 0.06, 0.04; the running max makes the last 0.06. Back in input order: 0.03, 0.06, 0.06, 0.02.
+    A NaN (no test) stays NaN and is not counted: (0.01, NaN, 0.02) is the m = 2 family (0.01, 0.02) ->
+    (2 x 0.01, max(0.02, 1 x 0.02)) = (0.02, 0.02). Large p cap at 1: (0.9, 0.8) -> 2 x 0.8 = 1.6 -> 1, 1."""
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    adjusted = stats.holm([0.01, math.nan, 0.02])
+    assert math.isnan(adjusted[1]) and adjusted[[0, 2]] == pytest.approx([0.02, 0.02])
+    assert stats.holm([0.9, 0.8]).tolist() == [1.0, 1.0]
+    assert stats.holm([0.04]).tolist() == [0.04] and len(stats.holm([])) == 0  # a family of one is not adjusted
+
+
+def test_a_raw_win_is_a_tie_once_its_family_is_adjusted():
+    """Planted bug check: a compare that decided on the raw p would call `target` a win in both frames.
+    target: d = (-0.5, -0.4, -0.7), mean -8/15, variance 7/300, t^2 = 3 mean^2 / variance = 256/7 on 2 degrees of
+    freedom, p = 1 - sqrt(t^2 / (t^2 + 2)) = 1 - sqrt(128/135) = 0.0263 < 0.05. Alone it is a family of one and a win;
+    beside a null comparison (larger p) in the same (arch, budget) it is the smaller of m = 2 p: Holm 2 x 0.0263 =
+    0.0527, a tie. The same null comparison in another arch is another table's family and changes nothing."""
+    lora = [1.0, 2.0, 3.0]
+    target = {"lora": lora, "queryable": [0.5, 1.6, 2.3]}
+    null = {"lora": lora, "queryable": [1.1, 1.9, 3.05]}  # d = (0.1, -0.1, 0.05)
+    raw = 1 - math.sqrt(128 / 135)
+    alone = stats.compare(make_frame({"target": target}), "best-train").iloc[0]
+    assert alone["p"] == pytest.approx(raw) and alone["p_holm"] == pytest.approx(raw) and alone["outcome"] == "win"
+    family = stats.compare(make_frame({"target": target, "null": null}), "best-train").set_index("function")
+    assert family.loc["target", "p"] == pytest.approx(raw) and raw < 0.05  # the raw p is kept beside the adjusted
+    assert family.loc["null", "p"] > raw and family.loc["target", "p_holm"] == pytest.approx(2 * raw)
+    assert family.loc["target", "outcome"] == "tie"
+    assert stats.win_tie_loss(family.reset_index()).iloc[0][["wins", "ties", "losses"]].tolist() == [0, 2, 0]
+    apart = pd.concat([make_frame({"target": target}), make_frame({"null": null}, arch="transformer")])
+    c = stats.compare(apart, "best-train").set_index("function")
+    assert c.loc["target", "p_holm"] == pytest.approx(raw) and c.loc["target", "outcome"] == "win"
+
+
+def test_suite_table_decides_on_holm_over_its_rows():
+    """One suite slice, LoRA's average (1, 2, 3) on 3 seeds. dora and hyra are constant shifts below it (t p = 0),
+    task-code is 0.5, 0.4, 0.7 above it (raw p = 1 - sqrt(128/135) = 0.0263, as above), replora is noise (p large).
+    Family of 4, ascending p: 0, 0, 0.0263, large; task-code's Holm p = max(0, 2 x 0.0263) = 0.0527: a tie, where
+    its raw p alone would call it a loss. A second slice with only task-code is a family of one: a loss."""
+    slice_ = dict(arch="deep-narrow", suite="zoo-4", schedule="joint", budget="quick", backbone_init="default")
+    averages = {
+        "lora": [1.0, 2.0, 3.0],
+        "dora": [0.5, 1.5, 2.5],
+        "hyra": [0.75, 1.75, 2.75],
+        "task-code": [1.5, 2.4, 3.7],
+        "replora": [1.1, 1.9, 3.05],
+    }
+    rows = [
+        slice_
+        | dict(method=method, seed=seed, status="ok", trainable_params=10, tasks=("a",), R=None, average=a)
+        | {m: math.nan for m in suite_stats.METRICS if m != "average"}
+        for method, values in averages.items()
+        for seed, a in enumerate(values)
+    ]
+    other = [r | {"suite": "shifts-ackley"} for r in rows if r["method"] in ("lora", "task-code")]
+    table = suite_stats.summary(pd.DataFrame(rows + other)).set_index(["suite", "method"])
+    raw = 1 - math.sqrt(128 / 135)
+    code = table.loc[("zoo-4", "task-code")]
+    assert code["p"] == pytest.approx(raw) and code["p_holm"] == pytest.approx(2 * raw)
+    assert code["outcome"] == "tie" and "Holm 0.053" in code["vs-lora"]
+    assert table.loc[("zoo-4", "dora"), "outcome"] == "win" and table.loc[("zoo-4", "replora"), "outcome"] == "tie"
+    assert table.loc[("shifts-ackley", "task-code"), "outcome"] == "loss"
+    zoo = table.loc["zoo-4"].reset_index().assign(suite="zoo-4")
+    assert "over the table's 4 comparisons with LoRA" in suite_stats.table_text(zoo)
 
 
 def test_log_ratios_by_hand():

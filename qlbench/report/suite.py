@@ -26,7 +26,8 @@ from qlbench.report.write import _save_figure, _slug
 TABLE_NOTE = (
     "Test MSE on standardised labels (1 = predicting each task's mean over the box), mean ± std over seeds; "
     "average: over the tasks trained on; vs-lora: the average's mean difference against LoRA, paired over seeds "
-    "(t-test p; win = significantly lower). Column definitions: docs/methods.md#multi-task-suites."
+    "(raw p, and p Holm-adjusted over every row the table compares with LoRA; win = significantly lower on the "
+    "Holm p). Column definitions: docs/methods.md#multi-task-suites."
 )
 
 

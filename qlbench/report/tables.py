@@ -96,15 +96,15 @@ MARKS = {
 
 def table_data(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
     """Long form of the paper tables, one row per (arch, budget, function, method): metric, the `stats.summarize`
-    columns, best_overall / best_adapter (lowest inf-aware mean among non-reference methods / adapters), p_vs_lora,
-    vs_lora (win | tie | loss) and sig_vs_lora (the table's † mark). This is what the CSV holds."""
+    columns, best_overall / best_adapter (lowest inf-aware mean among non-reference methods / adapters), p_vs_lora
+    (raw), p_holm_vs_lora (Holm-adjusted over the table's comparisons, `stats.compare`), vs_lora (win | tie | loss,
+    decided on p_holm_vs_lora) and sig_vs_lora (the table's † mark). This is what the CSV holds."""
     data = stats.summarize(frame, stats.metric_column(metric))
     data["best_overall"] = stats.best_mask(data, lambda m: m not in stats.REFERENCE)
     data["best_adapter"] = stats.best_mask(data, stats.is_adapter)
-    vs = stats.compare(frame, metric, "lora")[stats.CELL + ["method", "p", "outcome"]]
-    data = data.merge(
-        vs.rename(columns={"p": "p_vs_lora", "outcome": "vs_lora"}), on=stats.CELL + ["method"], how="left"
-    )
+    vs = stats.compare(frame, metric, "lora")[stats.CELL + ["method", "p", "p_holm", "outcome"]]
+    vs = vs.rename(columns={"p": "p_vs_lora", "p_holm": "p_holm_vs_lora", "outcome": "vs_lora"})
+    data = data.merge(vs, on=stats.CELL + ["method"], how="left")
     data["sig_vs_lora"] = data["vs_lora"].isin(["win", "loss"]) & ~data["method"].isin(stats.REFERENCE)
     return data.assign(metric=metric)[["metric", *data.columns]]
 
@@ -150,11 +150,14 @@ def grid(data: pd.DataFrame, fmt: str) -> tuple[pd.DataFrame, pd.DataFrame, pd.D
 
 
 def legend(data: pd.DataFrame, fmt: str) -> str:
-    """What the marks mean, the seed count, inf = diverged."""
+    """What the marks mean, how many comparisons the † family holds (its Holm correction), the seed count, inf =
+    diverged."""
     k = MARKS[fmt]
+    family = int(data["p_vs_lora"].notna().sum())  # every (function, method) compared with LoRA in this table
     return (
         f"{k['bold']} = lowest mean overall; {k['italic']} = lowest mean among adapters (full fine-tuning excluded); "
-        f"{k['dagger']} = differs from LoRA, paired by seed, p {k['lt']} 0.05 (paired t-test; Wilcoxon signed-rank "
+        f"{k['dagger']} = differs from LoRA, paired by seed, Holm-adjusted p {k['lt']} 0.05 over the table's "
+        f"{family} comparisons with LoRA (raw p in the paired-statistics table; paired t-test, Wilcoxon signed-rank "
         f"when a seed diverged; at least 3 pairs); inf (k/n div.; m ok: mean {k['pm']} std) = k of n seeds diverged, "
         "counted as MSE = inf in every mark and test, the m survivors' mean shown; frozen and mean are reference "
         f"columns, never marked; mean {k['pm']} sample std over n = {_seeds(data)} seeds unless marked (n=k); "
@@ -184,8 +187,10 @@ def paper_markdown(data: pd.DataFrame) -> str:
 
 STATS_LEGEND = (
     "Paired by seed within the function; diff = method - baseline (negative = lower MSE). t p and the "
-    "CI are n/a when a seed diverged (inf); Wilcoxon ranks a diverged seed above every finite one. result:"
-    " win/loss when p < 0.05 (t-test, else Wilcoxon) with at least 3 pairs, else tie. An exact two-sided "
+    "CI are n/a when a seed diverged (inf); Wilcoxon ranks a diverged seed above every finite one. Wilcoxon p and "
+    "t p are raw; Holm p is the primary p (t-test, else Wilcoxon) Holm-adjusted over this table's family (every "
+    "function x method against the baseline), since a table makes that many claims at once. result: win/loss "
+    "when Holm p < 0.05 with at least 3 pairs, else tie. An exact two-sided "
     "Wilcoxon cannot go below 0.25 with 3 pairs and 0.0625 with 5. Sign test: wins vs losses across "
     "functions, ties dropped."
 )
@@ -211,7 +216,8 @@ def _diff_text(r) -> str:
 
 def comparison_table(comparison: pd.DataFrame) -> pd.DataFrame:
     """`stats.compare` as text, one row per (function, method): baseline, n pairs, diverged seeds (method/baseline),
-    mean diff [95% CI] (method - baseline; negative = lower MSE), Wilcoxon p, t p, result."""
+    mean diff [95% CI] (method - baseline; negative = lower MSE), Wilcoxon p, t p (both raw), Holm p (the primary p
+    adjusted over the table's family) and result (decided on Holm p)."""
     c = comparison.sort_values(["function", "method"], key=_method_key)
     return pd.DataFrame(
         {
@@ -223,6 +229,7 @@ def comparison_table(comparison: pd.DataFrame) -> pd.DataFrame:
             "mean diff [95% CI]": [_diff_text(r) for r in c.itertuples()],
             "Wilcoxon p": c["wilcoxon_p"].map(text.p_value),
             "t p": c["t_p"].map(text.p_value),
+            "Holm p": c["p_holm"].map(text.p_value),
             "result": c["outcome"],
         }
     )
