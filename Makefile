@@ -10,9 +10,12 @@
 #                          deep-narrow, quick)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
-#   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 3 seeds; records in
+#   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 5 seeds; records in
 #                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
 #                          sequential, shifts-ackley held-out, every default row and the same-instruction control
+#   Every snapshot target first runs check-clean: it refuses a tree with uncommitted changes to tracked files
+#   (untracked files do not count), so that every record it writes names one commit and its report says so.
+#   ALLOW_DIRTY=1 (make results-snapshot ALLOW_DIRTY=1) skips the check; the report then warns on every table.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -20,7 +23,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-dev run test test-slow test-faults lint format figures bench results-snapshot pareto-snapshot real-snapshot diag-snapshot \
-	suites-snapshot clean
+	suites-snapshot check-clean clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,11 +67,18 @@ figures: setup-dev
 bench: setup
 	$(BIN)/qlbench bench
 
+# the snapshot targets' guard, checked once before any of their commands (suites-snapshot writes its records into the
+# tracked $(SUITES)): staged or unstaged changes to tracked files fail it, untracked files do not (as results.git_info)
+ALLOW_DIRTY ?=
+check-clean:
+	@if [ "$(ALLOW_DIRTY)" != 1 ] && ! { git diff --quiet HEAD -- && git diff --cached --quiet; }; then \
+	  echo "snapshot targets need a clean tree: commit or stash first (records must name one commit)" >&2; exit 1; fi
+
 # deep-narrow: every method of the paper plus the routing-vs-sharing baselines; the Transformer: every adapter (its
 # full-soap stack of 18 members takes about a minute per step on one core of the 2-core CPU: hours; docs/speed.md)
 SNAPSHOT_DN_METHODS ?= full-soap,lora,lora-matched,dora,hyra,replora,doran,vb-lora,moe-lora,lily,queryable,instruct-queryable,frozen,mean
 SNAPSHOT_TF_METHODS ?= lora,lora-matched,dora,hyra,replora,doran,queryable,instruct-queryable,frozen,mean
-results-snapshot: setup
+results-snapshot: check-clean setup
 	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(SNAPSHOT_DN_METHODS) --out results
 	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --methods $(SNAPSHOT_TF_METHODS) --out results
 	$(BIN)/qlbench report results --budget quick --out docs/results
@@ -77,7 +87,7 @@ results-snapshot: setup
 PARETO_GRID ?= r=4,8 M=4,8 k=1,2,4
 # and one suite (zoo-4, joint): instruct-queryable over r x k at M = 8, and LoRA over r (each point a suite row)
 PARETO_SUITE_GRID ?= r=4,8 M=8 k=1,2
-pareto-snapshot: setup
+pareto-snapshot: check-clean setup
 	$(BIN)/qlbench pareto --function ackley --backbone-init kaiming --methods queryable,lora,moe-lora \
 	  --grid "$(PARETO_GRID)" --budget quick --threads 1 --out pareto-results --no-progress
 	$(BIN)/qlbench pareto --suite zoo-4 --schedule joint --backbone-init kaiming --methods instruct-queryable,lora \
@@ -87,7 +97,7 @@ pareto-snapshot: setup
 	cp pareto-results/pareto/zoo-4-joint-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/zoo-4-joint/
 
 # the real-model snapshot: the bundled all-MiniLM-L6-v2 through peft, 3 seeds (qlbench real; needs setup-dev's hf extra)
-real-snapshot: setup-dev
+real-snapshot: check-clean setup-dev
 	$(BIN)/qlbench real --seeds 3 --threads 1 --out real-results --no-progress
 	rm -rf docs/results/real && mkdir -p docs/results/real
 	cp $$($(BIN)/python -c "from qlbench import real; \
@@ -95,7 +105,7 @@ real-snapshot: setup-dev
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley
-diag-snapshot: setup
+diag-snapshot: check-clean setup
 	for init in default kaiming; do \
 	  $(BIN)/qlbench sweep --functions $(DIAG_FUNCTIONS) --arch deep-narrow --budget quick --threads 1 \
 	    --backbone-init $$init --noise absolute --out $(DIAG) --no-progress || exit 1; done
@@ -113,11 +123,11 @@ diag-snapshot: setup
 	  cp $(DIAG)/diagnose-$$init/$$m-route-map.png figures/route-map-dropwave-$$m-$$init.png; done; done
 
 SUITES ?= docs/results/suite-records
-SUITE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --out $(SUITES) \
-	--no-progress
+SUITE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --seeds 5 \
+	--out $(SUITES) --no-progress
 # the routing-vs-sharing baselines on zoo-4 (joint and sequential), beside the default rows
 SUITE_BASELINES ?= vb-lora,moe-lora,lily
-suites-snapshot: setup
+suites-snapshot: check-clean setup
 	for s in zoo-4 shifts-ackley; do for sched in joint sequential; do \
 	  $(SUITE_RUN) --suite $$s --schedule $$sched || exit 1; \
 	  $(SUITE_RUN) --suite $$s-same-instruction --schedule $$sched --methods instruct-queryable || exit 1; done; done

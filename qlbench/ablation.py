@@ -94,16 +94,39 @@ def evaluation_time(record: Path, repeats: int = 3) -> tuple[float, float]:
     return best, best / data.x_test.shape[0] / data.x_test.shape[1]
 
 
+def legend(table: pd.DataFrame) -> str:
+    """What the paired columns of an ablation table (`table` or `suite_table`) say, with the size of its Holm family:
+    the variants whose paired test against the card has a p."""
+    family = int(pd.to_numeric(table.get("Holm p", pd.Series(dtype=object)), errors="coerce").notna().sum())
+    return (
+        f"diff vs {REFERENCE}: the variant minus {REFERENCE}, paired by seed; p raw (paired t-test, Wilcoxon "
+        f"signed-rank when a seed diverged); Holm p: p Holm-adjusted over the table's {family} comparisons with "
+        f"{REFERENCE} (every variant against it), since the table makes that many claims at once: a difference is "
+        "significant when Holm p < 0.05 (with at least 3 pairs)."
+    )
+
+
+def _fill_holm(rows: list[dict], tests: dict[str, dict], fmt) -> None:
+    """Set "Holm p" (in place) of each tested variant's row: its p Holm-adjusted over the family of every paired
+    test of one table (`stats.holm`; a NaN p stays out of the family), formatted by `fmt`."""
+    adjusted = dict(zip(tests, stats.holm([t["p"] for t in tests.values()])))
+    for row in rows:
+        if row["variant"] in adjusted:
+            row["Holm p"] = fmt(adjusted[row["variant"]])
+
+
 def table(records: dict[str, Path]) -> pd.DataFrame:
     """One row per variant: the three metrics (mean ± std over seeds, diverged seeds as inf), evaluation time and
-    latency per sample, and the paired difference to the card's instruction on test MSE at the best-train epoch."""
+    latency per sample, and the paired difference to the card's instruction on test MSE at the best-train epoch
+    with its raw p and its p Holm-adjusted over the table's comparisons (every variant against the card; `legend`
+    says how many)."""
     frame = results.load(list(records.values()))
     variant_of = {str(path): name for name, path in records.items()}
     frame["variant"] = frame["record"].map(variant_of)
     column = stats.metric_column("test-at-best-train")
     by_seed = lambda g, col: stats.scores(g, col).set_axis(g["seed"]).sort_index()  # (seeds,), paired by seed
     reference = by_seed(frame[frame["variant"] == REFERENCE], column)
-    rows = []
+    rows, tests = [], {}
     for name, path in records.items():
         g = frame[frame["variant"] == name]
         if (g["status"] == "failed").all():  # a failed cell: a row that says so, never a missing one
@@ -117,16 +140,16 @@ def table(records: dict[str, Path]) -> pd.DataFrame:
         seconds, latency = evaluation_time(path)
         row["eval s"] = f"{seconds:.3f}"
         row["µs / sample"] = f"{1e6 * latency:.2f}"
-        if name == REFERENCE:
-            row[f"diff vs {REFERENCE} [95% CI], p"] = "-"
-        else:
+        row[f"diff vs {REFERENCE} [95% CI], p"] = row["Holm p"] = "-"
+        if name != REFERENCE:
             mine = by_seed(g, column)
-            test = stats.paired_test(mine.to_numpy(), reference.to_numpy())
+            test = tests[name] = stats.paired_test(mine.to_numpy(), reference.to_numpy())
             row[f"diff vs {REFERENCE} [95% CI], p"] = (
                 f"{text.num(test['mean_diff'], 3)} [{text.num(test['ci_low'], 2)}, {text.num(test['ci_high'], 2)}], "
                 f"p = {test['p']:.2g}"
             )
         rows.append(row)
+    _fill_holm(rows, tests, lambda p: f"{p:.2g}")  # one family: every variant against the card in this table
     return pd.DataFrame(rows)
 
 
@@ -153,10 +176,11 @@ def suite_plans(*, suite: str, schedule: str = "joint", **kwargs) -> dict[str, m
 
 def suite_table(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per variant of a suite ablation (`suite_stats.load` of its records): the suite metrics (mean ± std
-    over seeds) and the paired difference of the average to the card's sentences."""
+    over seeds) and the paired difference of the average to the card's sentences, with its raw p and its p
+    Holm-adjusted over the table's comparisons (every variant against the card; `legend` says how many)."""
     frame = frame.assign(variant=[SUITE_VARIANT.get(m, m) for m in frame["method"]])  # the control: SAME
     reference = frame[frame["variant"] == REFERENCE].set_index("seed")["average"]
-    rows = []
+    rows, tests = [], {}
     for name in (REFERENCE, SAME, *(r for r in SUITE_ROWS if r not in SUITE_VARIANT)):
         g = frame[frame["variant"] == name]
         if g.empty:
@@ -167,12 +191,14 @@ def suite_table(frame: pd.DataFrame) -> pd.DataFrame:
             continue
         for metric in ("average", "paraphrased", "shuffled", "held-out", "usage-kl"):
             row[metric] = suite_stats.cell(g[metric], g["status"])
-        row[f"diff vs {REFERENCE}, p"] = "-"
+        row[f"diff vs {REFERENCE}, p"] = row["Holm p"] = "-"
         if name != REFERENCE:
             mine = g.set_index("seed")["average"]
             common = mine.index.intersection(reference.index)
-            test = stats.paired_test(mine[common].to_numpy(), reference[common].to_numpy())
+            test = tests[name] = stats.paired_test(mine[common].to_numpy(), reference[common].to_numpy())
             row[f"diff vs {REFERENCE}, p"] = f"{text.num(test['mean_diff'], 3)}, p = {text.num(test['p'], 2)}"
         rows.append(row)
+    _fill_holm(rows, tests, lambda p: text.num(p, 2))  # one family: every variant against the card in this table
     table = pd.DataFrame(rows)
-    return table.loc[:, [c for c in table.columns if c.startswith("diff") or not (table[c] == "-").all()]]
+    kept = [c for c in table.columns if c.startswith("diff") or c == "Holm p" or not (table[c] == "-").all()]
+    return table.loc[:, kept]

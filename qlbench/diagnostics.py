@@ -80,8 +80,11 @@ def concentration_per_seed(grads: pd.DataFrame) -> pd.DataFrame:
 def compare_concentration(per_seed: pd.DataFrame, baseline: str = "lora", column: str = "concentration"):
     """Per (arch, budget, backbone_init, function, method): mean ± std of `column` over seeds and the paired test
     against `baseline` on the same seeds (stats.paired_test; "win" = a lower index, i.e. less concentrated).
-    A seed missing on either side drops out of the pair. Columns: the cell keys, method, n, mean, std,
-    baseline_mean, mean_diff, ci_low, ci_high, t_p, wilcoxon_p, p, outcome."""
+    A seed missing on either side drops out of the pair. One (arch, budget, backbone_init) is one table, whose
+    comparisons (every function x method against the baseline) are one family, as in `stats.compare`: p_holm is p
+    Holm-adjusted over it (`stats.holm`), and `outcome` is decided on p_holm (a raw win or loss whose p_holm is not
+    below stats.ALPHA is a tie). Columns: the cell keys, method, n, mean, std, baseline_mean, mean_diff, ci_low,
+    ci_high, t_p, wilcoxon_p, p, p_holm, outcome (NaN from mean_diff on for the baseline's own rows)."""
     keys = ["arch", "budget", "backbone_init", "function"]
     rows = []
     for key, cell in per_seed.groupby(keys, sort=True):
@@ -97,8 +100,12 @@ def compare_concentration(per_seed: pd.DataFrame, baseline: str = "lora", column
                 row |= {k: test[k] for k in ("mean_diff", "ci_low", "ci_high", "t_p", "wilcoxon_p", "p", "outcome")}
             rows.append(row)
     columns = [*keys, "method", "n", "mean", "std", "baseline_mean"]
-    columns += ["mean_diff", "ci_low", "ci_high", "t_p", "wilcoxon_p", "p", "outcome"]
-    return pd.DataFrame(rows, columns=columns)
+    columns += ["mean_diff", "ci_low", "ci_high", "t_p", "wilcoxon_p", "p", "p_holm", "outcome"]
+    out = pd.DataFrame(rows, columns=columns)
+    out["p_holm"] = out.groupby(keys[:3])["p"].transform(stats.holm)  # one table: NaN (no test) stays out
+    claims = out["outcome"].isin(["win", "loss"]) & ~(out["p_holm"] < stats.ALPHA)  # p_holm >= p: fewer claims
+    out["outcome"] = out["outcome"].mask(claims, "tie")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -114,13 +114,14 @@ def load(paths: list[Path]) -> pd.DataFrame:
     """One row per record of a sweep (function cells or suite rows): method, r, M, k (NaN where the method has no
     such axis), trainable parameters, latency per sample at batch 256 (seconds; NaN without a cost), n seeds, and
     the test metric's mean and sample std over the finished seeds (cells: test MSE at the best-train epoch; suites:
-    the average task MSE after the last stage), n_diverged."""
+    the average task MSE after the last stage), n_diverged, record and its commit and dirty flag."""
     rows = []
     for path in paths:
         rec = results.read_record(path)
         cfg, info = rec["run_info"]["config"], rec["train_info"]
         row = {"method": cfg["method"], **_axis_values(cfg["method"], cfg["method_config"])}
         row |= {"trainable_params": info.get("trainable_params"), "record": str(path)}
+        row |= results.git_fields(rec["run_info"].get("git"))
         row |= {"latency_b256_s": results.cost_fields(info)["latency_b256_s"]}
         if "suite" in cfg:
             frame = suite_stats.load([path])

@@ -33,6 +33,7 @@ import platform
 import re
 import subprocess
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,54 @@ def git_info() -> dict:
         return {"commit": commit, "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
+
+
+GIT_COLUMNS = ("commit", "dirty")  # the loaders' columns of a record's git info (`git_fields`)
+
+
+def git_fields(git: dict | None) -> dict:
+    """A record's git info (a record's run_info.git, a real-model record's git) as the GIT_COLUMNS: commit (the full
+    hash) and dirty; None where the record has none (written before git was recorded, or outside a checkout)."""
+    git = git if isinstance(git, dict) else {}
+    return {"commit": git.get("commit"), "dirty": git.get("dirty")}
+
+
+def provenance(frame: pd.DataFrame) -> str:
+    """The provenance of one table, from the records it is computed from: "Provenance: every record from commit
+    <12 hex digits> (clean tree)." when they are one snapshot; otherwise the commits with their record counts (most
+    records first; a record without git info counts as "unknown commit"), the records written from a dirty tree (or
+    of no known tree state), and a second paragraph, a warning that the table is not one snapshot.
+
+    `frame`: any loader's frame with the GIT_COLUMNS (a missing column reads as unknown); its rows of one record
+    (column `record`, or `path` in `suite_stats.load`) count once, so per-seed rows do not weigh a record by its
+    seeds. Markdown; the paragraphs are separated by a blank line."""
+    if frame is None or frame.empty:
+        return "Provenance: no records."
+    key = next((c for c in ("record", "path") if c in frame), None)
+    recs = frame.drop_duplicates(subset=key) if key else frame
+    column = lambda c: recs[c].tolist() if c in recs else [None] * len(recs)
+    commits = [v[:12] if isinstance(v, str) and v else None for v in column("commit")]
+    dirty = [None if d is None or (isinstance(d, float) and math.isnan(d)) else bool(d) for d in column("dirty")]
+    unknown = "unknown commit"
+    counts = Counter(c or unknown for c in commits)
+    counts = sorted(counts.items(), key=lambda kv: (kv[0] == unknown, -kv[1], kv[0]))  # most records first
+    n_dirty = sum(d is True for d in dirty)
+    n_untold = sum(d is None and c is not None for c, d in zip(commits, dirty))  # a commit without a dirty flag
+    if len(counts) == 1 and counts[0][0] != unknown and n_dirty == n_untold == 0:
+        return f"Provenance: every record from commit {counts[0][0]} (clean tree)."
+    count = lambda n: f"{n} record{'s' if n != 1 else ''}"
+    if len(counts) == 1:
+        line = "every record from " + ("an unknown commit" if counts[0][0] == unknown else f"commit {counts[0][0]}")
+    else:
+        line = f"{len(counts)} commits ({', '.join(f'{c}: {count(n)}' for c, n in counts)})"
+    line += f"; {count(n_dirty)} from a dirty tree" if n_dirty else ""
+    line += f"; {count(n_untold)} of an unknown tree state" if n_untold else ""
+    why = [f"{len(counts)} commits" if len(counts) > 1 else "", "an unknown commit" if unknown in dict(counts) else ""]
+    why += ["a dirty tree" if n_dirty else "", "an unknown tree state" if n_untold else ""]
+    return (
+        f"Provenance: {line}.\n\n**Warning: not one snapshot** (records from {' and '.join(w for w in why if w)}): "
+        "this table's numbers may not all come from one version of the code; rerun its records from one clean commit."
+    )
 
 
 VERSIONED = ("qlbench", "torch", "numpy", "scipy", "pandas", "peft", "transformers")  # libraries that make numbers
@@ -270,7 +319,8 @@ def cost_fields(train_info: dict) -> dict:
 
 def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     """Tidy DataFrame, one row per (cell, seed): function, arch, method, budget, seed, cell_status, message,
-    trainable_params, wall time and stacked members, the cell's cost (COST_COLUMNS), and the per-seed metrics. A
+    trainable_params, wall time and stacked members, the cell's cost (COST_COLUMNS), record, config_hash, the
+    record's commit and dirty flag (GIT_COLUMNS, None without git info), and the per-seed metrics. A
     failed cell (no per-seed results) gives one row per seed with status "failed" and no metrics, so it shows in
     every table. Accepts a results folder, one record path, or a list of record paths."""
     rows = []
@@ -291,6 +341,7 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
                     **cost_fields(train),
                     "record": str(path),
                     "config_hash": run["config_hash"],
+                    **git_fields(run.get("git")),
                     **{k: s.get(k) for k in PER_SEED_COLUMNS},
                 }
             )

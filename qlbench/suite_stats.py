@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from qlbench import continual, stats, suites, text
-from qlbench.results import cost_fields, read_record
+from qlbench.results import cost_fields, git_fields, read_record
 from qlbench.store import DamagedFile, Store
 from qlbench.text import Column
 
@@ -87,8 +87,9 @@ def _seed_metrics(schedule: str, s: dict) -> dict:
 
 
 def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
-    """Every suite record of a results folder (or the given record paths) as one row per (record, seed); a damaged
-    record goes to on_damaged(message) (default: a warning) and is skipped."""
+    """Every suite record of a results folder (or the given record paths) as one row per (record, seed), with the
+    record's path, commit and dirty flag; a damaged record goes to on_damaged(message) (default: a warning) and is
+    skipped."""
     rows = []
     paths = Store(paths_or_root).suite_records() if isinstance(paths_or_root, str | Path) else paths_or_root
     for path in paths:
@@ -109,6 +110,7 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
             **cost_fields(info),
             "tasks": tuple(cfg["suite_card"]["tasks"][t]["name"] for t in range(len(cfg["suite_card"]["tasks"]))),
             "path": str(path),
+            **git_fields(rec["run_info"].get("git")),  # the record's commit and dirty flag (results.GIT_COLUMNS)
         }
         if info["status"] == "failed" or not info.get("per_seed"):
             rows += [key | {"seed": s, "status": "failed"} for s in cfg["seeds"]]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from qlbench import cli, diagnostics, experiment, zoo
+from qlbench import cli, diagnostics, experiment, report, zoo
 from qlbench.adapters import queryable
 from qlbench.theory import tracing
 
@@ -107,6 +107,44 @@ def test_concentration_comparison_matches_scipy():
     assert q["t_p"] == pytest.approx(sps.ttest_rel([2.0, 3.5, 3.0], [4.0, 5.0, 6.5]).pvalue)
     assert q["mean_diff"] == pytest.approx(17 / 6 - 31 / 6) and q["mean"] == pytest.approx(17 / 6)
     assert q["outcome"] == ("win" if q["t_p"] < 0.05 else "tie")
+    assert q["p_holm"] == pytest.approx(q["t_p"])  # a family of one comparison is not adjusted
+
+
+def concentration_rows(budget: str, values: dict[str, dict[str, list[float]]]) -> list[dict]:
+    """per-seed rows of one (arch, budget) table: {function: {method: [index per seed]}}."""
+    return [
+        {"arch": "a", "budget": budget, "backbone_init": "default", "function": f, "method": m, "seed": s}
+        | {"concentration": v}
+        for f, methods in values.items()
+        for m, seeds in methods.items()
+        for s, v in enumerate(seeds)
+    ]
+
+
+def test_concentration_outcome_is_decided_on_holm_over_the_table():
+    """queryable on f is lower than LoRA on every seed: differences -0.5, -0.4, -0.7, paired t p = 0.0263 (as in
+    test_suite_ablation_table_pairs_each_variant_with_the_card, sign flipped). Alone in its table (budget c) that is
+    a win. In budget b the table also compares queryable with LoRA on g (differences 0.1, -0.2, 0.15, p = 0.89):
+    a family of 2, Holm p = min(1, 2 x 0.0263) = 0.0525 >= 0.05, a tie, though the raw p is below 0.05. The other
+    table's comparison is not in b's family, and the legend states each table's count."""
+    lora, lower, null = [1.0, 2.0, 3.0], [0.5, 1.6, 2.3], [1.1, 1.8, 3.15]
+    rows = concentration_rows("b", {"f": {"lora": lora, "queryable": lower}, "g": {"lora": lora, "queryable": null}})
+    rows += concentration_rows("c", {"f": {"lora": lora, "queryable": lower}})
+    out = diagnostics.compare_concentration(pd.DataFrame(rows)).set_index(["budget", "function", "method"])
+    raw = sps.ttest_rel(lower, lora).pvalue
+    alone, family = out.loc[("c", "f", "queryable")], out.loc[("b", "f", "queryable")]
+    assert alone["p"] == pytest.approx(raw) and alone["p_holm"] == pytest.approx(raw) and alone["outcome"] == "win"
+    assert raw < 0.05 and family["p"] == pytest.approx(raw) and family["p_holm"] == pytest.approx(2 * raw)
+    assert family["outcome"] == "tie" and out.loc[("b", "g", "queryable"), "outcome"] == "tie"
+    assert math.isnan(out.loc[("b", "f", "lora"), "p_holm"]) and pd.isna(out.loc[("b", "f", "lora"), "outcome"])
+
+    table_b = out.loc["b"].reset_index().assign(budget="b")
+    shown = report.concentration_table(table_b).set_index(["function", "method"])
+    assert shown.loc[("f", "queryable"), ["t p", "Holm p", "result"]].tolist() == ["0.0263", "0.0525", "tie"]
+    assert "Holm-adjusted over the table's 2 comparisons with LoRA" in report.concentration_legend(table_b)
+    assert "Holm p < 0.05" in report.concentration_legend(table_b)
+    with pytest.raises(ValueError, match="one \\(arch, budget, init\\), got 2"):
+        report.concentration_legend(out.reset_index())
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -200,6 +202,34 @@ def test_ablate_prints_a_row_per_variant_and_stores_every_cell(capsys, tmp_path,
     assert "One task: e(c) is the same for every sample" in out  # what a single-task ablation cannot show
     frame = results.load(tmp_path)
     assert len(set(frame["config_hash"])) == len(variants) and set(frame["status"]) == {"ok"}
+
+
+def test_ablation_table_adjusts_p_over_every_variant_against_the_card(monkeypatch):
+    """Hand-made records, no training: `shuffled` is above the card on every seed (differences 0.5, 0.4, 0.7 on
+    test MSE at the best-train epoch), paired t p = 0.0263. Alone against the card its Holm p is that p; beside
+    `random` (differences 0.1, -0.2, 0.15, p = 0.89) the table's family is 2 and its Holm p 2 x 0.0263 = 0.053,
+    not significant though the raw p is below 0.05."""
+    card, higher, null = [1.0, 2.0, 3.0], [1.5, 2.4, 3.7], [1.1, 1.8, 3.15]
+
+    def load(paths):
+        return pd.DataFrame(
+            dict(record=str(path), arch="deep-narrow", budget="smoke", function="matyas", method=ablation.METHOD,
+                 seed=s, status="ok", trainable_params=30_048, best_train_mse=v, best_test_mse=v, test_at_best_train=v)
+            for path in paths
+            for s, v in enumerate({"card": card, "shuffled": higher, "random": null}[Path(path).stem])
+        )  # fmt: skip
+
+    monkeypatch.setattr(ablation.results, "load", load)
+    monkeypatch.setattr(ablation, "evaluation_time", lambda path: (0.1, 1e-6))
+    records = {name: Path(f"{name}.json") for name in ("card", "shuffled", "random")}
+    alone = ablation.table({k: records[k] for k in ("card", "shuffled")}).set_index("variant")
+    assert alone.loc["shuffled", "diff vs card [95% CI], p"].endswith("p = 0.026")
+    assert alone.loc["shuffled", "Holm p"] == "0.026" and alone.loc["card", "Holm p"] == "-"
+    table = ablation.table(records)
+    shown = table.set_index("variant")
+    assert shown.loc["shuffled", "diff vs card [95% CI], p"].endswith("p = 0.026")
+    assert shown.loc["shuffled", "Holm p"] == "0.053" and shown.loc["random", "Holm p"] == "0.89"
+    assert "Holm-adjusted over the table's 2 comparisons with card" in ablation.legend(table)
 
 
 def test_ablation_variants_are_named_for_what_they_remove():

@@ -209,6 +209,31 @@ def test_suite_ablation_table_pairs_each_variant_with_the_card():
     assert table.loc["task-code", "diff vs card, p"] == "0.533, p = 0.026"
     assert table.loc["same-instruction", "diff vs card, p"].startswith("0,")
     assert table.loc["card", "average"] == "2.00 ± 1.0"
+    # same-instruction's differences are all 0 (no p): the Holm family is task-code alone, not adjusted
+    assert table.loc["task-code", "Holm p"] == "0.026" and table.loc["same-instruction", "Holm p"] == "nan"
+    assert "Holm-adjusted over the table's 1 comparisons with card" in ablation.legend(table.reset_index())
+
+
+def test_suite_ablation_table_adjusts_p_over_every_variant():
+    """task-code's raw p 0.026 (differences 0.5, 0.4, 0.7) beside no-instruction's 0.89 (0.1, -0.2, 0.15): the
+    table's 2 comparisons with the card give task-code Holm p = 2 x 0.0263 = 0.053, not below 0.05."""
+    rows = []
+    for method, averages in (
+        ("instruct-queryable", [1.0, 2.0, 3.0]),
+        ("task-code", [1.5, 2.4, 3.7]),
+        ("no-instruction", [1.1, 1.8, 3.15]),
+    ):
+        for seed, a in enumerate(averages):
+            rows.append(
+                dict(suite="zoo-4", method=method, seed=seed, status="ok", trainable_params=10, average=a)
+                | {k: float("nan") for k in ("paraphrased", "shuffled", "held-out", "usage-kl")}
+            )
+    table = ablation.suite_table(pd.DataFrame(rows))
+    shown = table.set_index("variant")
+    assert shown.loc["task-code", "diff vs card, p"] == "0.533, p = 0.026"
+    assert shown.loc["task-code", "Holm p"] == "0.053" and shown.loc["no-instruction", "Holm p"] == "0.89"
+    assert shown.loc["card", "Holm p"] == "-"
+    assert "Holm-adjusted over the table's 2 comparisons with card" in ablation.legend(table)
 
 
 @pytest.mark.parametrize(

@@ -389,3 +389,37 @@ def test_report_bad_arguments_are_one_line_exit_2(sweep_folder, capsys, extra, e
 def test_report_on_an_empty_or_missing_folder_is_one_line(tmp_path, capsys):
     assert "does not exist" in one_line_error(capsys, ["report", str(tmp_path / "nope")])
     assert "no records" in one_line_error(capsys, ["report", str(tmp_path)])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The real-model table (qlbench/report/real.py; needs no hf extra, so it is tested here and not in test_real.py).
+
+
+def real_frame(mean_over_tasks: dict[str, list[float]]) -> pd.DataFrame:
+    """The frame of `report.real.frame`: one row per (method, seed), every task's MSE equal to the mean."""
+    from qlbench.real import TASKS
+
+    return pd.DataFrame(
+        {"method": m, "seed": s, "test_mse": v, "trainable_params": 100} | {t: v for t in TASKS}
+        for m, values in mean_over_tasks.items()
+        for s, v in enumerate(values)
+    )
+
+
+def test_real_table_decides_vs_lora_on_holm_over_its_methods():
+    """instruct-queryable is below LoRA on every seed: differences -0.5, -0.4, -0.7, paired t p = 0.0263. Compared
+    alone it is a win. Beside queryable (differences 0.1, -0.2, 0.15, p = 0.89) the table makes 2 comparisons with
+    LoRA: Holm p = 2 x 0.0263 = 0.0525 >= 0.05, a tie, though its raw p is below 0.05."""
+    from qlbench.report import real as real_report
+
+    lora, lower, null = [1.0, 2.0, 3.0], [0.5, 1.6, 2.3], [1.1, 1.8, 3.15]
+    alone = real_report.table(real_frame({"lora": lora, "instruct-queryable": lower})).set_index("method")
+    assert alone.loc["instruct-queryable", "vs LoRA"] == "win (p 0.0263, Holm 0.0263)"
+    f = real_frame({"lora": lora, "queryable": null, "instruct-queryable": lower})
+    table = real_report.table(f).set_index("method")
+    assert table.loc["instruct-queryable", "vs LoRA"] == "tie (p 0.0263, Holm 0.0525)"
+    assert table.loc["queryable", "vs LoRA"] == "tie (p 0.893, Holm 0.893)" and table.loc["lora", "vs LoRA"] == "-"
+    iq = real_report.comparisons(f).set_index("method").loc["instruct-queryable"]
+    assert iq["p_holm"] == pytest.approx(2 * iq["p"]) and iq["outcome"] == "tie"
+    legend = real_report.legend(real_report.comparisons(f))
+    assert "Holm-adjusted over the table's 2 comparisons with LoRA" in legend and "on the Holm p" in legend

@@ -71,6 +71,7 @@ def run(args) -> int:
         (records[name],) = experiment.run(plan, progress=not args.no_progress, log=log)
     table = ablation.table(records)
     print(text.markdown(table))
+    print(f"\n{ablation.legend(table)}")
     print(f"\n{ablation.LIMITATION}")
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {first.store.root / 'records'}")
     failed = table.loc[table["best-train"] == "failed", "variant"]
@@ -104,7 +105,7 @@ def run_suite(args, log) -> int:
     print(text.markdown(table))
     print(
         "\nTest MSE on standardised labels, mean ± std over seeds; paraphrased / shuffled: with every task's "
-        "paraphrases / with task t given task t + 1's instruction; diff: the average's paired difference to card."
+        "paraphrases / with task t given task t + 1's instruction; diff is on the average. " + ablation.legend(table)
     )
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {first.store.root / 'suites'}")
     failed = table.loc[table["average"] == "failed", "variant"].tolist()

@@ -108,6 +108,7 @@ def run(args) -> int:
         comparison = diagnostics.compare_concentration(diagnostics.concentration_per_seed(grads))
         print(f"\n### Gradient concentration ({', '.join(sorted(set(grads['method'])))})\n")
         print(text.markdown(report.concentration_table(comparison)))
+        print(f"\n{report.concentration_legend(comparison)}")
         save(report.gradient_profile_figure(grads), "gradient-profile")
         save(report.concentration_figure(grads), "gradient-concentration")
     else:

@@ -75,15 +75,17 @@ def run(args) -> int:
             frame = frame[frame[key] == value] if not frame.empty else frame
             suite_frame = suite_frame[suite_frame[key] == value] if not suite_frame.empty else suite_frame
     out = args.out or args.folder / "report"
-    markdown, files = [], []
+    markdown, files, provenance = [], [], []  # provenance: (records, results.provenance) of every section
     if not frame.empty:
         written = _single_task(args, frame, formats, out, log)
         markdown.append(written["markdown"])
         files += written["files"]
+        provenance.append(("cell records", written["provenance"]))
     if not suite_frame.empty:
         written = report.write_suite_report(suite_frame, out, formats=tuple(formats), figures=not args.no_figures)
         markdown.append(written["markdown"])
         files += written["files"]
+        provenance.append(("suite records", written["provenance"]))
         if "md" in formats and frame.empty:  # the single-task report writes report.md; a suites-only one here
             store.write_text(written["markdown"], out / "report.md")
             files.append(out / "report.md")
@@ -96,10 +98,14 @@ def run(args) -> int:
         if written["markdown"]:
             markdown.append(written["markdown"])
             files += written["files"]
+            provenance.append((f"real-model records ({run_dir.name})", written["provenance"]))
     if real_runs and "md" in formats and markdown:
         store.write_text("\n\n".join(markdown), out / "report.md")
         files.append(out / "report.md")
     print("\n\n".join(markdown))
+    print()  # each section's provenance again, where a user sees it: the tables state it per slice
+    for name, line in provenance:
+        print("\n".join(f"{name}: {part}" for part in line.split("\n\n")))
     print(f"\nwritten to {out}: {', '.join(sorted(set(str(Path(p).relative_to(out)) for p in files)))}")
     return 0
 

@@ -23,9 +23,9 @@ from qlbench.report.figures import (
 )
 from qlbench.report.suite import write_suite_report
 from qlbench.report.tables import (
-    CONCENTRATION_LEGEND,
     STATS_LEGEND,
     comparison_table,
+    concentration_legend,
     concentration_table,
     method_table,
     paper_markdown,
@@ -36,13 +36,13 @@ from qlbench.report.write import paper_latex, write_report
 from qlbench.text import FORMATS
 
 __all__ = [
-    "CONCENTRATION_LEGEND",
     "FORMATS",
     "STATS_LEGEND",
     "atom_usage_figure",
     "atom_weight_figure",
     "comparison_table",
     "concentration_figure",
+    "concentration_legend",
     "concentration_table",
     "curves_figure",
     "function_zoo_figure",

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import pareto, stats, store, text
+from qlbench import pareto, results, stats, store, text
 from qlbench.report.figures import pareto_figure
 from qlbench.report.write import _save_figure
 
@@ -45,16 +45,17 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def write(frame: pd.DataFrame, folder: Path, title: str, ylabel: str) -> dict:
-    """pareto.md, pareto.csv (the numbers) and pareto.png / .pdf into `folder`; returns {markdown, folder,
-    files}."""
+    """pareto.md (the table and its records' provenance, `results.provenance`), pareto.csv (the numbers) and
+    pareto.png / .pdf into `folder`; returns {markdown, folder, files}."""
     frame = frame.assign(latency_us=frame["latency_b256_s"] * 1e6)
     frame = frame.assign(
         front_latency=pareto.frontier(frame, "latency_us"), front_params=pareto.frontier(frame, "trainable_params")
     )
     folder.mkdir(parents=True, exist_ok=True)
-    md = f"### {title}\n\n{text.markdown(table(frame))}\n\n{LEGEND}\n"
+    md = f"### {title}\n\n{text.markdown(table(frame))}\n\n{LEGEND}\n\n{results.provenance(frame)}\n"
     files = [folder / "pareto.md", folder / "pareto.csv"]
     store.write_text(md, files[0])
-    store.write_text(frame.drop(columns=["record"]).to_csv(index=False), files[1])
+    columns = ["record", *(c for c in results.GIT_COLUMNS if c in frame)]  # provenance is in the Markdown
+    store.write_text(frame.drop(columns=columns).to_csv(index=False), files[1])
     _save_figure(files, pareto_figure(frame, title, ylabel), folder / "pareto")
     return {"markdown": md, "folder": folder, "files": files}

@@ -20,7 +20,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from qlbench import continual, stats, store, suite_stats, text
+from qlbench import continual, results, stats, store, suite_stats, text
 from qlbench.report.write import _save_figure, _slug
 
 TABLE_NOTE = (
@@ -167,8 +167,9 @@ def _routed_figures(g: pd.DataFrame, tasks, schedule: str, folder: Path, label: 
 
 
 def write_suite_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FORMATS, figures: bool = True) -> dict:
-    """Every suite slice of `frame` (`suite_stats.load`) as a table (md, csv) and figures under out_dir/suites/.
-    Returns {"markdown": the section text, "files": [paths written]}."""
+    """Every suite slice of `frame` (`suite_stats.load`) as a table (md, csv) and figures under out_dir/suites/;
+    every table's Markdown states its records' provenance (`results.provenance`). Returns {"markdown": the section
+    text, "files": [paths written], "provenance": of every record of `frame`}."""
     files, sections = [], []
     summary = suite_stats.summary(frame)
     for key, g in frame.groupby(suite_stats.SLICE, sort=True):
@@ -178,7 +179,8 @@ def write_suite_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FORMA
         folder = out_dir / "suites" / _slug(arch if init == "default" else f"{arch}-{init}") / _slug(budget)
         folder = folder / _slug(suite) / _slug(schedule)
         s = summary[(summary[suite_stats.SLICE] == pd.Series(dict(zip(suite_stats.SLICE, key)))).all(axis=1)]
-        md = f"### {label}\n\n{suite_stats.table_text(s.dropna(axis=1, how='all'))}\n\n{TABLE_NOTE}"
+        prov = results.provenance(g)  # the slice's records (`path`), once each
+        md = f"### {label}\n\n{suite_stats.table_text(s.dropna(axis=1, how='all'))}\n\n{TABLE_NOTE}\n\n{prov}"
         if "md" in formats:
             store.write_text(md + "\n", folder / "table.md")
             files.append(folder / "table.md")
@@ -198,4 +200,5 @@ def write_suite_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FORMA
             shown = sorted(p.name for p in files if p.parent == folder and p.suffix == ".png")
             md += "\n\n" + "\n".join(f"![{name}]({folder.relative_to(out_dir).as_posix()}/{name})" for name in shown)
         sections.append(md)
-    return {"markdown": "## Multi-task suites\n\n" + "\n\n".join(sections) + "\n" if sections else "", "files": files}
+    md = "## Multi-task suites\n\n" + "\n\n".join(sections) + "\n" if sections else ""
+    return {"markdown": md, "files": files, "provenance": results.provenance(frame)}

@@ -251,18 +251,30 @@ def wtl_table(wtl: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------------------------------
 # Gradient concentration (data from qlbench.diagnostics).
 
-CONCENTRATION_LEGEND = (
-    "Gradient concentration index = max / mean of the per-layer adapter gradient norms (1 = every layer gets the "
-    "same norm, L = one layer gets everything; lower is better, the paper's reading), from the last training step "
-    "of each evaluated epoch, averaged over those epochs per seed; mean ± sample std over seeds. diff = method - "
-    "LoRA paired by seed with its 95% t-interval; win = significantly lower (less concentrated), p < 0.05 (paired "
-    "t, else Wilcoxon) with at least 3 pairs."
-)
+
+def concentration_legend(comparison: pd.DataFrame) -> str:
+    """The legend of a concentration table (`diagnostics.compare_concentration` of one (arch, budget,
+    backbone_init)), with the size of its Holm family: the comparisons with LoRA that have a p. ValueError when
+    `comparison` mixes several such tables."""
+    slices = comparison[["arch", "budget", "backbone_init"]].drop_duplicates()
+    if len(slices) > 1:
+        raise ValueError(f"a concentration table holds one (arch, budget, init), got {len(slices)}: split it first")
+    family = int(comparison["p"].notna().sum())  # every function x method compared with LoRA in this table
+    return (
+        "Gradient concentration index = max / mean of the per-layer adapter gradient norms (1 = every layer gets the "
+        "same norm, L = one layer gets everything; lower is better, the paper's reading), from the last training "
+        "step of each evaluated epoch, averaged over those epochs per seed; mean ± sample std over seeds. diff = "
+        "method - LoRA paired by seed with its 95% t-interval. t p and Wilcoxon p are raw; Holm p is the primary p "
+        f"(paired t, else Wilcoxon) Holm-adjusted over the table's {family} comparisons with LoRA, since the table "
+        "makes that many claims at once. result: win = significantly lower (less concentrated), loss = higher, when "
+        "Holm p < 0.05 with at least 3 pairs, else tie."
+    )
 
 
 def concentration_table(comparison: pd.DataFrame) -> pd.DataFrame:
     """`diagnostics.compare_concentration` as text: function, method, n, concentration mean ± std, paired diff vs
-    the baseline [95% CI], t p, Wilcoxon p, result."""
+    the baseline [95% CI], t p and Wilcoxon p (raw), Holm p (the primary p adjusted over the table's family) and
+    result (decided on Holm p)."""
     c = comparison.sort_values(["function", "method"], key=_method_key)
     diff = [
         "baseline"
@@ -279,6 +291,7 @@ def concentration_table(comparison: pd.DataFrame) -> pd.DataFrame:
             "diff vs LoRA [95% CI]": diff,
             "t p": c["t_p"].map(text.p_value),
             "Wilcoxon p": c["wilcoxon_p"].map(text.p_value),
+            "Holm p": c["p_holm"].map(text.p_value),
             "result": c["outcome"].fillna("-"),
         }
     )

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from qlbench import diagnostics, stats, store, text
+from qlbench import diagnostics, results, stats, store, text
 from qlbench.report import figures, tables
 
 # --------------------------------------------------------------------------------------------------------------
@@ -80,10 +80,11 @@ def _styler_latex(sty, *, caption: str, label: str = "", index: bool = True) -> 
 # Files: one table as .md / .tex / .csv, one figure as .png / .pdf.
 
 
-def _write_table(files: list, stem: Path, formats, *, md: str, latex, csv: pd.DataFrame) -> None:
-    """Write one table as stem.md / .tex / .csv (those in `formats`); `latex` is a str or a callable making one."""
+def _write_table(files: list, stem: Path, formats, *, md: str, latex, csv: pd.DataFrame, provenance: str) -> None:
+    """Write one table as stem.md / .tex / .csv (those in `formats`); `latex` is a str or a callable making one; the
+    Markdown ends with `provenance` (`results.provenance` of the table's records)."""
     out = {
-        "md": lambda: md + "\n",
+        "md": lambda: f"{md}\n\n{provenance}\n",
         "latex": lambda: latex() if callable(latex) else latex,
         "csv": lambda: csv.to_csv(index=False),
     }
@@ -121,9 +122,9 @@ def _slug(s) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(s))
 
 
-def _stats_section(frame: pd.DataFrame, metric: str, folder: Path, formats, files: list) -> list[str]:
+def _stats_section(frame: pd.DataFrame, metric: str, folder: Path, formats, files: list, provenance: str) -> list[str]:
     """Paired statistics of one slice on `metric`: per function vs LoRA and vs the best static adapter, and the
-    cross-function win/tie/loss; returns the Markdown parts and writes the files."""
+    cross-function win/tie/loss; returns the Markdown parts and writes the files (`provenance`: their records')."""
     parts = []
     for baseline, name in (("lora", "LoRA"), (stats.BEST_STATIC, "the best static adapter")):
         comp = stats.compare(frame, metric, baseline)
@@ -146,6 +147,7 @@ def _stats_section(frame: pd.DataFrame, metric: str, folder: Path, formats, file
                 md=f"{text.markdown(table)}\n\n{tables.STATS_LEGEND}",
                 latex=latex,
                 csv=comp if stem.startswith("stats") else stats.win_tie_loss(comp),
+                provenance=provenance,
             )
             parts.append(f"#### {title}\n\n{text.markdown(table)}")
         parts.append(tables.STATS_LEGEND)
@@ -153,10 +155,12 @@ def _stats_section(frame: pd.DataFrame, metric: str, folder: Path, formats, file
 
 
 def _slice_report(frame, curves, folder: Path, metric: str, formats, draw: bool, files: list) -> str:
-    """Tables, statistics and (when `draw`) figures of one (arch, budget) into `folder`; returns its Markdown."""
+    """Tables, statistics and (when `draw`) figures of one (arch, budget) into `folder`; returns its Markdown, which
+    states its records' provenance under its heading (and each table's file at its end)."""
     arch, budget = frame["arch"].iloc[0], frame["budget"].iloc[0]
     folder.mkdir(parents=True, exist_ok=True)
-    parts = [f"## {arch}, budget {budget}"]
+    prov = results.provenance(frame)
+    parts = [f"## {arch}, budget {budget}", prov]
     for m in dict.fromkeys(["best-train", metric]):  # the train table, then the chosen test table
         data = tables.table_data(frame, m)
         md = tables.paper_markdown(data)
@@ -167,10 +171,11 @@ def _slice_report(frame, curves, folder: Path, metric: str, formats, draw: bool,
             md=f"### {tables.title(data)}\n\n{md}",
             csv=data,
             latex=lambda d=data, m=m: paper_latex(d, label=f"tab:{_slug(arch)}-{_slug(budget)}-{m}"),
+            provenance=prov,
         )
         parts.append(f"### {tables.title(data)}\n\n{md}")
     parts.append(f"### Paired statistics ({stats.metric(metric).label})")
-    parts += _stats_section(frame, metric, folder, formats, files)
+    parts += _stats_section(frame, metric, folder, formats, files, prov)
     cost = tables.cost_table(frame)
     title = f"Cost, {arch}, budget {budget}"
     _write_table(
@@ -182,6 +187,7 @@ def _slice_report(frame, curves, folder: Path, metric: str, formats, draw: bool,
         latex=lambda: _styler_latex(
             cost.style.format(escape="latex"), index=False, caption=_latex_escape(f"{title}. {tables.COST_LEGEND}")
         ),
+        provenance=prov,
     )
     parts.append(f"### {title}\n\n{text.markdown(cost)}\n\n{tables.COST_LEGEND}")
     if draw:
@@ -211,26 +217,28 @@ def _slice_figures(frame, curves, folder: Path, metric: str, files: list) -> Non
             _save_figure(files, fig, folder / f"cost-{x}-{metric}")
 
 
-def _gradient_section(grads: pd.DataFrame, folder: Path, formats, draw: bool, files: list) -> str:
-    """The concentration table (vs LoRA) and the gradient figures of one slice of `results.load_gradients`."""
+def _gradient_section(grads: pd.DataFrame, folder: Path, formats, draw: bool, files: list, provenance: str) -> str:
+    """The concentration table (vs LoRA) and the gradient figures of one slice of `results.load_gradients`
+    (`provenance`: the slice's records')."""
     per_seed = diagnostics.concentration_per_seed(grads)
     comparison = diagnostics.compare_concentration(per_seed)
-    table = tables.concentration_table(comparison)
+    table, legend = tables.concentration_table(comparison), tables.concentration_legend(comparison)
     arch, budget = grads["arch"].iloc[0], grads["budget"].iloc[0]
     title = f"Gradient concentration index, {arch}, budget {budget}"
     _write_table(
         files,
         folder / "gradient-concentration",
         [f for f in formats if f != "latex"],
-        md=f"### {title}\n\n{text.markdown(table)}\n\n{tables.CONCENTRATION_LEGEND}",
+        md=f"### {title}\n\n{text.markdown(table)}\n\n{legend}",
         latex="",
         csv=comparison,
+        provenance=provenance,
     )
     if draw:  # the paper's comparison (LoRA, queryable, instruct-queryable) where present; the table has all
         shown = [m for m in diagnostics.GRADIENT_METHODS if m in set(grads["method"])] or None
         _save_figure(files, figures.gradient_profile_figure(grads, shown), folder / "gradient-profile", dpi=100)
         _save_figure(files, figures.concentration_figure(grads, shown), folder / "gradient-concentration", dpi=100)
-    return f"### {title}\n\n{text.markdown(table)}\n\n{tables.CONCENTRATION_LEGEND}"
+    return f"### {title}\n\n{text.markdown(table)}\n\n{legend}"
 
 
 def write_report(
@@ -252,7 +260,9 @@ def write_report(
     (best-train | best-test | test-at-best-train), shown after the best-train table and used by the statistics;
     formats: any of md, latex, csv; gradients: `results.load_gradients` (or None): adds the gradient concentration
     table (vs LoRA, paired) and the gradient figures of each slice that has any.
-    Returns {"markdown": the report text, "files": [paths written]}.
+    Every slice and every table's Markdown states the provenance of its records (`results.provenance`: their
+    commits, and a warning when they are not one clean commit's).
+    Returns {"markdown": the report text, "files": [paths written], "provenance": of every record of `frame`}.
     ValueError (one line) for an empty frame, a bad metric or format.
     """
     _validate(frame, metric, formats)
@@ -266,10 +276,10 @@ def write_report(
         group = group.drop(columns="backbone_init").assign(arch=label)
         sections.append(_slice_report(group, _init_slice(curves, *key), folder, metric, formats, figures, files))
         if gradients is not None and len(g := _init_slice(gradients, *key)):
-            sections.append(_gradient_section(g, folder, formats, figures, files))
+            sections.append(_gradient_section(g, folder, formats, figures, files, results.provenance(group)))
     md = "\n\n".join(sections) + "\n"
     if "md" in formats:
         out_dir.mkdir(parents=True, exist_ok=True)
         store.write_text(md, out_dir / "report.md")
         files.append(out_dir / "report.md")
-    return {"markdown": md, "files": files}
+    return {"markdown": md, "files": files, "provenance": results.provenance(frame)}
