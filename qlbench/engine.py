@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from qlbench import adapters, gradients, suites, zoo
+from qlbench import adapters, gradients, results, suites, zoo
 from qlbench.adapters.base import adamw
 from qlbench.backbones import build_backbone
 from qlbench.seeding import generator
@@ -424,6 +424,9 @@ class Pretrained:
     state: dict[str, torch.Tensor]  # stacked state_dict, CPU
     source_train_mse: list[float]
     source_test_mse: list[float]
+    # the code each member's backbone was trained by ({commit, dirty}; None: a cache file written before it was
+    # recorded). The cache is keyed by settings, not by code, so a record states which code made its backbones.
+    git: list[dict | None] = field(default_factory=list)
 
     def select(self, members: list[Member]) -> Pretrained:
         """The sub-stack of the given members."""
@@ -434,7 +437,17 @@ class Pretrained:
             {k: v[idx] for k, v in self.state.items()},
             [self.source_train_mse[i] for i in idx],
             [self.source_test_mse[i] for i in idx],
+            [self.git[i] for i in idx] if self.git else [],
         )
+
+    def commits(self) -> list[str]:
+        """The distinct commits that trained these backbones, "unknown" for a cache file without one and a
+        "+dirty" suffix for a dirty tree (records' run_info.settings.backbone_commits)."""
+        names = {
+            "unknown" if not g or not g.get("commit") else g["commit"] + ("+dirty" if g.get("dirty") else "")
+            for g in self.git or [None]
+        }
+        return sorted(names)
 
     def model(self, *, device, dtype) -> nn.Module:
         """A fresh copy of the pretrained stack (methods modify their backbone in place)."""
@@ -556,6 +569,7 @@ def pretrain(
                 state={k: v[j].detach().cpu().clone() for k, v in state.items()},
                 source_train_mse=curves.train_mse[j, -1].item(),
                 source_test_mse=curves.test_mse[j, -1].item(),
+                git=results.git_info(),  # which code trained it (the cache key does not say)
             )
             if paths[i] is not None:
                 save_torch(cached[i], paths[i])
@@ -566,6 +580,7 @@ def pretrain(
         state,
         [cached[i]["source_train_mse"] for i in range(len(members))],
         [cached[i]["source_test_mse"] for i in range(len(members))],
+        [cached[i].get("git") for i in range(len(members))],
     )
 
 

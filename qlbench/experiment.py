@@ -586,7 +586,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
             grad_epochs=c.grad_epochs,
             per_seed=per_seed,
             cost=costs,
-            chosen=p.chosen,
+            chosen=p.chosen | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()},
         )
         if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
             save_torch(

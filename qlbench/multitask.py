@@ -446,6 +446,7 @@ def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> No
     config = p.cell_config(row)
     # suites: eager steps, labels standardised per task with their own noise (suites.py), no --noise option
     chosen = {"eps": p.eps, "backbone_init": p.backbone_init, "noise": "suite-standardised"}
+    chosen["backbone_commits"] = pre.commits()  # which code trained the backbones (engine.Pretrained.git)
     common = dict(config=config, seeds=p.seeds, device=p.device, chosen=chosen)
     try:
         res = adapt(p, row, pre, progress)

@@ -151,6 +151,20 @@ def test_a_record_states_every_setting_at_default_values_too(tmp_path):
     assert (s["device"], s["compile"], s["dtype"], s["threads"]) == ("cpu", False, "float32", 1)
     assert s["versions"]["torch"] == torch.__version__  # the installed distribution, local tag included
     assert {"python", "qlbench", "numpy", "scipy", "pandas"} <= set(s["versions"])
+    # the backbones' own provenance: the cache is keyed by settings, not code, so the record names the code that
+    # trained them; a cache file from before that was recorded reads "unknown"
+    git = experiment.results.git_info()
+    assert s["backbone_commits"] == [git["commit"] + ("+dirty" if git["dirty"] else "")]
+    for f in Store(tmp_path).backbone_dir.glob("*.pt"):
+        saved = torch.load(f)
+        assert saved.pop("git") == git
+        torch.save(saved, f)
+    again = experiment.plan(
+        functions=["matyas"], arch="deep-narrow", methods=["mean"], seeds=2, budget="smoke", device="cpu",
+        out_dir=tmp_path, threads=1,
+    )  # fmt: skip
+    (path,) = experiment.run(again, progress=False, log=lambda m: None)
+    assert experiment.results.read_record(path)["run_info"]["settings"]["backbone_commits"] == ["unknown"]
     suite = multitask.plan(
         suite="zoo-4", schedule="joint", arch="deep-narrow", methods=["mean"], budget="smoke", seeds=2,
         out_dir=tmp_path, threads=1,
@@ -158,3 +172,4 @@ def test_a_record_states_every_setting_at_default_values_too(tmp_path):
     (row,) = multitask.run(suite, progress=False, log=lambda m: None)
     s = experiment.results.read_record(row)["run_info"]["settings"]
     assert (s["eps"], s["backbone_init"], s["device"], s["dtype"]) == (1e-8, "default", "cpu", "float32")
+    assert s["backbone_commits"] == [git["commit"] + ("+dirty" if git["dirty"] else "")]
