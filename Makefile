@@ -10,6 +10,8 @@
 #                          deep-narrow, quick)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
+#   make matched-snapshot  README's parameter-matched deep-narrow table (docs/results/matched)
+#   make mechanism-snapshot  the routing-vs-sharing baselines without the epsilon artifact and on a live backbone
 #   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 5 seeds; records in
 #                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
 #                          sequential, shifts-ackley held-out, every default row and the same-instruction control
@@ -23,7 +25,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-dev run test test-slow test-faults lint format figures bench results-snapshot pareto-snapshot real-snapshot diag-snapshot \
-	suites-snapshot check-clean clean
+	suites-snapshot matched-snapshot mechanism-snapshot check-clean clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +85,29 @@ results-snapshot: check-clean setup
 	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --methods $(SNAPSHOT_TF_METHODS) --out results
 	$(BIN)/qlbench report results --budget quick --out docs/results
 
+# the parameter-matched deep-narrow snapshot: LoRA, LoRA of instruct-queryable's size and the routed methods, nine
+# functions, quick budget, 3 seeds, one commit (README's first table)
+MATCHED_METHODS ?= lora,lora-matched,queryable,instruct-queryable,frozen,mean
+matched-snapshot: check-clean setup
+	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(MATCHED_METHODS) --out matched-results \
+	  --no-progress
+	rm -rf docs/results/matched
+	$(BIN)/qlbench report matched-results --budget quick --out docs/results/matched
+	find docs/results/matched \( -name '*.pdf' -o -name '*.tex' \) -delete
+
+# the routing-vs-sharing baselines without the epsilon artifact (float64, eps 1e-30) and on the live backbone,
+# 3 functions, 5 seeds (docs/why.md, "Routing or sharing?")
+MECHANISM_RUN = $(BIN)/qlbench sweep --functions dropwave,levy,ackley --arch deep-narrow --budget quick --seeds 5 \
+	--methods lora,vb-lora,moe-lora,lily,queryable --threads 1 --out mechanism-results --no-progress
+mechanism-snapshot: check-clean setup
+	$(MECHANISM_RUN) --dtype float64 --eps 1e-30
+	$(MECHANISM_RUN) --backbone-init kaiming
+	mkdir -p docs/results/mechanism && head -n 11 docs/results/mechanism/report.md > mechanism-results/header.md
+	rm -rf docs/results/mechanism
+	$(BIN)/qlbench report mechanism-results --format md,csv --no-figures --out docs/results/mechanism
+	cat mechanism-results/header.md docs/results/mechanism/report.md > mechanism-results/report.md
+	cp mechanism-results/report.md docs/results/mechanism/report.md
+
 # the accuracy-cost Pareto snapshot: one function on the live (kaiming) deep-narrow backbone, quick budget, 3 seeds
 PARETO_GRID ?= r=4,8 M=4,8 k=1,2,4
 # and one suite (zoo-4, joint): instruct-queryable over r x k at M = 8, and LoRA over r (each point a suite row)
@@ -141,4 +166,4 @@ suites-snapshot: check-clean setup
 	cp results/suite-report/report.md docs/results/suites-report.md
 
 clean:
-	rm -rf $(VENV) results pareto-results .pytest_cache .hypothesis
+	rm -rf $(VENV) results pareto-results matched-results mechanism-results real-results .pytest_cache .hypothesis
