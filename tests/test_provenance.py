@@ -6,7 +6,6 @@ back by the loaders, and reported by `report.write_report`, `qlbench report`, th
 from __future__ import annotations
 
 import re
-
 import shutil
 import subprocess
 from pathlib import Path
