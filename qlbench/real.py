@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from qlbench import instructions, results, store
 from qlbench.adapters.base import check_positive_int
+from qlbench.adapters.lora_matched import nearest_rank
 
 # Each task: its instruction, the sentence slot it asks about, and that slot's words with their yes/no answers.
 ANIMALS = {"cat": 1, "dog": 1, "horse": 1, "whale": 1, "mouse": 1, "bat": 1,
@@ -180,9 +181,7 @@ def build(method: str, config: RealConfig, seed: int) -> Regressor:
 def matched_rank(config: RealConfig) -> int:
     """The LoRA rank whose encoder count is nearest instruct-queryable's (ties: the larger): the size control."""
     target = trainable(build("instruct-queryable", config, 0).encoder)
-    unit = trainable(build("lora", dataclasses.replace(config, r=1), 0).encoder)
-    low = max(1, target // unit)
-    return min((low, low + 1), key=lambda r: (abs(r * unit - target), -r))
+    return nearest_rank(target, trainable(build("lora", dataclasses.replace(config, r=1), 0).encoder))
 
 
 def trainable(model: nn.Module) -> int:

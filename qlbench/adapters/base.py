@@ -134,12 +134,17 @@ def isolate_tasks(optimizer: torch.optim.Optimizer, model: nn.Module, trained: l
         for t in trained:
             on[t * width : (t + 1) * width] = True
         masks.append(on.view([-1 if d == dim else 1 for d in range(p.dim())]))
+    keep: dict[float, list[torch.Tensor]] = {}  # lr -> per-parameter factors, built once per learning rate
 
     def decay(opt, args, kwargs) -> None:
-        factor = 1.0 - group["lr"] * wd  # AdamW's decoupled decay, read at each step as AdamW reads its lr
+        lr = group["lr"]  # read at each step as AdamW reads it
+        if lr not in keep:  # AdamW's decoupled decay on the trained blocks, 1 elsewhere
+            keep[lr] = [
+                torch.where(on, torch.tensor(1.0 - lr * wd, dtype=p.dtype), 1.0) for (p, _, _), on in zip(owned, masks)
+            ]
         with torch.no_grad():
-            for (p, _, _), on in zip(owned, masks):
-                p.mul_(torch.where(on, torch.tensor(factor, dtype=p.dtype, device=p.device), 1.0))
+            for (p, _, _), factor in zip(owned, keep[lr]):
+                p.mul_(factor)
 
     optimizer.register_step_pre_hook(decay)
     return optimizer

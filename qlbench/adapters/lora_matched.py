@@ -45,6 +45,12 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def nearest_rank(target: int, unit: int) -> int:
+    """The rank r >= 1 whose count r * unit is nearest `target` (ties: the larger r)."""
+    low = max(1, target // unit)
+    return min((low, low + 1), key=lambda r: (abs(r * unit - target), -r))
+
+
 def per_rank(model: nn.Module, targets: tuple[str, ...] | None = None) -> int:
     """Trainable parameters one rank of LoRA adds on this backbone: sum over target layers of d_in + d_out."""
     with stacked.shapes_only():
@@ -72,9 +78,7 @@ class MatchedLora(AdapterMethod):
             # its defaults and our targets, at most one routing block per layer (a small test backbone)
             cfg = matched.make_config(targets=config.targets, n_blocks=min(4, backbone.n_layers))
             target = trainable_parameter_count(matched.build(meta_copy(backbone), cfg, [torch.Generator()], y_train))
-        unit = per_rank(backbone, config.targets)
-        low = max(1, target // unit)
-        return min((low, low + 1), key=lambda r: (abs(r * unit - target), -r))
+        return nearest_rank(target, per_rank(backbone, config.targets))
 
     def lora_config(self, backbone: nn.Module, config: MatchedLoraConfig, y_train=None) -> lora.LoraConfig:
         """The plain LoRA config this row trains on `backbone`."""
