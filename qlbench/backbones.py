@@ -42,15 +42,18 @@ def _gelu_gain() -> float:
 # the hidden features across inputs after layer 32 is 0.15x to 55x that after layer 1 at init (nine functions x
 # 5 seeds), against about 1e-9x with the default init.
 GELU_GAIN = _gelu_gain()
-INITS = ("default", "kaiming", "orthogonal")  # backbone initialisations (`qlbench run --backbone-init`)
+DEFAULT_INIT = "default"  # PyTorch's default init; records and labels name an init only when it is not this one
+INITS = (DEFAULT_INIT, "kaiming", "orthogonal")  # backbone initialisations (`qlbench run --backbone-init`)
 
 
 def check_init(arch: str, init: str) -> str:
     """The init if `arch` supports it, else a ValueError naming the valid choices."""
     if init not in INITS:
         raise ValueError(f"unknown backbone init {init!r}; valid: {', '.join(INITS)}")
-    if init != "default" and arch != "deep-narrow":
-        raise ValueError(f"backbone init {init!r} is implemented for deep-narrow only; valid for {arch}: default")
+    if init != DEFAULT_INIT and arch != "deep-narrow":
+        raise ValueError(
+            f"backbone init {init!r} is implemented for deep-narrow only; valid for {arch}: {DEFAULT_INIT}"
+        )
     return init
 
 
@@ -272,7 +275,7 @@ def project_group(layers, x: torch.Tensor, ctx: ForwardContext) -> list[torch.Te
     return [layer(x, ctx) for layer in layers]
 
 
-def build_backbone(arch: str, seeds: list, *, device=None, dtype=torch.float32, init: str = "default") -> nn.Module:
+def build_backbone(arch: str, seeds: list, *, device=None, dtype=torch.float32, init: str = DEFAULT_INIT) -> nn.Module:
     """A freshly initialised stack, member e seeded from `seeds[e]` (any hashable member key).
 
     init "default": PyTorch's default everywhere (the paper does not specify one). "kaiming" / "orthogonal"
@@ -283,7 +286,7 @@ def build_backbone(arch: str, seeds: list, *, device=None, dtype=torch.float32, 
     check_init(arch, init)
     generators = [generator("init", arch, "backbone", s) for s in seeds]
     model = ARCHS[arch](generators, device=device, dtype=dtype)
-    if init != "default":
+    if init != DEFAULT_INIT:
         model.reinit_hidden(init, [generator("init", arch, "backbone", init, s) for s in seeds])
     return model
 

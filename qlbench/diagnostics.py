@@ -46,7 +46,7 @@ from qlbench.stacked import ForwardContext
 from qlbench.store import Store
 
 ROUTED = adapters.of_family("queryable")  # methods routed over shared atoms (the route maps read their atoms)
-GRADIENT_METHODS = ("lora", *ROUTED)  # the paper's gradient comparison: LoRA against the routed adapters
+GRADIENT_METHODS = (adapters.BASELINE, *ROUTED)  # the paper's gradient comparison: LoRA against the routed adapters
 
 # --------------------------------------------------------------------------------------------------------------
 # 1. Gradient concentration.
@@ -77,7 +77,7 @@ def concentration_per_seed(grads: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
-def compare_concentration(per_seed: pd.DataFrame, baseline: str = "lora", column: str = "concentration"):
+def compare_concentration(per_seed: pd.DataFrame, baseline: str = adapters.BASELINE, column: str = "concentration"):
     """Per (arch, budget, backbone_init, function, method): mean ± std of `column` over seeds and the paired test
     against `baseline` on the same seeds (stats.paired_test; "win" = a lower index, i.e. less concentrated).
     A seed missing on either side drops out of the pair. One (arch, budget, backbone_init) is one table, whose

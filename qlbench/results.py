@@ -42,6 +42,7 @@ import torch
 
 import qlbench
 from qlbench import schema
+from qlbench.backbones import DEFAULT_INIT
 from qlbench.store import DamagedFile, Store, finite, read_json, stable_hash
 
 SCHEMA = 1
@@ -286,7 +287,7 @@ def _cell(rec: dict) -> dict:
         "arch": cfg["arch"],
         "method": cfg["method"],
         "budget": budget,
-        "backbone_init": cfg.get("backbone_init", "default"),
+        "backbone_init": cfg.get("backbone_init", DEFAULT_INIT),
     }
 
 
@@ -438,7 +439,7 @@ def index(root, on_damaged=None) -> pd.DataFrame:
                 "function": cfg["function"],
                 "method": cfg["method"],
                 "budget": run["budget"],
-                "backbone_init": cfg.get("backbone_init", "default"),
+                "backbone_init": cfg.get("backbone_init", DEFAULT_INIT),
                 "config_hash": run["config_hash"],
                 "status": train["status"],
                 "seeds": len(run["seeds"]),
@@ -477,7 +478,9 @@ def newest_config(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     newest = stamps.sort_values("mtime").groupby(keys)["record"].last().rename("newest")
     merged = stamps.join(newest, on=keys)
     older = merged[merged["record"] != merged["newest"]]
-    name = lambda key: "/".join(key[:4]) + (f" (backbone init {key[4]})" if key[4:] not in ((), ("default",)) else "")
+    name = lambda key: (
+        "/".join(key[:4]) + (f" (backbone init {key[4]})" if key[4:] not in ((), (DEFAULT_INIT,)) else "")
+    )
     notes = [
         f"{name(key)}: {g['record'].nunique()} older config(s) not shown ({', '.join(sorted(set(g['config_hash'])))})"
         for key, g in older.groupby(keys)

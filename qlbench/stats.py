@@ -166,7 +166,7 @@ def best_static(summary: pd.DataFrame) -> pd.DataFrame:
 # Paired comparisons.
 
 
-def pairs(frame: pd.DataFrame, column: str, baseline: str = "lora") -> pd.DataFrame:
+def pairs(frame: pd.DataFrame, column: str, baseline: str = adapters.BASELINE) -> pd.DataFrame:
     """One row per (arch, budget, function, method, seed) where both the method and the baseline have a measurement:
     columns CELL, method, baseline, seed, a (method score), b (baseline score); scores as `scores` (inf = diverged).
     `baseline` is a method name or "best-static" (chosen per cell by `best_static`)."""
@@ -257,7 +257,7 @@ def holm(pvalues) -> np.ndarray:
     return out
 
 
-def compare(frame: pd.DataFrame, metric: str, baseline: str = "lora") -> pd.DataFrame:
+def compare(frame: pd.DataFrame, metric: str, baseline: str = adapters.BASELINE) -> pd.DataFrame:
     """Every method against `baseline` (a method name or "best-static") in every (arch, budget, function): one row
     with CELL, method, baseline, the fields of `paired_test` and p_holm, its p Holm-adjusted over the family of one
     table (every (function, method) of the same (arch, budget)). `outcome` is decided on p_holm: a raw win or loss
@@ -309,7 +309,7 @@ def win_tie_loss(comparison: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["arch", "budget", "method", "functions", "wins", "ties", "losses", "sign_p"])
 
 
-def log_ratios(frame: pd.DataFrame, metric: str, baseline: str = "lora") -> pd.DataFrame:
+def log_ratios(frame: pd.DataFrame, metric: str, baseline: str = adapters.BASELINE) -> pd.DataFrame:
     """Per (arch, budget, function, method): mean over paired seeds of log10(metric_method / metric_baseline).
     A seed where only the method diverged gives +inf, only the baseline -inf, both 0; +inf and -inf together give
     NaN (undefined). Columns CELL, method, log_ratio, n, n_div, n_div_base."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import continual, stats, suites, text
+from qlbench import adapters, continual, stats, suites, text
 from qlbench.results import cost_fields, git_fields, read_record
 from qlbench.store import DamagedFile, Store
 from qlbench.text import Column
@@ -36,7 +36,6 @@ from qlbench.text import Column
 SLICE = ["arch", "suite", "schedule", "budget", "backbone_init"]
 METRICS = ("average", "paraphrased", "shuffled", "held-out", "forgetting", "bwt", "fwt", "usage-kl", "route-drift")
 LOWER_IS_BETTER = {"average", "paraphrased", "shuffled", "held-out", "forgetting"}
-BASELINE = "lora"
 CONTROL = "same-instruction"  # instruct-queryable on a suite's -same-instruction control
 
 
@@ -171,7 +170,7 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     out = []
     for key, g in frame.groupby(SLICE, sort=True):
         tasks = g["tasks"].iloc[0]
-        base = g[g["method"] == BASELINE]
+        base = g[g["method"] == adapters.BASELINE]
         tested = []  # (row, paired test) of every row of this slice's table compared with LoRA: one Holm family
         for method in stats.method_order(g["method"].unique()):
             m = g[g["method"] == method]
@@ -190,7 +189,7 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
                     lambda R, t=t: math.inf if R is None else float(np.nan_to_num(R[-1, t], nan=math.inf))
                 )
                 row[name] = cell(finals, m["status"])
-            if method != BASELINE and len(base) and stats.is_adapter(method):
+            if method != adapters.BASELINE and len(base) and stats.is_adapter(method):
                 paired = m.merge(base, on="seed", suffixes=("", "_b"))
                 tested.append((row, stats.paired_test(paired["average"], paired["average_b"])))
             out.append(row)

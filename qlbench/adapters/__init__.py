@@ -76,6 +76,9 @@ for _method in (
 ):
     register(_method)
 
+# The method every other is compared with by default (statistics, tables, suites, diagnostics): plain LoRA.
+BASELINE = lora.METHOD.name
+
 # Baselines that are not in the paper's comparison: they separate sharing from routing (docs/methods.md) and run
 # when named (`--methods vb-lora`).
 EXTRA_BASELINES = (vblora.NAME, moe_lora.NAME, lily.NAME)
@@ -121,6 +124,7 @@ def get(name: str) -> Method:
 
 __all__ = [
     "AdapterMethod",
+    "BASELINE",
     "EPS",
     "KINDS",
     "Method",

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from qlbench import engine, experiment, multitask, suite_stats, suites
-from qlbench.backbones import ARCHS, INITS
+from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS
 from qlbench.commands import parse_overrides, split_list, usage_errors
 
 
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="float32", help="float32 or float64")
     p.add_argument(
         "--backbone-init",
-        default="default",
+        default=DEFAULT_INIT,
         help=f"one of {', '.join(INITS)} (the default deep-narrow backbone is a constant function: see docs/why.md)",
     )
     p.add_argument("--eps", type=float, default=multitask.adapters.EPS, help="the optimiser's epsilon (default 1e-8)")
@@ -70,7 +70,7 @@ def run(args) -> int:
     for caveat in experiment.caveats(p):
         log(f"qlbench suite: warning: {caveat}")
     b = p.budget
-    init = "" if p.backbone_init == "default" else f" ({p.backbone_init} init)"
+    init = "" if p.backbone_init == DEFAULT_INIT else f" ({p.backbone_init} init)"
     print(
         f"qlbench suite: {p.suite.name} ({len(p.suite.tasks)} tasks: {', '.join(p.suite.task_names)}), schedule "
         f"{p.schedule}, {p.arch}{init}, budget {b.name} "

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from qlbench import results, stats, store, text
+from qlbench import adapters, results, stats, store, text
 from qlbench.real import METHODS, TASKS
 from qlbench.report.write import _save_figure
 
@@ -57,10 +57,10 @@ def comparisons(f: pd.DataFrame) -> pd.DataFrame:
     seeds): one row per method with n, mean_diff, p (raw), p_holm and outcome. The table compares them all at once,
     so they are one family: p_holm is p Holm-adjusted over it (`stats.holm`), and a win or loss needs
     p_holm < stats.ALPHA (as `stats.compare`). Empty without LoRA."""
-    base = f[f["method"] == "lora"].set_index("seed")["test_mse"]
+    base = f[f["method"] == adapters.BASELINE].set_index("seed")["test_mse"]
     rows = []
     for method, g in f.groupby("method", sort=False):
-        if method != "lora" and len(base):
+        if method != adapters.BASELINE and len(base):
             common = sorted(set(g["seed"]) & set(base.index))
             test = stats.paired_test(g.set_index("seed").loc[common, "test_mse"], base.loc[common])
             rows.append({"method": method} | {k: test[k] for k in ("n", "mean_diff", "p", "outcome")})

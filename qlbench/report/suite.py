@@ -21,6 +21,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from qlbench import continual, results, stats, store, suite_stats, text
+from qlbench.backbones import DEFAULT_INIT
 from qlbench.report.write import _save_figure, _slug
 
 TABLE_NOTE = (
@@ -175,8 +176,8 @@ def write_suite_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FORMA
     for key, g in frame.groupby(suite_stats.SLICE, sort=True):
         arch, suite, schedule, budget, init = key
         tasks = list(g["tasks"].iloc[0])
-        label = f"{suite}, {schedule}, {arch}{'' if init == 'default' else f' ({init} init)'}, {budget} budget"
-        folder = out_dir / "suites" / _slug(arch if init == "default" else f"{arch}-{init}") / _slug(budget)
+        label = f"{suite}, {schedule}, {arch}{'' if init == DEFAULT_INIT else f' ({init} init)'}, {budget} budget"
+        folder = out_dir / "suites" / _slug(arch if init == DEFAULT_INIT else f"{arch}-{init}") / _slug(budget)
         folder = folder / _slug(suite) / _slug(schedule)
         s = summary[(summary[suite_stats.SLICE] == pd.Series(dict(zip(suite_stats.SLICE, key)))).all(axis=1)]
         prov = results.provenance(g)  # the slice's records (`path`), once each

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from qlbench import stats, text
+from qlbench import adapters, stats, text
 
 # --------------------------------------------------------------------------------------------------------------
 # The run table: one row per method, what `qlbench run` prints.
@@ -102,7 +102,7 @@ def table_data(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
     data = stats.summarize(frame, stats.metric_column(metric))
     data["best_overall"] = stats.best_mask(data, lambda m: m not in stats.REFERENCE)
     data["best_adapter"] = stats.best_mask(data, stats.is_adapter)
-    vs = stats.compare(frame, metric, "lora")[stats.CELL + ["method", "p", "p_holm", "outcome"]]
+    vs = stats.compare(frame, metric, adapters.BASELINE)[stats.CELL + ["method", "p", "p_holm", "outcome"]]
     vs = vs.rename(columns={"p": "p_vs_lora", "p_holm": "p_holm_vs_lora", "outcome": "vs_lora"})
     data = data.merge(vs, on=stats.CELL + ["method"], how="left")
     data["sig_vs_lora"] = data["vs_lora"].isin(["win", "loss"]) & ~data["method"].isin(stats.REFERENCE)
@@ -278,7 +278,7 @@ def concentration_table(comparison: pd.DataFrame) -> pd.DataFrame:
     c = comparison.sort_values(["function", "method"], key=_method_key)
     diff = [
         "baseline"
-        if pd.isna(r.mean_diff) and r.method == "lora"
+        if pd.isna(r.mean_diff) and r.method == adapters.BASELINE
         else ("n/a" if pd.isna(r.mean_diff) else _diff_text(r))
         for r in c.itertuples()
     ]

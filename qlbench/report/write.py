@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from qlbench import diagnostics, results, stats, store, text
+from qlbench import adapters, diagnostics, results, stats, store, text
+from qlbench.backbones import DEFAULT_INIT
 from qlbench.report import figures, tables
 
 # --------------------------------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def _stats_section(frame: pd.DataFrame, metric: str, folder: Path, formats, file
     """Paired statistics of one slice on `metric`: per function vs LoRA and vs the best static adapter, and the
     cross-function win/tie/loss; returns the Markdown parts and writes the files (`provenance`: their records')."""
     parts = []
-    for baseline, name in (("lora", "LoRA"), (stats.BEST_STATIC, "the best static adapter")):
+    for baseline, name in ((adapters.BASELINE, "LoRA"), (stats.BEST_STATIC, "the best static adapter")):
         comp = stats.compare(frame, metric, baseline)
         if comp.empty:
             parts.append(f"No paired statistics against {name}: it is not in these results.")
@@ -199,7 +200,7 @@ def _init_slice(f: pd.DataFrame | None, arch: str, budget: str, init: str, label
     """The rows of a curves or gradients frame for one (arch, budget, backbone init), arch relabelled."""
     if f is None or not len(f):
         return f
-    inits = f["backbone_init"] if "backbone_init" in f else pd.Series("default", index=f.index)
+    inits = f["backbone_init"] if "backbone_init" in f else pd.Series(DEFAULT_INIT, index=f.index)
     keep = (f["arch"] == arch) & (f["budget"] == budget) & (inits == init)
     return f[keep].assign(arch=label)
 
@@ -210,7 +211,7 @@ def _slice_figures(frame, curves, folder: Path, metric: str, files: list) -> Non
         c = curves[(curves["arch"] == arch) & (curves["budget"] == budget)]
         for split in ("train", "test") if len(c) else ():
             _save_figure(files, figures.curves_figure(c, split), folder / f"curves-{split}")
-    if "lora" in set(frame["method"]) and len(set(frame["method"])) > 1:  # LoRA alone has nothing to compare
+    if adapters.BASELINE in set(frame["method"]) and len(set(frame["method"])) > 1:  # LoRA alone has nothing to compare
         _save_figure(files, figures.log_ratio_figure(frame, metric), folder / f"log-ratio-{metric}")
     for x in figures.COST_AXES:
         if (fig := figures.cost_figure(frame, metric, x)) is not None:
@@ -268,10 +269,10 @@ def write_report(
     _validate(frame, metric, formats)
     out_dir, files, sections = Path(out_dir), [], []
     if "backbone_init" not in frame:
-        frame = frame.assign(backbone_init="default")
+        frame = frame.assign(backbone_init=DEFAULT_INIT)
     for (arch, budget, init), group in frame.groupby(["arch", "budget", "backbone_init"], sort=True):
-        label = arch if init == "default" else f"{arch}, {init} init"
-        folder = out_dir / _slug(arch if init == "default" else f"{arch}-{init}") / _slug(budget)
+        label = arch if init == DEFAULT_INIT else f"{arch}, {init} init"
+        folder = out_dir / _slug(arch if init == DEFAULT_INIT else f"{arch}-{init}") / _slug(budget)
         key = (arch, budget, init, label)
         group = group.drop(columns="backbone_init").assign(arch=label)
         sections.append(_slice_report(group, _init_slice(curves, *key), folder, metric, formats, figures, files))
