@@ -21,11 +21,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import experiment, multitask, results, stats, suite_stats
+from qlbench import adapters, experiment, multitask, results, stats, suite_stats
 
-GRID_AXES = {  # method -> {axis: config field}
-    "queryable": {"r": "r", "M": "n_atoms", "k": "top_k"},
-    "instruct-queryable": {"r": "r", "M": "n_atoms", "k": "top_k"},
+GRID_AXES = {  # method -> {axis: config field}; the queryable family shares one config (its layers')
+    **{m: {"r": "r", "M": "n_atoms", "k": "top_k"} for m in adapters.of_family("queryable")},
     "moe-lora": {"r": "r", "M": "n_experts", "k": "top_k"},
     "lora": {"r": "r"},
 }

@@ -52,6 +52,7 @@ CITIES = {"Paris": 1, "Rome": 1, "Berlin": 1, "Madrid": 1, "Oslo": 1, "Vienna": 
 TASKS = ("mammal", "warm", "europe")
 INSTRUCTIONS = ("Is the animal a mammal?", "Is the colour a warm colour?", "Is the city in Europe?")
 SLOTS = (ANIMALS, COLOURS, CITIES)
+# the real model's rows, built in this module on the encoder (not registry methods, so not derived from the registry)
 METHODS = ("head-only", "lora", "lora-matched", "queryable", "instruct-queryable")
 QUERYABLE = ("queryable", "instruct-queryable")  # the rows whose trained adapters are saved (for qlbench verify)
 TARGETS = ["query", "value"]

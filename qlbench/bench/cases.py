@@ -375,7 +375,8 @@ def padding_row(arch: str, method: str, s: Settings, device) -> dict:
     )
 
 
-SUITE_METHODS = ("lora", "lora-per-task", "task-lora", "queryable", "instruct-queryable")
+# the suite rows: the static baseline, the task controls, the routed methods over shared atoms
+SUITE_METHODS = (adapters.BASELINE, *adapters.of_kind("task"), *adapters.of_family("queryable"))
 SUITE = "zoo-4"  # its four sentences for the instruction table; the timing does not depend on the suite's data
 
 
