@@ -41,15 +41,15 @@ LIMITATION = (
     "w_b can absorb and its prior a constant logit bias the keys can absorb; differences between instruction rows "
     "cannot come from what the sentence says about the task (see docs/methods.md, the ablation)."
 )
-VARIANTS: dict[str, dict] = {
-    "no-instruction": dict(tau_lang=0.0, lambda_ctx=0.0),
+VARIANTS: dict[str, dict] = {  # the structural ones from multitask, which runs them on a suite too
+    "no-instruction": multitask.STRUCTURAL_VARIANTS["no-instruction"],
     "generic": dict(instruction_source="generic"),
     "card": dict(),
     "shuffled": dict(instruction_source="shuffled"),
     "adversarial": dict(instruction_source="adversarial"),
     "random": dict(instruction_source="random"),
-    "no-language-prior": dict(tau_lang=0.0),
-    "instruction-only": dict(query="instruction-only"),
+    "no-language-prior": multitask.STRUCTURAL_VARIANTS["no-language-prior"],
+    "instruction-only": multitask.STRUCTURAL_VARIANTS["instruction-only"],
 }
 
 
@@ -156,7 +156,7 @@ def table(records: dict[str, Path]) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------------------------------
 # On a multi-task suite.
 
-SUITE_ROWS = ("instruct-queryable", "task-code", "no-instruction", "no-language-prior", "instruction-only")
+SUITE_ROWS = (METHOD, "task-code", *multitask.STRUCTURAL_VARIANTS)
 SUITE_VARIANT = {"instruct-queryable": REFERENCE}  # a row's name in the ablation table (others keep theirs)
 SAME = suite_stats.CONTROL
 

@@ -47,12 +47,16 @@ from qlbench.stacked import ForwardContext
 from qlbench.store import DamagedFile, Store, check_writable, claim, set_aside, stable_hash, write_json
 
 SCHEDULES = ("joint", "sequential", "held-out")
+# the instruction-router ablation's structural variants: instruct-queryable's settings, run on one function
+# (ablation.VARIANTS) and on a suite (`qlbench ablate --suite`)
+STRUCTURAL_VARIANTS = {
+    "no-instruction": {"tau_lang": 0.0, "lambda_ctx": 0.0},
+    "no-language-prior": {"tau_lang": 0.0},
+    "instruction-only": {"query": "instruction-only"},
+}
 VARIANTS = {  # row -> (registered method, its fixed settings)
     "task-code": ("instruct-queryable", {"instruction_source": "random"}),
-    # the instruction-router ablation's structural variants on a suite (`qlbench ablate --suite`, ablation.py)
-    "no-instruction": ("instruct-queryable", {"tau_lang": 0.0, "lambda_ctx": 0.0}),
-    "no-language-prior": ("instruct-queryable", {"tau_lang": 0.0}),
-    "instruction-only": ("instruct-queryable", {"query": "instruction-only"}),
+    **{name: ("instruct-queryable", settings) for name, settings in STRUCTURAL_VARIANTS.items()},
 }
 DEFAULT_ROWS = (
     "lora",
