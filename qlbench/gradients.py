@@ -21,6 +21,7 @@ qlbench interpretation of "per-layer adapter gradient norm" for member e and bac
 
 Gradient concentration index = max_l ||g_{e,l}|| / mean_l ||g_{e,l}|| over the layers only (the shared entry is not
 a layer); 1 when every layer gets the same norm, L when one layer gets everything; lower is better (the paper).
+It is computed from the records (`results.gradients_summary`), not here.
 The gradient is of the member's own batch-mean loss (the stack minimises the sum of members' losses).
 """
 
@@ -99,10 +100,3 @@ def grad_norms(groups: ParamGroups) -> tuple[torch.Tensor, torch.Tensor | None]:
                 shared += s
         shared = shared.sqrt().cpu()
     return sq.sqrt().cpu(), shared
-
-
-def concentration(norms: torch.Tensor) -> torch.Tensor:
-    """Gradient concentration index max / mean over the last (layer) dimension: (..., L) -> (...); NaN where every
-    layer's norm is zero or one is not finite."""
-    mean = norms.mean(-1)
-    return torch.where(mean > 0, norms.amax(-1) / mean, torch.full_like(mean, torch.nan))

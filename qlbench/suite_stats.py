@@ -58,7 +58,7 @@ def _seed_metrics(schedule: str, s: dict) -> dict:
     T = R.shape[1]
     trained = T - 1 if schedule == "held-out" else T
     out = {
-        "average": float(R[-1, :trained].mean()),
+        "average": continual.average(R[:, :trained]),  # held-out: over the trained tasks only
         "held-out": float(R[-1, -1]) if schedule == "held-out" else math.nan,
     }
     for key, name in (("paraphrase_task_mse", "paraphrased"), ("shuffled_task_mse", "shuffled")):

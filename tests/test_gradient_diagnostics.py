@@ -8,6 +8,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -150,11 +151,17 @@ def test_layer_module_paths():
 
 
 def test_concentration_index():
-    norms = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 6.0]])
-    got = gradients.concentration(norms)
-    assert got[:2].tolist() == [1.0, 4.0]  # even: 1; all on one of L = 4 layers: L
+    """results.gradients_summary's index on four epochs of L = 4 layer norms, against hand values."""
+    norms = [[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 6.0]]
+    cell = dict(zip(results.CELL_COLUMNS, ("f", "deep-narrow", "lora", "quick", "default")))
+    grads = pd.DataFrame(
+        [cell | {"seed": 0, "status": "ok", "epoch": t, "layer": layer, "norm": v}
+         for t, row in enumerate(norms) for layer, v in enumerate(row)]
+    )  # fmt: skip
+    got = results.gradients_summary(grads).sort_values("epoch")["concentration"].tolist()
+    assert got[:2] == [1.0, 4.0]  # even: 1; all on one of L = 4 layers: L
     assert math.isnan(got[2])  # no gradient anywhere: undefined
-    assert got[3].item() == pytest.approx(6 / 3)
+    assert got[3] == pytest.approx(6 / 3)
 
 
 def test_recording_gradients_does_not_change_training():
