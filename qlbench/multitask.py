@@ -374,7 +374,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     method, config = adapters.get(name), p.configs[row]
     dtype, T = experiment.DTYPES[p.dtype], len(p.suite.tasks)
     members = pre.members
-    if len(members) < engine.MIN_STACK:  # as engine.adapt: no stack narrower than MIN_STACK (stack independence)
+    if len(engine.padded(members)) > len(members):  # as engine.adapt: no stack narrower than MIN_STACK
         pre = pre.select(engine.padded(members))
     seeds = [s for _, s in pre.members]
     everything = task_data(p.suite, seeds, list(range(T)), dtype=dtype, device=p.device)
@@ -386,17 +386,30 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
         bind(model, base, len(seeds))
     out = {"initial_task_mse": task_mse(model, everything, T)}  # (E, T)
     stage_mse, stage_usage, curves = [], [], []
-    for k, tasks in enumerate(stages(p)):
-        if method.trains:
-            data = task_data(p.suite, seeds, tasks, dtype=dtype, device=p.device)
-            optimizer = method.optimizer(model, config, p.budget.adapt.lr, p.budget.adapt.weight_decay, p.eps)
-            optimizer = isolate_tasks(optimizer, model, tasks)  # a task's own parameters move only in its stages
-            order = [generator("order", "suite", p.suite.name, p.schedule, k, s) for s in seeds]
-            phase, every = p.budget.adapt, p.budget.eval_every
-            curves.append(engine.fit(model, optimizer, data, phase, every, order, progress=progress))
+
+    def evaluate_stage(k: int) -> None:  # every task on stage k's final parameters
         stage_mse.append(task_mse(model, everything, T))
         if routes:
             stage_usage.append(usage(model, everything, T))
+
+    if method.trains:
+        lr, wd = p.budget.adapt.lr, p.budget.adapt.weight_decay
+        # each stage a fresh optimiser; a task's own parameters move only in its stages (isolate_tasks)
+        optimizer = lambda tasks: lambda: isolate_tasks(method.optimizer(model, config, lr, wd, p.eps), model, tasks)
+        plan_stages = [
+            engine.Stage(
+                task_data(p.suite, seeds, tasks, dtype=dtype, device=p.device),
+                p.budget.adapt,
+                optimizer(tasks),
+                [generator("order", "suite", p.suite.name, p.schedule, k, s) for s in seeds],
+                p.budget.eval_every,
+            )
+            for k, tasks in enumerate(stages(p))
+        ]
+        curves = engine.fit(model, plan_stages, progress=progress, after_stage=evaluate_stage)
+    else:
+        for k in range(len(stages(p))):
+            evaluate_stage(k)
     out["stage_task_mse"] = torch.stack(stage_mse, 1)  # (E, S, T)
     if routes:
         out["usage"] = torch.stack(stage_usage, 1)  # (E, S, T, M)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from qlbench import instructions, results, store
+from qlbench import engine, instructions, results, store
 from qlbench.adapters.base import check_positive_int
 from qlbench.adapters.lora_matched import nearest_rank
 
@@ -204,6 +204,32 @@ def mse_per_task(model: Regressor, data: Data, e: torch.Tensor | None, batch: in
     return [err[data.task == t].mean().item() for t in range(len(TASKS))]
 
 
+class OneMemberStack(nn.Module):
+    """A Regressor as a stack of one member, so that it trains through the engine's loop (engine.fit): x (1, n, 2, L)
+    holds each sample's token ids and attention mask, `instruction` (T, d_c) the tasks' embeddings (None: the model
+    routes on none), task (1, n) each sample's task; returns (1, n).
+
+    qlbench interpretation: the encoder stays in inference mode (dropout off) while the adapters and the head train,
+    as transformers loads it; `train()` changes only this wrapper's flag."""
+
+    def __init__(self, model: Regressor):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, instruction=None, task=None) -> torch.Tensor:
+        e = None if instruction is None else instruction[task[0]]  # (n, d_c): each sample its task's
+        return self.model(x[0, :, 0], x[0, :, 1], e).unsqueeze(0)
+
+    def train(self, mode: bool = True) -> OneMemberStack:
+        self.training = mode
+        return self
+
+
+def stacked(data: Data) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A split as one member's stacked tensors: x (1, n, 2, L) ids and masks, y (1, n), task (1, n)."""
+    return torch.stack([data.ids, data.mask], 1).unsqueeze(0), data.y.unsqueeze(0), data.task.unsqueeze(0)
+
+
 def train_one(
     method: str,
     config: RealConfig,
@@ -219,21 +245,15 @@ def train_one(
     train, test = dataset(config, seed, "train", tokenizer), dataset(config, seed, "test", tokenizer)
     model = build(method, config, seed)
     routed_e = e if method == "instruct-queryable" else None  # (T, 384): each sample its task's instruction
-    optimizer = torch.optim.AdamW(
+    optimizer = lambda: torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
     )
-    order = torch.Generator().manual_seed(seed)
-    n = len(train.y)
-    for _ in range(config.epochs):
-        perm = torch.randperm(n, generator=order)
-        for i in range(0, n, config.batch_size):
-            b = perm[i : i + config.batch_size]
-            pred = model(train.ids[b], train.mask[b], None if routed_e is None else routed_e[train.task[b]])
-            loss = (pred - train.y[b]).pow(2).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            progress(1)
+    (x_train, y_train, task_train), (x_test, y_test, task_test) = stacked(train), stacked(test)
+    data = engine.StackedData(x_train, y_train, x_test, y_test, task_train, task_test)
+    phase = engine.Phase(config.epochs, config.lr, config.batch_size, config.weight_decay)
+    order = [torch.Generator().manual_seed(seed)]
+    stage = engine.Stage(data, phase, optimizer, order, eval_every=config.epochs)
+    engine.fit(OneMemberStack(model), [stage], instruction=routed_e, progress=progress)
     if save_to is not None and method in QUERYABLE:
         save_adapter(model.encoder, save_to)
     test_tasks = mse_per_task(model, test, routed_e)

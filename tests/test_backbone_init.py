@@ -78,7 +78,7 @@ def test_cache_keys_and_config_hashes(tmp_path):
     legacy = make("default")
     assert legacy.record_path("dropwave", "lora").name == "quick-a4bb5b0f5c2239af.json"
     assert legacy.record_path("dropwave", "queryable").name == "quick-e0866099891a77ef.json"
-    path = lambda init, noise="absolute": engine._cache_paths(
+    path = lambda init, noise="absolute": engine.cache._cache_paths(
         "deep-narrow", [("dropwave", 0)], legacy.budget.pretrain, torch.float32, Store(tmp_path), init, noise
     )[0]
     assert path("default").name == "deep-narrow-dropwave-seed0-14302198299531af.pt"

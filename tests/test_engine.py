@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qlbench import adapters, engine, experiment, results, zoo
+from qlbench.seeding import generator
 from qlbench.store import Store
 
 F64 = torch.float64
@@ -25,8 +26,8 @@ def run(members, method_name, *, dtype=F64, break_member=None):
     with torch.no_grad():
         next(p for p in model.parameters() if p.requires_grad)[break_member].fill_(torch.nan)
     opt = method.optimizer(model, method.make_config(), BUDGET.adapt.lr, BUDGET.adapt.weight_decay)
-    order = [engine.generator("order", "adapt", "deep-narrow", f, s) for f, s in members]
-    return engine.fit(model, opt, data, BUDGET.adapt, BUDGET.eval_every, order)
+    order = [generator("order", "adapt", "deep-narrow", f, s) for f, s in members]
+    return engine.fit(model, [engine.Stage(data, BUDGET.adapt, lambda: opt, order, BUDGET.eval_every)])[0]
 
 
 MEMBERS = [("dropwave", 0), ("dropwave", 1), ("levy", 0)]  # two seeds and a second function in one stack
@@ -173,15 +174,16 @@ def test_compiled_training_step_matches_eager(method_name):
     config = method.make_config(n_blocks=2) if queryable else method.make_config()
     curves = []
     for compile in (False, True):
-        gens = [engine.generator("test-compile", *m) for m in members]
+        gens = [generator("test-compile", *m) for m in members]
         backbone = DeepNarrowMLP(gens, DeepNarrowConfig(depth=4), dtype=F64)
         data = engine.StackedData.build(members, "target", device="cpu", dtype=F64)
         model = method.build(backbone, config, gens, data.y_train)
         method.bind(model, members, config)
         opt = method.optimizer(model, config, 1e-3, 0.01)
-        order = [engine.generator("order", *m) for m in members]
+        order = [generator("order", *m) for m in members]
         torch._dynamo.utils.counters.clear()
-        curves.append(engine.fit(model, opt, data, engine.Phase(3, 1e-3), 1, order, compile=compile))
+        stage = engine.Stage(data, engine.Phase(3, 1e-3), lambda opt=opt: opt, order, 1)
+        curves.append(engine.fit(model, [stage], compile=compile)[0])
         # compiled means compiled: a graph was captured, not a silent fall-back to eager
         assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) is compile
     # float64, so reordered sums in compiled kernels stay at rounding level; SOAP amplifies them (its refresh QR runs

@@ -14,6 +14,7 @@ import torch
 
 from qlbench import adapters, engine, experiment, gradients, results
 from qlbench.backbones import DeepNarrowMLP, RegressionTransformer
+from qlbench.seeding import generator
 
 from helpers import F64, TINY_DEEP_NARROW, TINY_TRANSFORMER, gens
 
@@ -187,9 +188,10 @@ def test_a_diverged_members_gradients_are_nan_from_its_divergence():
     with torch.no_grad():
         model.hidden[0].lora_A[1].fill_(torch.nan)
     opt = adapters.get("lora").optimizer(model, None, 1e-3, 0.0)
-    order = [engine.generator("order", *m) for m in MEMBERS]
+    order = [generator("order", *m) for m in MEMBERS]
     groups = gradients.param_groups(model)
-    c = engine.fit(model, opt, data, engine.Phase(2, 1e-3), 1, order, diagnose=lambda: gradients.grad_norms(groups))
+    stage = engine.Stage(data, engine.Phase(2, 1e-3), lambda: opt, order, 1)
+    (c,) = engine.fit(model, [stage], diagnose=lambda: gradients.grad_norms(groups))
     assert c.diverged_epoch == [None, 0, None]
     assert torch.isnan(c.grad_layers[1]).all() and torch.isfinite(c.grad_layers[[0, 2]]).all()
 
@@ -235,6 +237,6 @@ def test_norms_come_from_the_last_step_of_each_evaluated_epoch():
     groups = gradients.param_groups(model)
     seen = []
     diagnose = lambda: (seen.append(len(steps)), gradients.grad_norms(groups))[1]
-    order = [engine.generator("order", *m) for m in MEMBERS]
-    c = engine.fit(model, opt, data, engine.Phase(5, 1e-3), 2, order, diagnose=diagnose)
+    order = [generator("order", *m) for m in MEMBERS]
+    (c,) = engine.fit(model, [engine.Stage(data, engine.Phase(5, 1e-3), lambda: opt, order, 2)], diagnose=diagnose)
     assert c.grad_epochs == [2, 4, 5] and seen == [7 * 2 - 1, 7 * 4 - 1, 7 * 5 - 1]

@@ -125,7 +125,8 @@ def test_steps_change_only_the_methods_trainable_parameters(name, arch):
 def train(name: str, arch: str, members):
     model, method, config = build(name, backbone(arch, members), members)
     optimizer = method.optimizer(model, config, STEPS.lr, STEPS.weight_decay)
-    curves = engine.fit(model, optimizer, data(members), STEPS, eval_every=1, order=gens("order", members=members))
+    stage = engine.Stage(data(members), STEPS, lambda: optimizer, gens("order", members=members), eval_every=1)
+    (curves,) = engine.fit(model, [stage])
     return model, curves
 
 

@@ -1,0 +1,47 @@
+"""One engine for every method: pretrain a stack of backbones on the source, adapt it to the target, evaluate.
+
+The package's modules, each one concern, imported in this order (none imports a later one):
+
+    budgets   Phase and Budget: the paper's protocol and the quick and smoke runs
+    runtime   device, intra-op threads, flush-denormal, torch.compile policy
+    loop      stacked data, the training step and `fit`, the one training loop (pretraining, adaptation, suite
+              stages and the real model all train through it), evaluation and curves
+    cache     source-pretrained backbone stacks and their on-disk cache
+    adapt     a method built on a pretrained stack and adapted to every member's target
+
+Callers use the names below (`engine.fit`, `engine.pretrain`, ...); the modules hold them.
+"""
+
+from qlbench.engine.adapt import AdaptResult, adapt, build_model
+from qlbench.engine.budgets import BUDGETS, Budget, Phase, budget, steps
+from qlbench.engine.cache import Pretrained, pretrain, pretrain_needed
+from qlbench.engine.loop import (
+    DIVERGENCE_FACTOR,
+    MIN_STACK,
+    Curves,
+    Member,
+    StackedData,
+    Stage,
+    evaluate,
+    fit,
+    make_step,
+    padded,
+    squared_errors,
+)
+from qlbench.engine.runtime import (
+    COMPILE_BUDGETS,
+    auto_threads,
+    check_threads,
+    compile_by_default,
+    compiled,
+    flush_denormals,
+    num_threads,
+    resolve_device,
+)
+
+__all__ = [
+    "AdaptResult", "adapt", "build_model", "BUDGETS", "Budget", "Phase", "budget", "steps", "Pretrained", "pretrain",
+    "pretrain_needed", "DIVERGENCE_FACTOR", "MIN_STACK", "Curves", "Member", "StackedData", "Stage", "evaluate", "fit",
+    "make_step", "padded", "squared_errors", "COMPILE_BUDGETS", "auto_threads", "check_threads", "compile_by_default",
+    "compiled", "flush_denormals", "num_threads", "resolve_device",
+]  # fmt: skip

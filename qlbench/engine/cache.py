@@ -1,0 +1,187 @@
+"""The backbone cache: source-pretrained stacks, one file per member, keyed by everything the weights depend on."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from qlbench import results, suites, zoo
+from qlbench.adapters.base import adamw
+from qlbench.backbones import build_backbone
+from qlbench.engine.budgets import Phase
+from qlbench.engine.loop import Member, StackedData, Stage, fit, padded
+from qlbench.engine.runtime import flush_denormals
+from qlbench.seeding import generator
+from qlbench.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash
+
+
+@dataclass
+class Pretrained:
+    """A stack of source-pretrained backbones: the stacked state and each member's source metrics."""
+
+    arch: str
+    members: list[Member]
+    state: dict[str, torch.Tensor]  # stacked state_dict, CPU
+    source_train_mse: list[float]
+    source_test_mse: list[float]
+    # the code each member's backbone was trained by ({commit, dirty}; None: a cache file written before it was
+    # recorded). The cache is keyed by settings, not by code, so a record states which code made its backbones.
+    git: list[dict | None] = field(default_factory=list)
+
+    def select(self, members: list[Member]) -> Pretrained:
+        """The sub-stack of the given members."""
+        idx = [self.members.index(m) for m in members]
+        return Pretrained(
+            self.arch,
+            list(members),
+            {k: v[idx] for k, v in self.state.items()},
+            [self.source_train_mse[i] for i in idx],
+            [self.source_test_mse[i] for i in idx],
+            [self.git[i] for i in idx] if self.git else [],
+        )
+
+    def commits(self) -> list[str]:
+        """The distinct commits that trained these backbones, "unknown" for a cache file without one and a
+        "+dirty" suffix for a dirty tree (records' run_info.settings.backbone_commits)."""
+        names = {
+            "unknown" if not g or not g.get("commit") else g["commit"] + ("+dirty" if g.get("dirty") else "")
+            for g in self.git or [None]
+        }
+        return sorted(names)
+
+    def model(self, *, device, dtype) -> nn.Module:
+        """A fresh copy of the pretrained stack (methods modify their backbone in place)."""
+        model = build_backbone(self.arch, self.members, device=device, dtype=dtype)
+        model.load_state_dict(self.state)
+        return model
+
+
+def _cache_paths(
+    arch: str,
+    members: list[Member],
+    phase: Phase,
+    dtype,
+    store: Store | None,
+    init: str = "default",
+    noise: str = zoo.DEFAULT_NOISE,
+    suite: bool = False,
+) -> list[Path | None]:
+    """Cache files keyed by everything the weights depend on; a non-default backbone init and a label noise other
+    than the legacy one join the key (so the caches written before either setting existed keep their keys); a
+    suite's backbone (members (suite card, seed), suites.py) is keyed as one."""
+    if store is None:
+        return [None] * len(members)
+    extra = {} if init == "default" else {"init": init}
+    extra |= {} if noise == zoo.LEGACY_NOISE else {"noise": noise}
+    extra |= {"suite_source": True} if suite else {}
+    return [
+        store.backbone_path(
+            arch, f, s, stable_hash(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype)) | extra)
+        )
+        for f, s in members
+    ]
+
+
+def pretrain_needed(
+    arch: str,
+    members: list[Member],
+    phase: Phase,
+    dtype,
+    store: Store | None,
+    init: str = "default",
+    noise: str = zoo.DEFAULT_NOISE,
+    suite: bool = False,
+) -> bool:
+    """Whether `pretrain` will train anything (some member is not in the cache)."""
+    paths = _cache_paths(arch, members, phase, dtype, store, init, noise, suite)
+    return any(p is None or not p.exists() for p in paths)
+
+
+@functools.cache
+def _member_shapes(arch: str) -> dict[str, tuple[int, ...]]:
+    """One member's weight names and shapes, from a shapes-only build on the meta device (they do not depend on
+    the init), computed once per arch."""
+    meta = build_backbone(arch, [("shape", 0)], device="meta").state_dict()
+    return {k: tuple(v.shape[1:]) for k, v in meta.items()}
+
+
+def _read_backbone(path: Path, arch: str) -> dict:
+    """A cached member, checked by content: DamagedFile (one line) unless it holds a state with exactly the
+    backbone's weight names and per-member shapes (from a shapes-only build on the meta device) and its two source
+    MSEs as numbers."""
+    saved = load_torch(path)
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise DamagedFile(f"{path} is damaged (not a backbone file: no state)")
+    want = _member_shapes(arch)
+    got = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in saved["state"].items()}
+    if wrong := sorted(set(want) ^ set(got)) or [k for k in want if got[k] != want[k]]:
+        raise DamagedFile(f"{path} is damaged ({wrong[0]}: not the {arch} backbone's weights)")
+    if not all(isinstance(saved.get(k), float) for k in ("source_train_mse", "source_test_mse")):
+        raise DamagedFile(f"{path} is damaged (no source MSEs)")
+    return saved
+
+
+@flush_denormals()
+def pretrain(
+    arch: str,
+    members: list[Member],
+    phase: Phase,
+    *,
+    device,
+    dtype=torch.float32,
+    store: Store | None = None,
+    progress: Callable[[int], None] | None = None,
+    compile: bool = False,
+    log: Callable[[str], None] = lambda message: None,
+    init: str = "default",
+    noise: str = zoo.DEFAULT_NOISE,
+    suite: bool = False,
+) -> Pretrained:
+    """Source-pretrained backbones for `members`. Members found in the store's backbone cache are loaded; the
+    rest are trained together and cached one file per member, so any later stacking of the same members reuses
+    them. A damaged cache file is reported through `log`, set aside and retrained. `init`: the backbone
+    initialisation (backbones.INITS); `noise`: the source labels' noise (zoo.NOISES); both part of the cache key.
+    `suite`: the members are (suite card, seed) and train on the suite's standardised source (suites.py)."""
+    paths = _cache_paths(arch, members, phase, dtype, store, init, noise, suite)
+    cached = {}
+    for i, path in enumerate(paths):
+        if path is not None and path.exists():
+            try:
+                cached[i] = _read_backbone(path, arch)
+            except DamagedFile as err:
+                log(f"{err}; {set_aside(path)}, retraining that backbone")
+    todo = [i for i in range(len(members)) if i not in cached]
+    if todo:
+        sub = padded([members[i] for i in todo])  # trained as a stack of at least MIN_STACK
+        model = build_backbone(arch, sub, device=device, dtype=dtype, init=init)
+        if suite:
+            data = StackedData.stack([suites.get(n).source_data(s, dtype=dtype, device=device) for n, s in sub])
+        else:
+            data = StackedData.build(sub, "source", device=device, dtype=dtype, noise=noise)
+        order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
+        optimizer = lambda: adamw(model.parameters(), phase.lr, phase.weight_decay)
+        (curves,) = fit(model, [Stage(data, phase, optimizer, order, phase.epochs)], progress=progress, compile=compile)
+        state = model.state_dict()
+        for j, i in enumerate(todo):
+            cached[i] = dict(
+                state={k: v[j].detach().cpu().clone() for k, v in state.items()},
+                source_train_mse=curves.train_mse[j, -1].item(),
+                source_test_mse=curves.test_mse[j, -1].item(),
+                git=results.git_info(),  # which code trained it (the cache key does not say)
+            )
+            if paths[i] is not None:
+                save_torch(cached[i], paths[i])
+    state = {k: torch.stack([cached[i]["state"][k] for i in range(len(members))]) for k in cached[0]["state"]}
+    return Pretrained(
+        arch,
+        list(members),
+        state,
+        [cached[i]["source_train_mse"] for i in range(len(members))],
+        [cached[i]["source_test_mse"] for i in range(len(members))],
+        [cached[i].get("git") for i in range(len(members))],
+    )

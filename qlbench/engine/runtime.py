@@ -1,0 +1,105 @@
+"""Runtime policy: the device, intra-op threads, flush-denormal and torch.compile choices every training run makes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn as nn
+
+
+def resolve_device(device: str, cuda: bool | None = None) -> torch.device:
+    """'auto' -> CUDA when present, else CPU; 'cpu' and 'cuda[:i]' as given. `cuda`: whether the machines that
+    train have CUDA (None: this one; the Ray executor passes whether its cluster has GPUs)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if device == "auto":
+        return torch.device("cuda" if cuda else "cpu")
+    if device.startswith("cuda") and not cuda:
+        raise ValueError(f"device {device!r} requested but CUDA is not available; valid: auto, cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; valid: auto, cpu, cuda")
+    return torch.device(device)
+
+
+def check_threads(threads) -> None:
+    """A user's intra-op thread count for work on this machine: None (the default) or an integer from 1 to the cores
+    present (ValueError otherwise; the commands check it before any work, a Ray sweep against its largest node).
+    More threads than cores oversubscribe the machine: 999 once drove a 2-core machine's load to 170."""
+    cores = os.cpu_count() or 1
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cores):
+        raise ValueError(f"threads must be an integer from 1 to {cores} (the cores present), got {threads!r}")
+
+
+def auto_threads(arch: str, members: int, requested: int | None = None) -> int | None:
+    """Intra-op threads for a stack: `requested` if given (a user's --threads), else one for the deep-narrow MLP
+    below 16 members, else PyTorch's default (None).
+
+    Its 32-wide layers at batch 64 are too small to split across cores, and a second thread stalls whenever another
+    process holds a core; from about 16 members, and for the Transformer, more threads help (docs/speed.md).
+    """
+    if requested is not None:
+        return requested
+    return 1 if arch == "deep-narrow" and members < 16 else None
+
+
+def _denormals_flushed() -> bool:
+    """Whether this thread flushes denormals (PyTorch has no getter: a denormal times one reads back as 0)."""
+    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+
+
+@contextlib.contextmanager
+def flush_denormals():
+    """Flush denormal floats to zero on the CPU inside the block, then restore the previous setting.
+
+    float32 training that drifts into denormals (tiny gradients of a deep MLP) runs several times slower
+    otherwise. The engine's entry points (`pretrain`, `adapt`) and the benchmarks run inside it. PyTorch's switch
+    is per thread, one more reason small stacks run on one thread."""
+    before = _denormals_flushed()
+    torch.set_flush_denormal(True)  # a no-op (returning False) on CPUs without the feature
+    try:
+        yield
+    finally:
+        if not before:
+            torch.set_flush_denormal(False)
+
+
+@contextlib.contextmanager
+def num_threads(n: int | None):
+    """Run a block with n intra-op threads (None: leave the setting as it is)."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    """torch.compile for the training forward: CUDA graphs ("reduce-overhead") on a GPU, Inductor's default on CPU.
+
+    It shares the model's parameters; evaluation keeps calling the eager model (its batch shapes vary). Whether
+    `--compile auto` uses it depends on the device and budget (`compile_by_default`). `qlbench bench` also times
+    no-grad forwards through it. Call it before the first call of anything compiled earlier: the reset below drops
+    compiled code (which then recompiles on its next call).
+    """
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    # a fresh in-process cache per training run: every method's model re-enters the same forward code, and past
+    # torch._dynamo's recompile limit (8 per code object) a sweep's later methods would silently run eager. The
+    # on-disk Inductor cache survives the reset, so a model seen before still compiles in seconds.
+    torch._dynamo.reset()
+    return torch.compile(model, mode="reduce-overhead" if on_cuda else None, dynamic=False)
+
+
+# Budgets whose training step `--compile auto` compiles, per device type. On CPU the measured cold warm-up (about 16 s
+# for LoRA, 57 s for Queryable LoRA on the deep-narrow stack; seconds when Inductor's cache is warm) is repaid only by
+# the paper budget's 35,000 steps per member, not by a quick run's 2,800 (docs/speed.md). On CUDA, where CUDA graphs
+# remove per-kernel launch cost, every budget but smoke (seconds long, where the warm-up would dominate); not
+# measured on this project's machines, which have no GPU.
+COMPILE_BUDGETS = {"cpu": ("paper",), "cuda": ("paper", "quick")}
+
+
+def compile_by_default(device: torch.device, budget_name: str) -> bool:
+    """Whether `--compile auto` compiles the training step for this device and budget (COMPILE_BUDGETS)."""
+    return budget_name in COMPILE_BUDGETS.get(torch.device(device).type, ())
