@@ -7,34 +7,21 @@ the same config hash are skipped, so an interrupted run resumes where it stopped
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qlbench import adapters, cost, engine, results, stacked, zoo
+from qlbench import adapters, cost, engine, results, runner, stacked, zoo
 from qlbench.backbones import ARCHS, build_backbone, check_init
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.seeding import generator
-from qlbench.store import (
-    DamagedFile,
-    Store,
-    check_writable,
-    claim,
-    clean_temps,
-    load_torch,
-    save_torch,
-    set_aside,
-    stable_hash,
-    write_json,
-)
+from qlbench.store import DamagedFile, Store, check_writable, load_torch, save_torch, set_aside, stable_hash, write_json
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -59,9 +46,33 @@ class Plan:
     eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
     noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
 
+    noun = "cell"  # runner.Workload: a unit is a (method, function) cell
+
     @property
     def store(self) -> Store:
         return Store(self.out_dir)
+
+    def units(self) -> list[tuple[str, str]]:
+        """Every (method, function) cell, method by method (runner.Workload)."""
+        return [(m, f) for m in self.methods for f in self.functions]
+
+    def unit_path(self, unit: tuple[str, str]) -> Path:
+        return self.record_path(unit[1], unit[0])
+
+    def unit_config(self, unit: tuple[str, str]) -> dict:
+        return self.cell_config(unit[1], unit[0])
+
+    def intact(self, record: Path, rec: dict, log) -> bool:
+        """Whether the adapter weights a finished record relies on are there and readable (runner.finished)."""
+        return _model_intact(record, rec, log)
+
+    def train(self, units: list[tuple[str, str]], progress: bool, log) -> None:
+        """Train the given cells in this process (runner.run): every member pretrained once, then one stack per
+        method."""
+        todo = by_method(self, units)
+        functions = [f for f in self.functions if any(f in fs for fs in todo.values())]
+        with engine.num_threads(threads(self, len(functions) * len(self.seeds))):
+            _run(self, todo, functions, DTYPES[self.dtype], progress, log)
 
     def record_path(self, function: str, method: str) -> Path:
         """Where the cell's record lives: keyed by budget and config hash, so other configs never collide."""
@@ -347,21 +358,6 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     return model, data, rec
 
 
-def _finished(path: Path, config: dict, log) -> bool:
-    """Whether a finished record of this exact config exists. A damaged record is reported, set aside and counts
-    as unfinished; a failed one is retried (it holds no results)."""
-    if not path.exists():
-        return False
-    try:
-        rec = results.read_record(path)
-    except DamagedFile as err:
-        log(f"{err}; {set_aside(path)}, the cell is recomputed")
-        return False
-    if rec["run_info"]["config_hash"] != stable_hash(config) or rec["train_info"]["status"] == "failed":
-        return False
-    return _model_intact(path, rec, log)
-
-
 def _model_intact(record: Path, rec: dict, log) -> bool:
     """Whether the trained weights saved with a finished record (adapter methods) are there and readable; a damaged
     file is reported and set aside, and the cell counts as unfinished (recomputed)."""
@@ -407,17 +403,9 @@ def read_model(path: Path, rec: dict, map_location="cpu") -> dict:
     return saved
 
 
-def pending(p: Plan, log) -> dict[str, list[str]]:
-    """method -> the functions whose cell has no finished record of the plan's config (every function with
-    `p.force`); logs how many cells are skipped. Every executor starts here."""
-    todo = {
-        m: [f for f in p.functions if p.force or not _finished(p.record_path(f, m), p.cell_config(f, m), log)]
-        for m in p.methods
-    }
-    skipped = sum(len(p.functions) - len(fs) for fs in todo.values())
-    if skipped:
-        log(f"{skipped} cell(s) already have a finished record of the same config: skipped (--force re-runs them)")
-    return todo
+def by_method(p: Plan, units: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """method -> the functions of the given (method, function) cells, in the plan's order."""
+    return {m: [f for f in p.functions if (m, f) in units] for m in p.methods}
 
 
 def threads(p: Plan, members: int) -> int | None:
@@ -427,38 +415,13 @@ def threads(p: Plan, members: int) -> int | None:
 
 def record_paths(p: Plan) -> list[Path]:
     """The record path of every cell of the plan, method by method."""
-    return [p.record_path(f, m) for m in p.methods for f in p.functions]
-
-
-def remove_stale_temps(folder: Path, log) -> None:
-    """Remove the temp files that killed writers left in a results folder (`store.clean_temps`), and say how many."""
-    if stale := clean_temps(folder):
-        log(f"removed {len(stale)} temporary file(s) left by killed writers in {folder}")
-
-
-@contextlib.contextmanager
-def claimed(p: Plan, log) -> Iterator[dict[str, list[str]]]:
-    """The plan's unfinished cells (`pending`) that this process may train: temporaries of killed writers in the
-    results folder are removed first, and each cell is locked (`store.claim`) while the block runs; a cell another
-    process is training is left to it and said so."""
-    remove_stale_temps(p.out_dir, log)
-    todo = pending(p, log)
-    with claim([p.record_path(f, m) for m, fs in todo.items() for f in fs]) as held:
-        mine = {m: [f for f in fs if p.record_path(f, m) in held] for m, fs in todo.items()}
-        if busy := sum(len(fs) for fs in todo.values()) - sum(len(fs) for fs in mine.values()):
-            log(f"{busy} cell(s) are being trained by another process: left to it")
-        yield mine
+    return [p.unit_path(u) for u in p.units()]
 
 
 def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
-    """Run every unfinished cell of the plan (every cell with `p.force`) in this process; returns the record paths
-    of all cells (finished before or now). `qlbench.ray_executor.run` does the same on Ray."""
-    dtype = DTYPES[p.dtype]
-    with claimed(p, log) as todo:
-        functions = [f for f in p.functions if any(f in fs for fs in todo.values())]
-        with engine.num_threads(threads(p, len(functions) * len(p.seeds))):
-            _run(p, todo, functions, dtype, progress, log)
-    return record_paths(p)
+    """Run every unfinished cell of the plan (every cell with `p.force`) in this process (runner.run); returns the
+    record paths of all cells (finished before or now). `qlbench.ray_executor.run` does the same on Ray."""
+    return runner.run(p, progress=progress, log=log)
 
 
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:

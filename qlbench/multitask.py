@@ -37,14 +37,14 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, cost, engine, experiment, instructions, results, suites, zoo
+from qlbench import adapters, cost, engine, experiment, instructions, results, runner, suites, zoo
 from qlbench.adapters import instruct, queryable
 from qlbench.adapters.base import isolate_tasks
 from qlbench.backbones import ARCHS, check_init
 from qlbench.progress import bar as progress_bar
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext
-from qlbench.store import DamagedFile, Store, check_writable, claim, set_aside, stable_hash, write_json
+from qlbench.store import Store, check_writable, stable_hash, write_json
 
 SCHEDULES = ("joint", "sequential", "held-out")
 # the instruction-router ablation's structural variants: instruct-queryable's settings, run on one function
@@ -109,9 +109,27 @@ class SuitePlan:
     backbone_init: str = "default"
     eps: float = adapters.EPS
 
+    noun = "row"  # runner.Workload: a unit is a row
+
     @property
     def store(self) -> Store:
         return Store(self.out_dir)
+
+    def units(self) -> list[str]:
+        return list(self.rows)
+
+    def unit_path(self, row: str) -> Path:
+        return self.record_path(row)
+
+    def unit_config(self, row: str) -> dict:
+        return self.cell_config(row)
+
+    def intact(self, record: Path, rec: dict, log) -> bool:
+        return True  # a suite row saves no weights: its record is all it has
+
+    def train(self, rows: list[str], progress: bool, log) -> None:
+        """Train the given rows in this process (runner.run)."""
+        _run_rows(self, rows, progress, log)
 
     @property
     def members(self) -> list[engine.Member]:
@@ -309,38 +327,10 @@ def stages(p: SuitePlan) -> list[list[int]]:
     ]
 
 
-def pending(p: SuitePlan, log) -> list[str]:
-    """Rows without a finished record of this exact config (every row with force)."""
-    todo = []
-    for r in p.rows:
-        path = p.record_path(r)
-        if p.force or not path.exists():
-            todo.append(r)
-            continue
-        try:
-            rec = results.read_record(path)
-        except DamagedFile as err:
-            log(f"{err}; {set_aside(path)}, the row is recomputed")
-            todo.append(r)
-            continue
-        if rec["train_info"]["status"] == "failed":
-            todo.append(r)
-    if skipped := len(p.rows) - len(todo):
-        log(f"{skipped} row(s) already have a finished record of the same config: skipped (--force re-runs them)")
-    return todo
-
-
 def run(p: SuitePlan, *, progress: bool = True, log=print) -> list[Path]:
-    """Run every unfinished row of the plan; returns every row's record path. As `experiment.run`: temporaries of
-    killed writers are removed, and each row is locked while it trains (a row another process trains is left)."""
-    experiment.remove_stale_temps(p.out_dir, log)
-    rows = pending(p, log)
-    with claim([p.record_path(r) for r in rows]) as held:
-        todo = [r for r in rows if p.record_path(r) in held]
-        if busy := len(rows) - len(todo):
-            log(f"{busy} row(s) are being trained by another process: left to it")
-        _run_rows(p, todo, progress, log)
-    return [p.record_path(r) for r in p.rows]
+    """Run every unfinished row of the plan (runner.run: temporaries of killed writers removed, each row locked
+    while it trains, a row another process trains left to it); returns every row's record path."""
+    return runner.run(p, progress=progress, log=log)
 
 
 def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:

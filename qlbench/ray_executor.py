@@ -3,7 +3,7 @@ ray [--ray-address ADDR]`). Ray is an optional extra (`pip install 'qlbench[ray]
 here, so `import qlbench` never needs it.
 
     driver                                   tasks (Ray workers, any node)
-    experiment.pending: unfinished cells
+    runner.claimed: unfinished cells
     one pretraining task  ---------------->  engine.pretrain: train the missing backbones, cache them in the store
     one task per unit of work  ----------->  reload the unit's members from the cache, experiment.run_method:
                                              adapt the stack, commit one record per cell (atomic writers)
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, engine, experiment, zoo
+from qlbench import adapters, engine, experiment, runner, zoo
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 
 INSTALL = "pip install 'qlbench[ray]'"
@@ -145,7 +145,8 @@ def run(
     if not (isinstance(retries, int) and retries >= 0):
         raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
     ray = _ray()
-    with connect() as cluster, experiment.claimed(p, log) as todo:
+    with connect() as cluster, runner.claimed(p, log) as mine:
+        todo = experiment.by_method(p, mine)
         work = units(p, todo, group_size)
         if not work:
             return experiment.record_paths(p)
@@ -182,7 +183,7 @@ def _pretrain(ray, p, functions, request, threads, retries, reporter, progress, 
     if isinstance(outcome["result"], ray.exceptions.RayError):
         message = f"pretraining failed: {_describe(outcome['result'])}"
         log(f"{p.arch}: {message}")
-        for m, fs in experiment.pending(p, lambda _: None).items():
+        for m, fs in experiment.by_method(p, runner.pending(p, lambda _: None)).items():
             experiment.write_failed(p, m, fs, message, time.perf_counter() - t0)
         return False
     for message in outcome["result"]:

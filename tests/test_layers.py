@@ -79,7 +79,7 @@ LAYERS = [
     ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.suites"],
     ["qlbench.adapters"],
     ["qlbench.engine"],
-    ["qlbench.experiment", "qlbench.cost"],
+    ["qlbench.runner", "qlbench.experiment", "qlbench.cost"],
     [
         "qlbench.stats",
         "qlbench.theory",
@@ -177,3 +177,33 @@ def test_only_the_ray_executor_imports_ray_and_only_inside_functions():
     found = ray_imports()
     assert found == {"qlbench.ray_executor": {"function"}}, found
     assert "qlbench.ray_executor" in import_graph()["qlbench.commands.run"]  # the layer above it
+
+
+# Training steps: the library's one training loop is the engine's (engine.fit and make_step). The benchmark's plain
+# loop is the exception by design: it is the PyTorch loop a user would write, which the engine is measured against.
+BACKWARD_ALLOWED = {"qlbench.bench.models": "the plain PyTorch loop `qlbench bench` compares the engine with"}
+
+
+def backward_callers(sources: dict[str, str]) -> list[str]:
+    """The modules (name -> source text) that call `.backward(...)`, `torch.autograd.backward` or
+    `torch.autograd.grad`, outside the engine package and BACKWARD_ALLOWED."""
+    found = []
+    for name, text in sources.items():
+        if name == "qlbench.engine" or name.startswith("qlbench.engine.") or name in BACKWARD_ALLOWED:
+            continue
+        calls = [n.func for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Call)]
+        if any(isinstance(f, ast.Attribute) and f.attr in ("backward", "grad") for f in calls):
+            found.append(name)
+    return sorted(found)
+
+
+def test_only_the_engine_runs_a_backward_pass():
+    sources = {module_name(p): p.read_text() for p in ROOT.rglob("*.py")}
+    assert backward_callers(sources) == []
+
+
+def test_the_backward_check_finds_a_planted_training_loop():
+    planted = "def train(model, x):\n    loss = model(x).sum()\n    loss.backward()\n"
+    grad = "import torch\ndef g(y, x):\n    return torch.autograd.grad(y, x)\n"
+    sources = {"qlbench.multitask": planted, "qlbench.real": grad, "qlbench.engine.loop": planted}
+    assert backward_callers(sources) == ["qlbench.multitask", "qlbench.real"]

@@ -1,0 +1,100 @@
+"""The one runner: which units of a workload are finished, which this process may train, and the run itself.
+
+A workload is any experiment whose results are one record per unit: `experiment.Plan` (a unit is a (method, function)
+cell of a single-task sweep) and `multitask.SuitePlan` (a unit is a row of a suite schedule). It names its units,
+where each unit's record lives and the config that record must hold, and trains a list of units, writing their
+records. The runner is the one place that decides whether a unit is finished and intact (`finished`), and it plans,
+claims and resumes for every workload:
+
+    run(w)      remove the temporaries of killed writers -> pending units -> lock them (a unit another process is
+                training is left to it) -> w.train(the units this process holds) -> every unit's record path
+
+The Ray executor claims through `claimed` too, and trains the units on its workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+from qlbench import results
+from qlbench.store import DamagedFile, claim, clean_temps, set_aside, stable_hash
+
+Log = Callable[[str], None]
+
+
+class Workload(Protocol):
+    """What the runner needs of an experiment."""
+
+    out_dir: Path
+    force: bool  # re-run units that already have a finished record of the same config
+    noun: str  # what a unit is called in messages ("cell", "row")
+
+    def units(self) -> list[Hashable]: ...
+
+    def unit_path(self, unit) -> Path:  # where the unit's record lives (its config's hash in the name)
+        ...
+
+    def unit_config(self, unit) -> dict:  # the config a reusable record of the unit must hold (by hash)
+        ...
+
+    def intact(self, record: Path, rec: dict, log: Log) -> bool:  # the files a finished record relies on
+        ...
+
+    def train(self, units: list, progress: bool, log: Log) -> None:  # train the units and write their records
+        ...
+
+
+def finished(w: Workload, unit, log: Log) -> bool:
+    """Whether the unit has a finished record of its exact config whose files are intact. A damaged record is
+    reported, set aside and counts as unfinished; a failed one is retried (it holds no results)."""
+    path = w.unit_path(unit)
+    if not path.exists():
+        return False
+    try:
+        rec = results.read_record(path)
+    except DamagedFile as err:
+        log(f"{err}; {set_aside(path)}, the {w.noun} is recomputed")
+        return False
+    if rec["run_info"]["config_hash"] != stable_hash(w.unit_config(unit)) or rec["train_info"]["status"] == "failed":
+        return False
+    return w.intact(path, rec, log)
+
+
+def pending(w: Workload, log: Log) -> list:
+    """The units without a finished record (every unit with `w.force`); says how many are skipped."""
+    todo = [u for u in w.units() if w.force or not finished(w, u, log)]
+    if skipped := len(w.units()) - len(todo):
+        log(f"{skipped} {w.noun}(s) already have a finished record of the same config: skipped (--force re-runs them)")
+    return todo
+
+
+def remove_stale_temps(folder: Path, log: Log) -> None:
+    """Remove the temp files that killed writers left in a results folder (`store.clean_temps`), and say how many."""
+    if stale := clean_temps(folder):
+        log(f"removed {len(stale)} temporary file(s) left by killed writers in {folder}")
+
+
+@contextlib.contextmanager
+def claimed(w: Workload, log: Log) -> Iterator[list]:
+    """The pending units that this process may train: temporaries of killed writers in the results folder are removed
+    first, and each unit's record is locked (`store.claim`) while the block runs; a unit another process is training
+    is left to it and said so."""
+    remove_stale_temps(w.out_dir, log)
+    todo = pending(w, log)
+    with claim([w.unit_path(u) for u in todo]) as held:
+        mine = [u for u in todo if w.unit_path(u) in held]
+        if busy := len(todo) - len(mine):
+            log(f"{busy} {w.noun}(s) are being trained by another process: left to it")
+        yield mine
+
+
+def run(w: Workload, *, progress: bool = True, log: Log = print) -> list[Path]:
+    """Train every unfinished unit of the workload that no other process holds (every unit with `w.force`); returns
+    the record path of every unit, finished before or now."""
+    with claimed(w, log) as mine:
+        if mine:
+            w.train(mine, progress, log)
+    return [w.unit_path(u) for u in w.units()]
