@@ -62,6 +62,9 @@ class Plan:
     def unit_config(self, unit: tuple[str, str]) -> dict:
         return self.cell_config(unit[1], unit[0])
 
+    def read(self, path: Path) -> runner.Found:
+        return runner.read_result(path)
+
     def intact(self, record: Path, rec: dict, log) -> bool:
         """Whether the adapter weights a finished record relies on are there and readable (runner.finished)."""
         return _model_intact(record, rec, log)

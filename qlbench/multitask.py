@@ -124,6 +124,9 @@ class SuitePlan:
     def unit_config(self, row: str) -> dict:
         return self.cell_config(row)
 
+    def read(self, path: Path) -> runner.Found:
+        return runner.read_result(path)
+
     def intact(self, record: Path, rec: dict, log) -> bool:
         return True  # a suite row saves no weights: its record is all it has
 

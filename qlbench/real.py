@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from qlbench import engine, instructions, results, store
+from qlbench import engine, instructions, results, runner, store
 from qlbench.adapters.base import check_positive_int
 from qlbench.adapters.lora_matched import nearest_rank
 
@@ -341,6 +341,76 @@ def steps(config: RealConfig) -> int:
     return config.epochs * -(-n // config.batch_size)
 
 
+def check_record(rec, path: Path) -> dict:
+    """A real record, checked by content: store.DamagedFile (one line) unless it holds its config hash and a list of
+    per-seed entries, each with an integer seed."""
+    entries = rec.get("per_seed") if isinstance(rec, dict) else None
+    if not isinstance(rec, dict) or not isinstance(rec.get("config_hash"), str) or not isinstance(entries, list):
+        raise store.DamagedFile(f"{path} is damaged (not a real record: no config_hash and per_seed list)")
+    if not all(isinstance(s, dict) and isinstance(s.get("seed"), int) for s in entries):
+        raise store.DamagedFile(f"{path} is damaged (a per-seed entry without an integer seed)")
+    return rec
+
+
+@dataclass
+class RealPlan:
+    """The real-model experiment as a workload of the runner (qlbench.runner): a unit is a method, its record one file
+    per method under the config's hash, finished when it holds every seed of the config."""
+
+    methods: list[str]
+    config: RealConfig
+    out_dir: Path
+    force: bool = False
+    noun = "method"
+
+    def units(self) -> list[str]:
+        return list(self.methods)
+
+    def unit_path(self, method: str) -> Path:
+        return record_path(self.out_dir, self.config, method)
+
+    def unit_config(self, method: str) -> dict:
+        return {k: v for k, v in asdict(self.config).items() if k != "seeds"}  # RealConfig.hash's
+
+    def read(self, path: Path) -> runner.Found:
+        """The record's config hash and state: "ok" once it holds every seed of the config, else "incomplete"
+        (the missing seeds are trained and added)."""
+        rec = check_record(store.read_json(path), path)
+        complete = set(self.config.seeds) <= {s["seed"] for s in rec["per_seed"]}
+        return runner.Found(rec["config_hash"], "ok" if complete else "incomplete", rec)
+
+    def intact(self, record: Path, rec: dict, log) -> bool:
+        return True  # the saved adapters are for `qlbench verify --peft`, not needed to reuse the record
+
+    def train(self, methods: list[str], progress, log) -> None:
+        """Train every (method, seed) of the given methods not yet in its record, writing the record after each seed
+        (the seeds it held before are kept)."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path())
+        e = instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
+        for m in methods:
+            path = self.unit_path(m)
+            done = {}
+            if path.exists() and not self.force:
+                try:
+                    done = {s["seed"]: s for s in self.read(path).rec["per_seed"]}
+                except store.DamagedFile as err:
+                    log(f"{err}; {store.set_aside(path)}, recomputing")
+            for seed in self.config.seeds:
+                if seed in done:
+                    continue
+                log(f"{m} seed {seed}")
+                done[seed] = train_one(
+                    m, self.config, seed, tokenizer, e, progress, adapter_dir(self.out_dir, self.config, m, seed)
+                )
+                record = {"method": m, "config": asdict(self.config) | {"seeds": sorted(done)},
+                          "config_hash": self.config.hash(), "per_seed": [done[s] for s in sorted(done)],
+                          "git": results.git_info(),  # where the code came from, and every setting beyond the config
+                          "settings": results.settings(device="cpu", compile=False, dtype="float32")}  # fmt: skip
+                store.write_json(record, path)
+
+
 def run(
     methods: list[str],
     config: RealConfig,
@@ -350,34 +420,9 @@ def run(
     log: Callable[[str], None] = lambda m: None,
 ) -> list[Path]:
     """Train every (method, seed) not yet on record and write one record per method (atomic; a record of another
-    config never replaced: the config's hash names the folder). Returns the methods' record paths."""
-    from transformers import AutoTokenizer
-
+    config never replaced: the config's hash names the folder), through the runner (a method another process is
+    training is left to it). Returns the methods' record paths."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
-    tokenizer = AutoTokenizer.from_pretrained(model_path())
-    e = instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
-    paths = []
-    for m in methods:
-        path = record_path(out, config, m)
-        done = {}
-        if path.exists():
-            try:
-                done = {s["seed"]: s for s in store.read_json(path)["per_seed"]}
-            except (store.DamagedFile, KeyError, TypeError) as err:
-                log(f"{path}: {err}; {store.set_aside(path)}, recomputing")
-        per_seed = []
-        for seed in config.seeds:
-            if seed in done:
-                per_seed.append(done[seed])
-                continue
-            log(f"{m} seed {seed}")
-            per_seed.append(train_one(m, config, seed, tokenizer, e, progress, adapter_dir(out, config, m, seed)))
-            record = {"method": m, "config": asdict(config) | {"seeds": sorted({s["seed"] for s in per_seed})},
-                      "config_hash": config.hash(), "per_seed": sorted(per_seed, key=lambda s: s["seed"]),
-                      "git": results.git_info(),  # where the code came from, and every setting beyond the config
-                      "settings": results.settings(device="cpu", compile=False, dtype="float32")}  # fmt: skip
-            store.write_json(record, path)
-        paths.append(path)
-    return paths
+    return runner.run(RealPlan(list(methods), config, Path(out)), progress=progress, log=log)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +24,22 @@ from qlbench import results
 from qlbench.store import DamagedFile, claim, clean_temps, set_aside, stable_hash
 
 Log = Callable[[str], None]
+
+
+@dataclass
+class Found:
+    """What a unit's record says: the hash of the config it was made with, its status ("ok", "diverged", "failed",
+    or "incomplete" for one still missing some of its work) and the record itself."""
+
+    config_hash: str
+    status: str
+    rec: dict
+
+
+def read_result(path: Path) -> Found:
+    """A cell or suite-row record (results.read_record: DamagedFile unless it follows the record schema)."""
+    rec = results.read_record(path)
+    return Found(rec["run_info"]["config_hash"], rec["train_info"]["status"], rec)
 
 
 class Workload(Protocol):
@@ -40,27 +57,31 @@ class Workload(Protocol):
     def unit_config(self, unit) -> dict:  # the config a reusable record of the unit must hold (by hash)
         ...
 
+    def read(self, path: Path) -> Found:  # the unit's record, checked (store.DamagedFile otherwise)
+        ...
+
     def intact(self, record: Path, rec: dict, log: Log) -> bool:  # the files a finished record relies on
         ...
 
-    def train(self, units: list, progress: bool, log: Log) -> None:  # train the units and write their records
-        ...
+    def train(self, units: list, progress, log: Log) -> None:  # train them, write their records (progress: a
+        ...  # flag for a progress bar, or a callback, as the workload takes it)
 
 
 def finished(w: Workload, unit, log: Log) -> bool:
     """Whether the unit has a finished record of its exact config whose files are intact. A damaged record is
-    reported, set aside and counts as unfinished; a failed one is retried (it holds no results)."""
+    reported, set aside and counts as unfinished; a failed one is retried (it holds no results), an incomplete one
+    completed."""
     path = w.unit_path(unit)
     if not path.exists():
         return False
     try:
-        rec = results.read_record(path)
+        found = w.read(path)
     except DamagedFile as err:
         log(f"{err}; {set_aside(path)}, the {w.noun} is recomputed")
         return False
-    if rec["run_info"]["config_hash"] != stable_hash(w.unit_config(unit)) or rec["train_info"]["status"] == "failed":
+    if found.config_hash != stable_hash(w.unit_config(unit)) or found.status in ("failed", "incomplete"):
         return False
-    return w.intact(path, rec, log)
+    return w.intact(path, found.rec, log)
 
 
 def pending(w: Workload, log: Log) -> list:
@@ -91,7 +112,7 @@ def claimed(w: Workload, log: Log) -> Iterator[list]:
         yield mine
 
 
-def run(w: Workload, *, progress: bool = True, log: Log = print) -> list[Path]:
+def run(w: Workload, *, progress=True, log: Log = print) -> list[Path]:
     """Train every unfinished unit of the workload that no other process holds (every unit with `w.force`); returns
     the record path of every unit, finished before or now."""
     with claimed(w, log) as mine:

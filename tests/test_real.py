@@ -113,3 +113,37 @@ def test_lora_matched_is_lora_of_instruct_queryables_size():
     assert abs(sizes["lora-matched"] / sizes["instruct-queryable"] - 1) <= 0.10
     assert abs(sizes["lora"] / sizes["instruct-queryable"] - 1) > 0.10
     assert sizes["lora-matched"] == 9 * sizes["lora"] // 8  # LoRA's count is linear in r
+
+
+def test_the_runner_completes_a_record_keeps_its_seeds_and_leaves_a_locked_method(tmp_path, monkeypatch):
+    """real runs through qlbench.runner: a record missing seeds is completed (the seeds it held kept), a damaged one
+    is set aside and retrained, a method another process holds is left to it."""
+    trained = []
+
+    def fake(method, config, seed, *args):
+        trained.append((method, seed))
+        return {"seed": seed, "status": "ok", "test_mse": float(seed)}
+
+    monkeypatch.setattr(real, "train_one", fake)
+    one, three = real.RealConfig(epochs=1, seeds=(0,)), real.RealConfig(epochs=1, seeds=(0, 1, 2))
+    real.run(["lora"], one, tmp_path)
+    real.run(["lora"], three, tmp_path)
+    path = real.record_path(tmp_path, three, "lora")
+    assert trained == [("lora", 0), ("lora", 1), ("lora", 2)]
+    assert [s["seed"] for s in store.read_json(path)["per_seed"]] == [0, 1, 2]
+    real.run(["lora"], real.RealConfig(epochs=1, seeds=(3,)), tmp_path)  # another seed adds to the record,
+    assert trained[3:] == [("lora", 3)] and [s["seed"] for s in store.read_json(path)["per_seed"]] == [0, 1, 2, 3]
+    real.run(["lora"], one, tmp_path)  # and a run of seeds on record trains nothing
+    assert len(trained) == 4
+
+    path.write_text('{"config_hash": "x"}')  # damaged: no per-seed list
+    messages = []
+    real.run(["lora"], one, tmp_path, log=messages.append)
+    assert trained[4:] == [("lora", 0)]
+    assert any("is damaged" in m and m.endswith("the method is recomputed") for m in messages)
+    assert list(path.parent.glob("lora.json.damaged-*"))
+
+    with store.claim([real.record_path(tmp_path, three, "queryable")]):  # another process trains it
+        messages = []
+        real.run(["queryable"], three, tmp_path, log=messages.append)
+    assert trained[5:] == [] and messages[-1] == "1 method(s) are being trained by another process: left to it"
