@@ -53,31 +53,28 @@ VARIANTS: dict[str, dict] = {  # the structural ones from multitask, which runs 
 }
 
 
-def plans(
-    *,
-    function: str,
-    arch: str,
-    budget: str,
-    seeds: int | None,
-    out_dir: Path,
-    device: str = "auto",
-    compile: str = "auto",
-) -> dict[str, experiment.Plan]:
-    """One validated plan per variant (ValueError on bad input, before any work)."""
+def plans(*, function: str, overrides: dict | None = None, **kwargs) -> dict[str, experiment.Plan]:
+    """One validated plan per variant (ValueError on bad input, before any work). `overrides`: instruct-queryable
+    settings for every variant, none of which a variant sets (`check_overrides`); kwargs: experiment.plan's (arch,
+    budget, seeds, out_dir, device, compile, dtype, eps, ...)."""
+    overrides = check_overrides(overrides, VARIANTS.values())
     return {
-        name: experiment.plan(
-            functions=[function],
-            arch=arch,
-            methods=[METHOD],
-            seeds=seeds,
-            budget=budget,
-            device=device,
-            out_dir=out_dir,
-            overrides=overrides,
-            compile=compile,
-        )
-        for name, overrides in VARIANTS.items()
+        name: experiment.plan(functions=[function], methods=[METHOD], overrides=overrides | fixed, **kwargs)
+        for name, fixed in VARIANTS.items()
     }
+
+
+def check_overrides(overrides: dict | None, variants) -> dict:
+    """A user's instruct-queryable settings (--hp), refused (ValueError) where one is what a variant varies: the
+    ablation compares the variants' settings, all else equal."""
+    overrides = dict(overrides or {})
+    varied = sorted({k for fixed in variants for k in fixed})
+    if taken := sorted(set(overrides) & set(varied)):
+        raise ValueError(
+            f"hyper-parameter {', '.join(taken)} is what the ablation's variants vary; valid: any other {METHOD} "
+            f"setting (varied: {', '.join(varied)})"
+        )
+    return overrides
 
 
 def evaluation_time(record: Path, repeats: int = 3) -> tuple[float, float]:
@@ -161,11 +158,15 @@ SUITE_VARIANT = {"instruct-queryable": REFERENCE}  # a row's name in the ablatio
 SAME = suite_stats.CONTROL
 
 
-def suite_plans(*, suite: str, schedule: str = "joint", **kwargs) -> dict[str, multitask.SuitePlan]:
+def suite_plans(
+    *, suite: str, schedule: str = "joint", overrides: dict | None = None, **kwargs
+) -> dict[str, multitask.SuitePlan]:
     """The suite ablation's two validated plans: the structural variants on `suite`, and instruct-queryable on its
-    same-instruction control (ValueError on bad input, before any work). kwargs: multitask.plan's."""
+    same-instruction control (ValueError on bad input, before any work). `overrides` as `plans`'; kwargs:
+    multitask.plan's."""
     if suite.endswith(suites.CONTROL_SUFFIX):
         raise ValueError(f"ablate --suite takes a suite card, not a control: {suites.base_name(suite)!r}")
+    kwargs["overrides"] = check_overrides(overrides, [multitask.method_of(r)[1] for r in SUITE_ROWS])
     return {
         "variants": multitask.plan(suite=suite, schedule=schedule, methods=list(SUITE_ROWS), **kwargs),
         SAME: multitask.plan(

@@ -179,6 +179,9 @@ class SuitePlan:
         )
 
 
+SUITE_COMPILE = ("auto", "off")  # experiment.plan's compile settings a suite honours: its steps run eager
+
+
 def plan(
     *,
     suite: str,
@@ -195,8 +198,13 @@ def plan(
     force: bool = False,
     backbone_init: str = "default",
     eps: float = adapters.EPS,
+    compile: str = "auto",
+    noise: str = zoo.DEFAULT_NOISE,
 ) -> SuitePlan:
-    """Validate every choice (ValueError with the valid options) before any work."""
+    """Validate every choice (ValueError with the valid options) before any work. `compile` and `noise` take
+    experiment.plan's values, of which a suite honours one meaning each: its steps run eager (auto or off; on is
+    refused) and its labels are standardised per task with noise std NOISE_FRACTION after that, which is the
+    relative construction (absolute is refused)."""
     s = suites.get(suite)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -204,6 +212,14 @@ def plan(
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, backbone_init)
     experiment.check_settings(eps=eps, dtype=dtype, threads=threads)
+    if compile not in SUITE_COMPILE:
+        raise ValueError(f"compile {compile!r} is not available on a suite (its steps run eager); valid: auto, off")
+    zoo.check_noise(noise)
+    if noise != zoo.DEFAULT_NOISE:
+        raise ValueError(
+            f"label noise {noise!r} is not available on a suite (labels standardised per task, noise std "
+            f"{zoo.NOISE_FRACTION:g} after that); valid: {zoo.DEFAULT_NOISE}"
+        )
     chosen = list(methods or DEFAULT_ROWS)
     for r in chosen:
         method_of(r)

@@ -14,6 +14,7 @@ the capacity and not the step size; the paper does not say how it scaled alpha a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,22 +81,41 @@ def points(method: str, grid: dict[str, tuple[int, ...]]) -> tuple[list[Point], 
 
 
 def plans(
-    method: str, grid: dict, *, function: str | None = None, suite: str | None = None, schedule: str = "joint", **kw
+    method: str,
+    grid: dict,
+    *,
+    function: str | None = None,
+    suite: str | None = None,
+    schedule: str = "joint",
+    overrides: dict | None = None,
+    **kw,
 ) -> tuple[list[tuple[Point, object]], list[str]]:
     """(point, plan) for every valid point: an `experiment.Plan` on `function`, or a `multitask.SuitePlan` on
-    `suite` (one of the two), and the skipped points (`points`). Every plan is validated before any work
+    `suite` (one of the two), and the skipped points (`points`). `overrides`: hyper-parameters for every point,
+    applied where the method's config has the field (as a sweep's --hp; experiment.check_overrides checks them
+    against all the methods of a sweep), none of which a point sets (its axes and alpha: ValueError); kw: the
+    plan's other settings (dtype, eps, noise, compile, force, ...). Every plan is validated before any work
     (ValueError)."""
     if (function is None) == (suite is None):
         raise ValueError("give exactly one of a function or a suite")
     valid, skipped = points(method, grid)
     if not valid:
         raise ValueError(f"the grid has no valid point for {method} (every point has k > M)")
+    fields = {f.name for f in dataclasses.fields(adapters.get(method).config_cls)}
+    overrides = {k: v for k, v in (overrides or {}).items() if k in fields}  # as a sweep: where the method has it
+    if taken := [k for k in overrides if k in valid[0].overrides]:
+        raise ValueError(
+            f"hyper-parameter {', '.join(taken)} is set by the {method} grid (its axes "
+            f"{', '.join(f'{a}: {f}' for a, f in GRID_AXES[method].items())}; alpha = {SCALE:g} r): narrow the grid "
+            "instead"
+        )
     out = []
     for pt in valid:
+        settings = overrides | pt.overrides
         if function is not None:
-            p = experiment.plan(functions=[function], methods=[method], overrides=pt.overrides, **kw)
+            p = experiment.plan(functions=[function], methods=[method], overrides=settings, **kw)
         else:
-            p = multitask.plan(suite=suite, schedule=schedule, methods=[method], overrides=pt.overrides, **kw)
+            p = multitask.plan(suite=suite, schedule=schedule, methods=[method], overrides=settings, **kw)
         out.append((pt, p))
     return out, skipped
 
