@@ -1,4 +1,4 @@
-"""qlbench: functions | suites | run | sweep | suite | results | report | ablate | verify | diagnose | signal | bench.
+"""qlbench's command line: one subcommand per module of qlbench/commands/ (COMMANDS; `qlbench --help` lists them).
 
 Bad input (unknown function, arch, method, budget, device, hyper-parameter, or a value out of range) prints one
 line naming the problem and the valid choices, and exits with code 2; no traceback. The subcommands live in
@@ -47,11 +47,12 @@ COMMANDS = (
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="qlbench", description=__doc__.splitlines()[0])
+    parser = Parser(prog="qlbench")
     parser.add_argument("--version", action="version", version=f"qlbench {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS:
         command.register(sub)
+    parser.description = f"qlbench: {' | '.join(sub.choices)}"  # from what registered, so none is left out
     return parser
 
 

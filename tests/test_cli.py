@@ -256,3 +256,110 @@ def test_tiny_eps_in_float32_is_warned_before_work(capsys, tmp_path, dtype, warn
         assert len(lines) == 1 and "eps 1e-30 in float32" in lines[0] and "--dtype float64" in lines[0], captured.err
     else:
         assert lines == [], captured.err
+
+
+# --- the shared options (qlbench.commands.options) ---------------------------------------------------------------
+
+TRAINS = ("run", "sweep", "suite", "pareto", "ablate")
+OWN = {  # (command, option) that is not the shared option of that name, and why
+    ("pareto", "--out"): "the grid's records, kept apart from the method tables' (default ./pareto-results)",
+    ("real", "--seeds"): "the real model has no budget: its own default, 3",
+    ("signal", "--backbone-init"): "a list of inits, compared side by side",
+    ("verify", "--out"): "the JSON report file",
+    ("verify", "--budget"): "selects a record",
+    ("diagnose", "--budget"): "selects a record",
+    ("diagnose", "--backbone-init"): "selects a record",
+    ("diagnose", "--out"): "the figure folder",
+    ("report", "--budget"): "selects records",
+    ("report", "--backbone-init"): "selects records",
+    ("report", "--out"): "the report folder",
+    ("bench", "--out"): "the bench folder",
+}
+
+
+def subparsers() -> dict:
+    import argparse
+
+    (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    for name in subparsers():
+        assert f" {name}" in description.replace("\n", " "), (name, description)
+    assert "pareto" in description and "real" in description
+
+
+def test_every_shared_option_has_one_default_and_one_help():
+    """A command that trains has every training and output option; any command that has an option of the same name
+    has the shared one (its default and help), unless OWN says why not."""
+    from qlbench.commands import options
+
+    shared = options.TRAINING | options.OUTPUT
+    for name, parser in subparsers().items():
+        actions = {s: a for a in parser._actions for s in a.option_strings}
+        if name in TRAINS:
+            assert set(shared) <= set(actions), (name, sorted(set(shared) - set(actions)))
+        for flag, (_, spec) in shared.items():
+            if flag not in actions or (name, flag) in OWN:
+                continue
+            declared = spec.get("default", False if spec.get("action") == "store_true" else None)
+            assert (actions[flag].default, actions[flag].help) == (declared, spec["help"]), (name, flag)
+
+
+def test_the_library_plans_share_the_command_line_defaults():
+    import inspect
+
+    from qlbench import experiment, multitask
+    from qlbench.commands import options
+
+    suite = inspect.signature(multitask.plan).parameters
+    for flag, (keyword, spec) in options.TRAINING.items():
+        if "default" in spec and keyword in suite and keyword != "overrides":  # --hp: [] for None
+            assert suite[keyword].default == spec["default"] == options.DEFAULTS[keyword], flag
+    assert options.DEFAULTS == {k: p.default for k, p in inspect.signature(experiment.plan).parameters.items()}
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["suite", "--suite", "zoo-4", "--compile", "on"], ["compile 'on'", "eager", "valid: auto, off"]),
+        (["suite", "--suite", "zoo-4", "--noise", "absolute"], ["label noise 'absolute'", "valid: relative"]),
+        (["suite", "--suite", "zoo-4", "--noise", "loud"], ["unknown label noise 'loud'"]),
+        (["pareto", "--function", "matyas", "--hp", "r=4"], ["r is set by the queryable grid", "narrow the grid"]),
+        (["pareto", "--function", "matyas", "--methods", "lora", "--hp", "top_k=2"], ["top_k", "valid: alpha"]),
+        (["pareto", "--suite", "zoo-4", "--compile", "on"], ["compile 'on'", "valid: auto, off"]),
+        (["pareto", "--function", "matyas", "--dtype", "half"], ["'half'", "float64"]),
+        (["ablate", "--function", "matyas", "--hp", "tau_lang=0.5"], ["tau_lang is what", "varied:"]),
+        (["ablate", "--suite", "zoo-4", "--hp", "instruction_source=card"], ["instruction_source is what"]),
+        (["ablate", "--function", "matyas", "--noise", "loud"], ["unknown label noise 'loud'"]),
+        (["verify", "--device", "tpu"], ["'tpu'", "auto"]),
+    ],
+)
+def test_shared_options_a_command_cannot_honour_are_one_line_exit_2(capsys, tmp_path, argv, expect):
+    line = one_line_error(capsys, [*argv, "--out", str(tmp_path / "out")] if argv[0] != "verify" else argv)
+    for word in expect:
+        assert word in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_shared_options_reach_the_plans_of_pareto_and_ablate(tmp_path):
+    from qlbench import ablation, pareto
+
+    settings = dict(arch="deep-narrow", budget="smoke", out_dir=tmp_path, dtype="float64", eps=1e-30, compile="off")
+    grid = pareto.parse_grid("r=4 M=4 k=1")
+    ((point, p),), _ = pareto.plans("queryable", grid, function="matyas", noise="absolute", force=True,
+                                    overrides={"t_attn": 2.0}, **settings)  # fmt: skip
+    assert (p.dtype, p.eps, p.noise, p.force, p.compile) == ("float64", 1e-30, "absolute", True, False)
+    assert (p.configs["queryable"].t_attn, p.configs["queryable"].n_atoms) == (2.0, 4)
+    ((_, s),), _ = pareto.plans("lora", grid, suite="zoo-4", overrides={"t_attn": 2.0}, **settings)
+    assert (s.dtype, s.eps) == ("float64", 1e-30)  # t_attn: not lora's, left out as a sweep's --hp
+    plans = ablation.plans(function="matyas", backbone_init="kaiming", overrides={"t_attn": 2.0}, **settings)
+    assert {(q.backbone_init, q.dtype, q.configs["instruct-queryable"].t_attn) for q in plans.values()} == {
+        ("kaiming", "float64", 2.0)
+    }
+    assert plans["no-instruction"].configs["instruct-queryable"].tau_lang == 0.0

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from qlbench import ablation, experiment, multitask, suite_stats, text, zoo
-from qlbench.backbones import ARCHS, INITS
-from qlbench.commands import UsageError, check_out, usage_errors
+from qlbench.backbones import ARCHS
+from qlbench.commands import UsageError, check_out, options, usage_errors
 
 
 def register(subparsers) -> None:
@@ -30,15 +29,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--schedule", default="joint", help=f"with --suite: one of {', '.join(multitask.SCHEDULES)} (default joint)"
     )
-    p.add_argument(
-        "--backbone-init", default="default", help=f"with --suite: one of {', '.join(INITS)} (default default)"
-    )
     p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
-    p.add_argument("--budget", default="quick", help="paper, quick or smoke (default quick)")
-    p.add_argument("--seeds", type=int, help="number of seeds (default: the budget's)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--out", default=Path("results"), type=Path, help="results folder (default ./results)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_training_options(p)
+    options.add_output_options(p)
     p.set_defaults(func=run)
 
 
@@ -46,22 +39,19 @@ def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     if args.suite is not None:
         return run_suite(args, log)
-    if args.schedule != "joint" or args.backbone_init != "default":
-        raise UsageError("--schedule and --backbone-init apply to --suite only; valid with --function: neither")
-    check_out(args.out, "results folder")
+    if args.schedule != "joint":
+        raise UsageError("--schedule applies to --suite only; valid with --function: leave it out")
+    shared = options.plan_kwargs(args)
+    check_out(shared["out_dir"], "results folder")
     with usage_errors():
-        plans = ablation.plans(
-            function=args.function,
-            arch=args.arch,
-            budget=args.budget,
-            seeds=args.seeds,
-            out_dir=args.out,
-            device=args.device,
-        )
+        plans = ablation.plans(function=args.function, arch=args.arch, **shared)
     first = next(iter(plans.values()))
+    for caveat in experiment.caveats(first):
+        log(f"qlbench ablate: warning: {caveat}")
+    init = "" if first.backbone_init == options.DEFAULTS["backbone_init"] else f", {first.backbone_init} init"
     print(
-        f"qlbench ablate: {ablation.METHOD} on {args.function} ({first.arch}, budget {first.budget.name}, seeds "
-        f"{first.seeds}), variants {', '.join(plans)}",
+        f"qlbench ablate: {ablation.METHOD} on {args.function} ({first.arch}{init}, budget {first.budget.name}, "
+        f"seeds {first.seeds}), variants {', '.join(plans)}",
         flush=True,
     )
     t0 = time.perf_counter()
@@ -81,18 +71,12 @@ def run(args) -> int:
 
 
 def run_suite(args, log) -> int:
+    shared = options.plan_kwargs(args)
     with usage_errors():
-        plans = ablation.suite_plans(
-            suite=args.suite,
-            schedule=args.schedule,
-            arch=args.arch,
-            budget=args.budget,
-            seeds=args.seeds,
-            out_dir=args.out,
-            device=args.device,
-            backbone_init=args.backbone_init,
-        )
+        plans = ablation.suite_plans(suite=args.suite, schedule=args.schedule, arch=args.arch, **shared)
     first = plans["variants"]
+    for caveat in experiment.caveats(first):
+        log(f"qlbench ablate: warning: {caveat}")
     print(
         f"qlbench ablate: {ablation.METHOD} on suite {first.suite.name} ({first.schedule}, {first.arch}, budget "
         f"{first.budget.name}, seeds {first.seeds}, {first.backbone_init} init), variants "

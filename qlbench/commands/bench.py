@@ -6,7 +6,7 @@ from pathlib import Path
 
 from qlbench import adapters, bench, engine
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, check_out, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
 from qlbench.store import Store, write_json, write_text
 
 
@@ -19,15 +19,9 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="few steps, E = 5 only, no compile")
     p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
     p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="intra-op threads of every stacked measurement (default: the engine's choice per stack, as a sweep)",
-    )
+    options.add_training_options(p, "device", "threads")
     p.add_argument("--out", type=Path, help="folder for bench.json and bench.md (default results/bench)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_output_options(p, "no-progress")
     p.set_defaults(func=run)
 
 

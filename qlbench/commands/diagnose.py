@@ -14,7 +14,7 @@ from pathlib import Path
 
 from qlbench import diagnostics, results, store, text, zoo
 from qlbench.backbones import ARCHS, INITS
-from qlbench.commands import UsageError, check_out, usage_errors
+from qlbench.commands import UsageError, check_out, options, usage_errors
 
 
 def register(subparsers) -> None:
@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, help="the seed whose route maps are drawn (default: the cell's first)")
     p.add_argument("--grid", type=int, default=101, help="grid points per axis of the route maps (default 101)")
     p.add_argument("--out", type=Path, help="folder for the figures (default <RESULTS>/diagnose/...)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    options.add_training_options(p, "device")
     p.set_defaults(func=run)
 
 

@@ -8,10 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import engine, experiment, multitask, pareto
-from qlbench.backbones import ARCHS, INITS
-from qlbench.commands import UsageError, split_list, usage_errors
+from qlbench import experiment, multitask, pareto
+from qlbench.backbones import ARCHS
+from qlbench.commands import UsageError, options, split_list, usage_errors
 from qlbench.report import pareto as pareto_report
+from qlbench.store import stable_hash
 
 
 def register(subparsers) -> None:
@@ -40,18 +41,15 @@ def register(subparsers) -> None:
         help="narrow the paper's grid; axes not named keep the paper's values",
     )
     p.add_argument("--arch", default="deep-narrow", metavar="ARCH", help=f"one of: {', '.join(ARCHS)}")
-    p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the budget's)")
-    p.add_argument("--budget", default="quick", metavar="B", help="paper, quick or smoke (default quick)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--threads", type=int, help="intra-op threads (default as `qlbench run`)")
-    p.add_argument("--backbone-init", default="default", help=f"one of {', '.join(INITS)}")
-    p.add_argument(
-        "--out",
-        default="pareto-results",
-        help="results folder of the grid's records (default ./pareto-results: a grid's many configs of one method "
-        "are kept apart from the method tables' records); the table and figure go to OUT/pareto/",
+    options.add_training_options(p)
+    options.add_output_options(
+        p,
+        out=dict(
+            default="pareto-results",
+            help="results folder of the grid's records (default ./pareto-results: a grid's many configs of one method "
+            "are kept apart from the method tables' records); the table and figure go to OUT/pareto/",
+        ),
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
@@ -61,23 +59,18 @@ def run(args) -> int:
     methods = split_list(args.methods)
     if not methods:
         raise UsageError(f"--methods is empty; valid: {', '.join(pareto.GRID_AXES)}")
-    common = dict(
-        arch=args.arch,
-        seeds=args.seeds,
-        budget=args.budget,
-        device=args.device,
-        threads=args.threads,
-        out_dir=Path(args.out),
-        backbone_init=args.backbone_init,
-    )
+    common = dict(arch=args.arch, **options.plan_kwargs(args))
+    overrides = common.pop("overrides")
     with usage_errors():
-        engine.check_threads(args.threads)
+        experiment.check_overrides(overrides, methods)  # each applies where a method has it, as a sweep's --hp
         grid = pareto.parse_grid(args.grid)
         target = dict(function=args.function) if args.function else dict(suite=args.suite, schedule=args.schedule)
         todo, skipped = [], {}  # every method's plans, validated before any work
         for m in dict.fromkeys(methods):
-            pairs, skipped[m] = pareto.plans(m, grid, **target, **common)
+            pairs, skipped[m] = pareto.plans(m, grid, **target, overrides=overrides, **common)
             todo += [(m, pt, p) for pt, p in pairs]
+    for caveat in experiment.caveats(todo[0][2]):  # every point has the same dtype and eps
+        log(f"qlbench pareto: warning: {caveat}")
     for m, points in skipped.items():
         if points:
             log(f"qlbench pareto: {m}: {len(points)} point(s) skipped: {', '.join(points)}")
@@ -91,10 +84,8 @@ def run(args) -> int:
         else:
             paths += experiment.run(p, progress=not args.no_progress, log=log)
     frame = pareto.load(paths)
-    init = "" if args.backbone_init == "default" else f"-{args.backbone_init}"
-    slug = (args.function or f"{args.suite}-{args.schedule}") + f"-{args.arch}{init}-{todo[0][2].budget.name}"
+    slug, title = labels(args, common, overrides, todo[0][2].budget.name)
     ylabel = "average task test MSE after the last stage" if args.suite else "test MSE @ best-train epoch"
-    title = f"Pareto, {name}, {args.arch}" + ("" if not init else f" ({args.backbone_init} init)")
     out = pareto_report.write(frame, Path(args.out) / "pareto" / slug, title, ylabel)
     print(out["markdown"])
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; table and figure in {out['folder']}")
@@ -102,3 +93,18 @@ def run(args) -> int:
     if failed:
         log(f"qlbench pareto: {failed} point(s) without a finished seed")
     return 1 if failed else 0
+
+
+def labels(args, common: dict, overrides: dict, budget: str) -> tuple[str, str]:
+    """(folder name, figure title) of a grid's table: the target, arch and budget, and every setting that is not
+    the default (backbone init, dtype, eps, label noise, --hp), so that two grids never share a folder."""
+    name = args.function or f"{args.suite} ({args.schedule})"
+    settings = {k: common[k] for k in ("backbone_init", "dtype", "eps", "noise") if common[k] != options.DEFAULTS[k]}
+    words = {"backbone_init": "{} init", "dtype": "{}", "eps": "eps {:g}", "noise": "{} noise"}
+    said = [words[k].format(v) for k, v in settings.items()]
+    tags = [str(v) if k != "eps" else f"eps{v:g}" for k, v in settings.items()]
+    if overrides:
+        said.append(" ".join(f"{k}={v}" for k, v in overrides.items()))
+        tags.append(f"hp{stable_hash(overrides)[:8]}")
+    slug = "-".join([args.function or f"{args.suite}-{args.schedule}", args.arch, *tags, budget])
+    return slug, f"Pareto, {name}, {args.arch}" + (f" ({', '.join(said)})" if said else "")

@@ -5,10 +5,9 @@ figure."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from qlbench import engine, real
-from qlbench.commands import UsageError, check_out, split_list, usage_errors
+from qlbench import real
+from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
 from qlbench.progress import bar
 from qlbench.report import real as real_report
 
@@ -19,7 +18,8 @@ def register(subparsers) -> None:
         help="adapt the bundled all-MiniLM-L6-v2 to three instructed tasks (needs the hf extra)",
         description="The offline real-model experiment: the bundled, pretrained all-MiniLM-L6-v2 adapted through "
         "peft to three regression tasks over the same generated sentences, told apart by their instruction; "
-        "every method, several seeds, paired with LoRA. Needs `pip install 'qlbench[hf]'`.",
+        "every method, several seeds, paired with LoRA; records and report under OUT/real/. Needs `pip install "
+        "'qlbench[hf]'`.",
     )
     p.add_argument(
         "--methods", default=",".join(real.METHODS), metavar="M1,M2", help=f"any of: {', '.join(real.METHODS)}"
@@ -27,9 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds 0..N-1 (default 3)")
     p.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
     p.add_argument("--train-per-task", type=int, default=100, metavar="N", help="training sentences per task")
-    p.add_argument("--threads", type=int, help="intra-op threads (at most the cores present)")
-    p.add_argument("--out", default="results", help="results folder; records and report under OUT/real/")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_training_options(p, "threads")
+    options.add_output_options(p)  # records and report under OUT/real/
     p.set_defaults(func=run)
 
 
@@ -38,8 +37,7 @@ def run(args) -> int:
     methods = split_list(args.methods)
     if not methods or (bad := [m for m in methods if m not in real.METHODS]):
         raise UsageError(f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real.METHODS)}")
-    with usage_errors():
-        engine.check_threads(args.threads)
+    out = options.plan_kwargs(args)["out_dir"]  # --threads checked against the cores present
     if args.seeds is None or args.seeds < 1:
         raise UsageError(f"--seeds must be an integer >= 1, got {args.seeds}")
     try:
@@ -48,7 +46,6 @@ def run(args) -> int:
         raise UsageError(f"qlbench real needs the hf extra (pip install 'qlbench[hf]'): {err}") from None
     with usage_errors():
         config = real.RealConfig(epochs=args.epochs, train_per_task=args.train_per_task, seeds=tuple(range(args.seeds)))
-    out = Path(args.out)
     check_out(out, "results folder")
     import torch
 

@@ -8,11 +8,10 @@ import argparse
 import contextlib
 import sys
 import time
-from pathlib import Path
 
-from qlbench import adapters, engine, experiment, ray_executor, results, text, zoo
+from qlbench import adapters, experiment, ray_executor, results, text, zoo
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, parse_overrides, split_list, usage_errors
+from qlbench.commands import UsageError, options, split_list, usage_errors
 
 
 def register(subparsers) -> None:
@@ -109,59 +108,8 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         metavar="M1,M2",
         help=f"comma-separated (default: {','.join(adapters.DEFAULT_METHODS)}). {methods_help}",
     )
-    p.add_argument("--seeds", type=int, help="number of seeds 0..N-1 (default: the budget's)")
-    p.add_argument(
-        "--budget", default="quick", help=f"one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default quick)"
-    )
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda (default auto)")
-    p.add_argument(
-        "--compile",
-        default="auto",
-        help="torch.compile the training step: auto (CPU: paper budget; CUDA: paper and quick), on, off",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        help="intra-op threads (default: 1 for a deep-narrow stack below 16 members, else PyTorch's default)",
-    )
-    p.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
-    p.add_argument(
-        "--backbone-init",
-        default="default",
-        help="the backbone's initialisation: default (PyTorch's; the paper does not specify one), kaiming or "
-        "orthogonal (variance-preserving for GELU; deep-narrow only); part of the cache key and of a non-default "
-        "cell's config hash",
-    )
-    p.add_argument(
-        "--eps",
-        type=float,
-        default=None,
-        help="the adaptation optimiser's epsilon (AdamW's, SOAP's for full-soap; default 1e-8, PyTorch's default and "
-        "the paper's protocol, which names no other); a non-default value is part of the cell's config hash. Below "
-        "1e-20 use --dtype float64 (warned otherwise): in float32 a gradient's square underflows and so tiny an eps "
-        "divides by zero",
-    )
-    p.add_argument(
-        "--noise",
-        default="relative",
-        help="label noise: relative (default; std 0.05 x each function's own spread over its box, signal to noise "
-        "about 400 on every card) or absolute (std 0.05 in raw units, the construction of older records); part of "
-        "the cache key and of a relative cell's config hash",
-    )
-    p.add_argument("--out", default="results", help="results folder (default ./results)")
-    p.add_argument(
-        "--hp",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="method hyper-parameter override, e.g. --hp top_k=3 --hp r=4 (applies to every method that has the field)",
-    )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="re-run cells that already have a finished record of the same config (replacing it)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_training_options(p)
+    options.add_output_options(p)
 
 
 def run(args, functions: list[str]) -> int:
@@ -169,38 +117,19 @@ def run(args, functions: list[str]) -> int:
 
     if args.methods is not None and not split_list(args.methods):
         raise UsageError("--methods is empty; give a comma-separated list, or leave it out for the default set")
-    if not args.out.strip():
-        raise UsageError("--out is empty; give a results folder")
     executor = check_executor(args)
-    if executor == "local":  # on Ray the largest node's CPUs bound it (ray_executor.check)
-        with usage_errors():
-            engine.check_threads(args.threads)
-    overrides = parse_overrides(args.hp)
+    # on Ray the largest node's CPUs bound the threads (ray_executor.check)
+    shared = options.plan_kwargs(args, check_threads=executor == "local")
     instruction = getattr(args, "instruction", None)
     if instruction is not None:
         if not instruction.strip():
             raise UsageError("--instruction is empty; give a sentence, or leave it out for the function card's")
         if args.methods is not None and "instruct-queryable" not in split_list(args.methods):
             raise UsageError("--instruction only changes instruct-queryable, which is not in --methods")
-        overrides["instruction"] = instruction
+        shared["overrides"]["instruction"] = instruction
     kwargs = dict(
-        functions=functions,
-        arch=args.arch,
-        methods=split_list(args.methods) if args.methods else None,
-        seeds=args.seeds,
-        budget=args.budget,
-        device=args.device,
-        dtype=args.dtype,
-        out_dir=Path(args.out),
-        overrides=overrides,
-        compile=args.compile,
-        threads=args.threads,
-        force=args.force,
-        backbone_init=args.backbone_init,
-        noise=args.noise,
+        functions=functions, arch=args.arch, methods=split_list(args.methods) if args.methods else None, **shared
     )
-    if args.eps is not None:
-        kwargs["eps"] = args.eps
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()  # the wall time printed includes starting (or reaching) Ray
     with contextlib.ExitStack() as stack:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qlbench import diagnostics, engine, progress, store, text, zoo
 from qlbench.backbones import ARCHS, INITS, check_init
-from qlbench.commands import UsageError, check_out, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
 
 
 def register(subparsers) -> None:
@@ -30,18 +30,10 @@ def register(subparsers) -> None:
         metavar="I1,I2",
         help=f"comma-separated, from: {', '.join(INITS)} (default: default)",
     )
-    p.add_argument(
-        "--budget",
-        default="quick",
-        help=f"the pretraining of one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default quick)",
-    )
-    p.add_argument("--seeds", type=int, help="number of seeds (default: the budget's)")
     p.add_argument("--no-pretrain", action="store_true", help="at initialisation only")
-    p.add_argument("--out", type=Path, default=Path("results"), help="results folder (default ./results)")
     p.add_argument("--figure", type=Path, help="the figure (PNG; default <out>/signal/<arch>-<function>-<budget>.png)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
-    p.add_argument("--threads", type=int, help="intra-op threads (default: PyTorch's)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_training_options(p, "budget", "seeds", "device", "threads")
+    options.add_output_options(p)
     p.set_defaults(func=run)
 
 
@@ -53,19 +45,18 @@ def run(args) -> int:
         raise UsageError("--backbone-init is empty; give one or more of default, kaiming, orthogonal")
     if args.seeds is not None and args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
-    with usage_errors():
-        engine.check_threads(args.threads)
+    out = options.plan_kwargs(args)["out_dir"]
     with usage_errors():
         b = engine.budget(args.budget, args.arch)
         zoo.card(args.function)
         for init in inits:
             check_init(args.arch, init)
         engine.resolve_device(args.device)
-    check_out(args.out, "results folder")
+    check_out(out, "results folder")
     log = lambda message: print(message, file=sys.stderr, flush=True)
     seeds = b.seeds if args.seeds is None else args.seeds
     with (
-        engine.num_threads(args.threads),
+        engine.num_threads(engine.auto_threads(args.arch, seeds, args.threads)),  # as `qlbench run` pretrains
         progress.bar(desc="pretrain", unit="step", disable=args.no_progress, leave=False) as bar,
     ):
         profile = diagnostics.signal_profile(
@@ -74,7 +65,7 @@ def run(args) -> int:
             inits,
             args.budget,
             seeds=seeds,
-            store=store.Store(args.out),
+            store=store.Store(out),
             device=args.device,
             pretrained=not args.no_pretrain,
             progress=bar.update,
@@ -87,7 +78,7 @@ def run(args) -> int:
         "features across the target test inputs, mean over seeds (layer 0: after the input layer)\n"
     )
     print(text.markdown(wide.map(lambda v: f"{v:.3g}").reset_index()))
-    figure = args.figure or args.out / "signal" / f"{args.arch}-{args.function}-{args.budget}.png"
+    figure = args.figure or out / "signal" / f"{args.arch}-{args.function}-{args.budget}.png"
     fig = report.signal_figure(profile)
     store.atomic_write(figure, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     print(f"\nfigure: {figure}")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-from qlbench import engine, experiment, multitask, suite_stats, suites
-from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS
-from qlbench.commands import parse_overrides, split_list, usage_errors
+from qlbench import experiment, multitask, suite_stats, suites
+from qlbench.backbones import ARCHS, DEFAULT_INIT
+from qlbench.commands import options, split_list, usage_errors
 
 
 def register(subparsers) -> None:
@@ -28,44 +27,22 @@ def register(subparsers) -> None:
         help=f"comma-separated (default: {','.join(multitask.DEFAULT_ROWS)}); any registered method, or task-code "
         "(instruct-queryable with each task's sentence replaced by a seeded random vector: identity, no language)",
     )
-    p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the budget's)")
-    p.add_argument("--budget", default="quick", metavar="B", help="paper, quick or smoke: each stage runs its epochs")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--threads", type=int, help="intra-op threads (default as `qlbench run`)")
-    p.add_argument("--dtype", default="float32", help="float32 or float64")
-    p.add_argument(
-        "--backbone-init",
-        default=DEFAULT_INIT,
-        help=f"one of {', '.join(INITS)} (the default deep-narrow backbone is a constant function: see docs/why.md)",
-    )
-    p.add_argument("--eps", type=float, default=multitask.adapters.EPS, help="the optimiser's epsilon (default 1e-8)")
-    p.add_argument("--out", default="results", help="results folder (default ./results)")
-    p.add_argument("--hp", action="append", default=[], metavar="KEY=VALUE", help="method hyper-parameter override")
-    p.add_argument("--force", action="store_true", help="re-run rows that already have a finished record")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_training_options(p)
+    options.add_output_options(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    shared = options.plan_kwargs(args)
     with usage_errors():
-        engine.check_threads(args.threads)
         p = multitask.plan(
             suite=args.suite,
             schedule=args.schedule,
             arch=args.arch,
             methods=split_list(args.methods) if args.methods else None,
-            seeds=args.seeds,
-            budget=args.budget,
-            device=args.device,
-            dtype=args.dtype,
-            out_dir=Path(args.out),
-            overrides=parse_overrides(args.hp),
-            threads=args.threads,
-            force=args.force,
-            backbone_init=args.backbone_init,
-            eps=args.eps,
+            **shared,
         )
     for caveat in experiment.caveats(p):
         log(f"qlbench suite: warning: {caveat}")

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from uuid import uuid4
 
-from qlbench.commands import UsageError, check_out_file, usage_errors
+from qlbench.commands import UsageError, check_out_file, options, usage_errors
 
 
 def register(subparsers) -> None:
@@ -55,8 +55,8 @@ def register(subparsers) -> None:
         "adapters/queryable-seed0), checked on its base model over the real experiment's sentences (hf extra)",
     )
     p.add_argument("--out", type=Path, metavar="PATH", help="JSON report (default <results>/verify.json)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar while training")
+    options.add_training_options(p, "device")
+    options.add_output_options(p, "no-progress")
     p.set_defaults(func=run)
 
 
