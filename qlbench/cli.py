@@ -23,8 +23,8 @@ from qlbench.commands import real as real_command
 from qlbench.commands import report as report_command
 from qlbench.commands import results as results_command
 from qlbench.commands import run as run_command
+from qlbench.commands import run_suite as suite_command
 from qlbench.commands import signal as signal_command
-from qlbench.commands import suite as suite_command
 from qlbench.commands import suites as suites_command
 from qlbench.commands import verify as verify_command
 
