@@ -1,6 +1,7 @@
 """The documentation holds together: the README stays a user's manual of at most README_MAX_LINES lines, every
-relative Markdown link in README.md and docs/ resolves, and no text file of the repository names a repository file
-that is not in it (a docstring pointing at a page that moved, a module that became a package)."""
+relative Markdown link in README.md and docs/ resolves, no text file of the repository names a repository file
+that is not in it (a docstring pointing at a page that moved, a module that became a package), and the README names
+only options the commands' parsers have (`readme_option_problems`)."""
 
 from __future__ import annotations
 
@@ -179,3 +180,117 @@ def test_the_link_checker_finds_a_broken_link_and_skips_web_links_and_anchors(tm
         encoding="utf-8",
     )
     assert broken_links(page) == ["gone.md", "../figures/lost.png"]
+
+
+# --- the README's command-line text against the parsers ----------------------------------------------------------
+
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+STATED_DEFAULT = re.compile(r"`(--[a-z][a-z0-9-]*)[^`]*`\s+\((?:[^()]*?, )?default `?(?:\./)?([\w.+-]+)")
+
+
+def parsers() -> dict:
+    """Every subcommand -> its parser, as `qlbench` builds them."""
+    import argparse
+
+    from qlbench import cli
+
+    (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def options_of(parser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+def defaults_of(parser) -> dict[str, object]:
+    return {s: a.default for a in parser._actions for s in a.option_strings}
+
+
+def readme_option_problems(text: str, commands: dict[str, set[str]], defaults: dict[str, object]) -> list[str]:
+    """What the README's command-line text says that the parsers do not: an option a command lacks (in a command's
+    bullet, in "`X` also takes", in an example `qlbench X ...` line), "the training options" for a command without
+    all of them, "the options of `X`" for a command without all of X's, a **Training options** paragraph that does
+    not name exactly the shared options (qlbench.commands.options) or states another default than `defaults`
+    (run's). `commands`: command -> its options."""
+    from qlbench.commands import options
+
+    shared = set(options.TRAINING) | set(options.OUTPUT)
+    problems = []
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+    training = [p for p in paragraphs if p.startswith("**Training options**")]
+    if len(training) != 1:
+        problems.append(f"{len(training)} **Training options** paragraphs; want one")
+    for para in training:
+        named = set(OPTION.findall(para))
+        if named != shared:
+            problems.append(f"Training options: names {sorted(named - shared)}, leaves out {sorted(shared - named)}")
+        for flag, stated in STATED_DEFAULT.findall(para):
+            default = defaults.get(flag)
+            if not (stated == str(default) or (isinstance(default, float) and float(stated) == default)):
+                problems.append(f"Training options: {flag} default {stated}, the parser's is {default!r}")
+    for bullet in (" ".join(b.split()) for b in re.findall(r"(?m)^- \*\*`.*(?:\n  .*)*", text)):
+        names = re.findall(r"\*\*`([a-z]+)", bullet)
+        if unknown := [n for n in names if n not in commands]:
+            problems.append(f"README describes no such command {unknown}")
+            continue
+        rest = bullet
+        for m in re.finditer(r"`([a-z]+)` also takes (.*?)(?:;|\.(?: |$))", bullet):  # options of that one alone
+            name, part = m.groups()
+            rest = rest.replace(part, "")
+            problems += [
+                f"{name}: README names {o}, which it lacks" for o in OPTION.findall(part) if o not in commands[name]
+            ]
+        for o in OPTION.findall(rest):
+            if not any(o in commands[n] for n in names):
+                problems.append(f"{'/'.join(names)}: README names {o}, which it lacks")
+        if "the training options" in bullet:
+            problems += [f"{n}: README says it takes the training options, it lacks {sorted(shared - commands[n])}"
+                         for n in names if shared - commands[n]]  # fmt: skip
+        for of in re.findall(r"the options of `([a-z]+)`", bullet):
+            problems += [f"{n}: README says it takes the options of {of}, it lacks {sorted(commands[of] - commands[n])}"
+                         for n in names if commands[of] - commands[n]]  # fmt: skip
+    for name, args in re.findall(r"(?m)^ {4}qlbench ([a-z]+)(.*)$", text):
+        if name not in commands:
+            problems.append(f"example: no such command {name}")
+            continue
+        problems += [f"example qlbench {name}: no option {o}" for o in OPTION.findall(args.split("#")[0])
+                     if o not in commands[name]]  # fmt: skip
+    return problems
+
+
+def readme_problems(text: str, drop: tuple[str, str] | None = None) -> list[str]:
+    """readme_option_problems against the real parsers (less option drop[1] of command drop[0], to plant a bug)."""
+    commands = {name: options_of(p) for name, p in parsers().items()}
+    if drop:
+        commands[drop[0]] = commands[drop[0]] - {drop[1]}
+    return readme_option_problems(text, commands, defaults_of(parsers()["run"]))
+
+
+def test_the_readme_names_only_options_the_commands_have():
+    assert readme_problems((ROOT / "README.md").read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.parametrize(
+    "old, new, problem",
+    [
+        ("k=1,2']`\n  and the training options", "k=1,2']`\n  and the options of `run`",
+         "pareto: README says it takes the options of run, it lacks ['--instruction']"),
+        ("instruct-queryable] [--device D]`", "instruct-queryable] [--device D] [--compile C]`",
+         "verify: README names --compile, which it lacks"),
+        ("`--budget paper|quick|smoke` (default quick)", "`--budget paper|quick|smoke` (default smoke)",
+         "Training options: --budget default smoke, the parser's is 'quick'"),
+        (", `--force` (re-run finished cells)", "", "Training options: names [], leaves out ['--force']"),
+        ("    qlbench bench    ", "    qlbench bench --hp r=4  ", "example qlbench bench: no option --hp"),
+        ("`sweep` also takes", "`run` also takes", "run: README names --executor, which it lacks"),
+    ],
+)  # fmt: skip
+def test_the_readme_option_check_finds_a_planted_mistake(old, new, problem):
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert old in text
+    assert problem in readme_problems(text.replace(old, new, 1))
+
+
+def test_the_readme_option_check_finds_a_command_that_lost_a_shared_option():
+    problems = readme_problems((ROOT / "README.md").read_text(encoding="utf-8"), drop=("suite", "--compile"))
+    assert "suite: README says it takes the training options, it lacks ['--compile']" in problems
+    assert "suite: README names --compile, which it lacks" in problems  # its bullet's `--compile auto|off`
