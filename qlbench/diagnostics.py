@@ -276,9 +276,8 @@ def signal_profile(
     for init in inits:
         models = {"init": build_backbone(arch, members, device=dev, init=init)}
         if pretrained:
-            pre = engine.pretrain(
-                arch, members, b.pretrain, device=dev, store=store, init=init, progress=progress, log=log
-            )
+            spec = engine.Backbones(arch, b.pretrain, init=init)
+            pre = engine.pretrain(spec, members, device=dev, store=store, progress=progress, log=log)
             models["pretrained"] = pre.model(device=dev, dtype=torch.float32)
         for stage, model in models.items():
             with torch.no_grad():

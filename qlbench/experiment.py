@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from qlbench import adapters, cost, engine, results, runner, stacked, zoo
-from qlbench.backbones import ARCHS, build_backbone, check_init
+from qlbench.backbones import ARCHS, DEFAULT_INIT, build_backbone, check_init
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.seeding import generator
 from qlbench.store import DamagedFile, Store, check_writable, load_torch, save_torch, set_aside, stable_hash, write_json
@@ -42,7 +42,7 @@ class Plan:
     compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
     threads: int | None = None  # intra-op threads; None: engine.auto_threads
     force: bool = False  # re-run cells that already have a finished record of the same config
-    backbone_init: str = "default"  # backbones.INITS; hashed only when not the default (see cell_config)
+    backbone_init: str = DEFAULT_INIT  # backbones.INITS; hashed only when not the default (see cell_config)
     eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
     noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
 
@@ -83,27 +83,21 @@ class Plan:
             self.arch, function, method, self.budget.name, stable_hash(self.cell_config(function, method))
         )
 
+    @property
+    def backbones(self) -> engine.Backbones:
+        """The plan's pretrained backbones: its arch, pretraining phase, dtype, backbone init and label noise."""
+        return engine.Backbones(self.arch, self.budget.pretrain, DTYPES[self.dtype], self.backbone_init, self.noise)
+
     def pretrain_needed(self, members: list[engine.Member]) -> bool:
         """Whether `pretrain(members)` will train anything (some member's backbone is not in the store's cache)."""
-        return engine.pretrain_needed(
-            self.arch, members, self.budget.pretrain, DTYPES[self.dtype], self.store, self.backbone_init, self.noise
-        )
+        return self.backbones.needed(members, self.store)
 
     def pretrain(self, members: list[engine.Member], **kwargs) -> engine.Pretrained:
-        """The members' source-pretrained backbones with this plan's arch, budget, dtype, store, backbone init,
-        device and compile setting (cached; `engine.pretrain`); kwargs: progress, log. Every executor pretrains
-        through here, so none can drop one of these settings."""
+        """The members' source-pretrained backbones with this plan's settings, store, device and compile setting
+        (cached; `engine.pretrain`); kwargs: progress, log. Every executor pretrains through here, so none can drop
+        one of these settings."""
         return engine.pretrain(
-            self.arch,
-            members,
-            self.budget.pretrain,
-            device=self.device,
-            dtype=DTYPES[self.dtype],
-            store=self.store,
-            compile=self.compile,
-            init=self.backbone_init,
-            noise=self.noise,
-            **kwargs,
+            self.backbones, members, device=self.device, store=self.store, compile=self.compile, **kwargs
         )
 
     @property
@@ -117,7 +111,7 @@ class Plan:
         A non-default backbone init adds a "backbone_init" key, a non-default optimiser epsilon an "eps" key and a
         label noise other than the legacy "absolute" a "noise" key; the records written before these settings
         existed (default init and eps, absolute noise) add none, so their hashes stay valid."""
-        extra = {} if self.backbone_init == "default" else {"backbone_init": self.backbone_init}
+        extra = {} if self.backbone_init == DEFAULT_INIT else {"backbone_init": self.backbone_init}
         extra |= {} if self.eps == adapters.EPS else {"eps": self.eps}
         extra |= {} if self.noise == zoo.LEGACY_NOISE else {"noise": self.noise}
         return extra | {
@@ -147,7 +141,7 @@ def plan(
     threads: int | None = None,
     force: bool = False,
     cuda: bool | None = None,
-    backbone_init: str = "default",
+    backbone_init: str = DEFAULT_INIT,
     eps: float = adapters.EPS,
     noise: str = zoo.DEFAULT_NOISE,
 ) -> Plan:
@@ -342,8 +336,8 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     pretrain_phase = engine.Phase(**b["pretrain"])
     members = [(function, s) for s in cfg["seeds"]]
     dtype, dev = DTYPES[cfg["dtype"]], engine.resolve_device(device)
-    init, noise = cfg.get("backbone_init", "default"), cfg.get("noise", zoo.LEGACY_NOISE)
-    pre = engine.pretrain(arch, members, pretrain_phase, device=dev, dtype=dtype, store=store, init=init, noise=noise)
+    init, noise = cfg.get("backbone_init", DEFAULT_INIT), cfg.get("noise", zoo.LEGACY_NOISE)
+    pre = engine.pretrain(engine.Backbones(arch, pretrain_phase, dtype, init, noise), members, device=dev, store=store)
     model, data = engine.build_model(pre, method_name, config, device=dev, dtype=dtype, noise=noise)
     path = Store.model_of(record)
     if not path.exists():

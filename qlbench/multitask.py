@@ -40,7 +40,7 @@ import torch
 from qlbench import adapters, cost, engine, experiment, instructions, results, runner, suites, zoo
 from qlbench.adapters import instruct, queryable
 from qlbench.adapters.base import isolate_tasks
-from qlbench.backbones import ARCHS, check_init
+from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
 from qlbench.progress import bar as progress_bar
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext
@@ -106,7 +106,7 @@ class SuitePlan:
     out_dir: Path
     threads: int | None = None
     force: bool = False
-    backbone_init: str = "default"
+    backbone_init: str = DEFAULT_INIT
     eps: float = adapters.EPS
 
     noun = "row"  # runner.Workload: a unit is a row
@@ -165,18 +165,14 @@ class SuitePlan:
         h = stable_hash(self.cell_config(row))
         return self.store.suite_record_path(self.arch, self.suite.name, self.schedule, row, self.budget.name, h)
 
+    @property
+    def backbones(self) -> engine.Backbones:
+        """The suite's backbones: trained on its card's standardised source (members (suite card, seed))."""
+        dtype = experiment.DTYPES[self.dtype]
+        return engine.Backbones(self.arch, self.budget.pretrain, dtype, self.backbone_init, source="suite")
+
     def pretrain(self, **kwargs) -> engine.Pretrained:
-        return engine.pretrain(
-            self.arch,
-            self.members,
-            self.budget.pretrain,
-            device=self.device,
-            dtype=experiment.DTYPES[self.dtype],
-            store=self.store,
-            init=self.backbone_init,
-            suite=True,
-            **kwargs,
-        )
+        return engine.pretrain(self.backbones, self.members, device=self.device, store=self.store, **kwargs)
 
 
 SUITE_COMPILE = ("auto", "off")  # experiment.plan's compile settings a suite honours: its steps run eager
@@ -196,7 +192,7 @@ def plan(
     overrides: dict | None = None,
     threads: int | None = None,
     force: bool = False,
-    backbone_init: str = "default",
+    backbone_init: str = DEFAULT_INIT,
     eps: float = adapters.EPS,
     compile: str = "auto",
     noise: str = zoo.DEFAULT_NOISE,
@@ -372,8 +368,7 @@ def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:
 
 
 def _pretrain_needed(p: SuitePlan) -> bool:
-    dtype = experiment.DTYPES[p.dtype]
-    return engine.pretrain_needed(p.arch, p.members, p.budget.pretrain, dtype, p.store, p.backbone_init, suite=True)
+    return p.backbones.needed(p.members, p.store)
 
 
 @engine.flush_denormals()

@@ -78,10 +78,17 @@ def test_cache_keys_and_config_hashes(tmp_path):
     legacy = make("default")
     assert legacy.record_path("dropwave", "lora").name == "quick-a4bb5b0f5c2239af.json"
     assert legacy.record_path("dropwave", "queryable").name == "quick-e0866099891a77ef.json"
-    path = lambda init, noise="absolute": engine.cache._cache_paths(
-        "deep-narrow", [("dropwave", 0)], legacy.budget.pretrain, torch.float32, Store(tmp_path), init, noise
-    )[0]
+    path = lambda init, noise="absolute": engine.Backbones(
+        "deep-narrow", legacy.budget.pretrain, torch.float32, init, noise
+    ).paths([("dropwave", 0)], Store(tmp_path))[0]
     assert path("default").name == "deep-narrow-dropwave-seed0-14302198299531af.pt"
+    suite = engine.Backbones("deep-narrow", legacy.budget.pretrain, source="suite")  # a suite's source: its own key
+    assert (
+        suite.paths([("dropwave", 0)], Store(tmp_path))[0]
+        != engine.Backbones("deep-narrow", legacy.budget.pretrain).paths([("dropwave", 0)], Store(tmp_path))[0]
+    )
+    with pytest.raises(ValueError, match="unknown backbone source 'suites'; valid: function, suite"):
+        engine.Backbones("deep-narrow", legacy.budget.pretrain, source="suites")
     names = {init: make(init).record_path("dropwave", "lora").name for init in ("default", "kaiming", "orthogonal")}
     assert len(set(names.values())) == 3
     assert len({path(i).name for i in ("default", "kaiming", "orthogonal")}) == 3

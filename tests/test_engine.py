@@ -18,7 +18,7 @@ BUDGET = engine.Budget("test", 3, PRE, engine.Phase(epochs=3, lr=5e-4), eval_eve
 
 
 def run(members, method_name, *, dtype=F64, break_member=None):
-    pre = engine.pretrain("deep-narrow", members, PRE, device="cpu", dtype=dtype)
+    pre = engine.pretrain(engine.Backbones("deep-narrow", PRE, dtype), members, device="cpu")
     method = adapters.get(method_name)
     if break_member is None:
         return engine.adapt(pre, method_name, method.make_config(), BUDGET, device="cpu", dtype=dtype)
@@ -46,9 +46,9 @@ def test_stacked_run_equals_separate_runs(method):
 
 
 def test_pretraining_stacked_equals_separate():
-    stacked = engine.pretrain("deep-narrow", MEMBERS, PRE, device="cpu", dtype=F64)
+    stacked = engine.pretrain(engine.Backbones("deep-narrow", PRE, F64), MEMBERS, device="cpu")
     for e, m in enumerate(MEMBERS):
-        alone = engine.pretrain("deep-narrow", [m], PRE, device="cpu", dtype=F64)
+        alone = engine.pretrain(engine.Backbones("deep-narrow", PRE, F64), [m], device="cpu")
         for k, v in alone.state.items():
             # batched and single matmuls round differently; after 76 AdamW steps (which normalise each
             # coordinate's step) that leaves ~1e-12 differences in float64, nowhere near a real mix-up (~1e-3)
@@ -90,17 +90,16 @@ def test_member_summary_selects_without_peeking():
 
 def test_pretraining_cache_is_reused_across_stackings(tmp_path):
     store = Store(tmp_path)
-    first = engine.pretrain("deep-narrow", MEMBERS[:2], PRE, device="cpu", dtype=F64, store=store)
+    first = engine.pretrain(engine.Backbones("deep-narrow", PRE, F64), MEMBERS[:2], device="cpu", store=store)
     assert len(list(store.backbone_dir.glob("*.pt"))) == 2
-    assert not engine.pretrain_needed("deep-narrow", MEMBERS[1:2], PRE, F64, store)
+    assert not engine.Backbones("deep-narrow", PRE, F64).needed(MEMBERS[1:2], store)
     calls = []
-    again = engine.pretrain(
-        "deep-narrow", MEMBERS[1:2], PRE, device="cpu", dtype=F64, store=store, progress=calls.append
-    )
+    spec = engine.Backbones("deep-narrow", PRE, F64)
+    again = engine.pretrain(spec, MEMBERS[1:2], device="cpu", store=store, progress=calls.append)
     assert calls == []  # nothing trained
     for k, v in again.state.items():
         assert torch.equal(v[0], first.state[k][1])
-    assert engine.pretrain_needed("deep-narrow", MEMBERS, PRE, F64, store)  # levy is not cached yet
+    assert engine.Backbones("deep-narrow", PRE, F64).needed(MEMBERS, store)  # levy is not cached yet
 
 
 def test_paper_budget_is_the_papers_protocol():

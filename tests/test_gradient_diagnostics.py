@@ -168,7 +168,7 @@ def test_concentration_index():
 def test_recording_gradients_does_not_change_training():
     """The same stack trained with and without gradient diagnostics gives bit-identical curves (float32, the
     default dtype, where any extra op in the step's arithmetic would show)."""
-    pre = engine.pretrain("deep-narrow", MEMBERS[:2], engine.Phase(2, 3e-3), device="cpu")
+    pre = engine.pretrain(engine.Backbones("deep-narrow", engine.Phase(2, 3e-3)), MEMBERS[:2], device="cpu")
     budget = engine.Budget("t", 2, engine.Phase(2, 3e-3), engine.Phase(4, 5e-4), eval_every=2)
     runs = {}
     for method in ("queryable", "lora"):

@@ -244,7 +244,7 @@ def test_a_stack_of_functions_binds_each_members_own_instruction():
     from qlbench import engine
 
     members = [("matyas", 0), ("levy", 0), ("matyas", 1), ("dropwave", 0)]
-    pre = engine.pretrain("deep-narrow", members, engine.Phase(1, 1e-3), device="cpu", dtype=F64)
+    pre = engine.pretrain(engine.Backbones("deep-narrow", engine.Phase(1, 1e-3), F64), members, device="cpu")
     model, _ = engine.build_model(pre, METHOD.name, METHOD.make_config(), device="cpu", dtype=F64)
     bound = model.shared["queryable"].instruction  # (4, 384)
     for row, (function, _) in zip(bound, members):

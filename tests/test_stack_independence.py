@@ -26,7 +26,7 @@ WIDE = [LONE] + [(f, s) for s in (0, 2) for f in zoo.names() if (f, s) != LAST][
 @functools.cache
 def pretrained(members: tuple[engine.Member, ...]) -> engine.Pretrained:
     """The stack's source-pretrained backbones (smoke budget, no store), computed once for every method's test."""
-    return engine.pretrain("deep-narrow", list(members), SMOKE.pretrain, device="cpu")
+    return engine.pretrain(engine.Backbones("deep-narrow", SMOKE.pretrain), list(members), device="cpu")
 
 
 def trained(members: list[engine.Member], method: str) -> dict[engine.Member, tuple[torch.Tensor, ...]]:

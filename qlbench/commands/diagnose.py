@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from qlbench import diagnostics, results, store, text, zoo
-from qlbench.backbones import ARCHS, INITS
+from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS
 from qlbench.commands import UsageError, check_out, options, usage_errors
 
 
@@ -67,11 +67,11 @@ def run(args) -> int:
     with usage_errors():
         model, data, rec = diagnostics.load_cell(record, args.device)
     cfg = rec["run_info"]["config"]
-    init = cfg.get("backbone_init", "default")
+    init = cfg.get("backbone_init", DEFAULT_INIT)
     arch, budget = cfg["arch"], rec["run_info"]["budget"]
     member = seeds.index(args.seed) if args.seed is not None else 0
     out = args.out or (
-        args.folder / "diagnose" / (arch if init == "default" else f"{arch}-{init}") / budget / args.function
+        args.folder / "diagnose" / (arch if init == DEFAULT_INIT else f"{arch}-{init}") / budget / args.function
     )
     name = f"{args.method} on {args.function} ({arch}, {init} init, budget {budget}, seeds {seeds})"
     print(f"qlbench diagnose: {name}; record {record}")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from qlbench import diagnostics, engine, progress, store, text, zoo
-from qlbench.backbones import ARCHS, INITS, check_init
+from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS, check_init
 from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
 
 
@@ -26,9 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
     p.add_argument(
         "--backbone-init",
-        default="default",
+        default=DEFAULT_INIT,
         metavar="I1,I2",
-        help=f"comma-separated, from: {', '.join(INITS)} (default: default)",
+        help=f"comma-separated, from: {', '.join(INITS)} (default: {DEFAULT_INIT})",
     )
     p.add_argument("--no-pretrain", action="store_true", help="at initialisation only")
     p.add_argument("--figure", type=Path, help="the figure (PNG; default <out>/signal/<arch>-<function>-<budget>.png)")

@@ -14,7 +14,7 @@ Callers use the names below (`engine.fit`, `engine.pretrain`, ...); the modules 
 
 from qlbench.engine.adapt import AdaptResult, adapt, build_model
 from qlbench.engine.budgets import BUDGETS, Budget, Phase, budget, steps
-from qlbench.engine.cache import Pretrained, pretrain, pretrain_needed
+from qlbench.engine.cache import Backbones, Pretrained, pretrain
 from qlbench.engine.loop import (
     DIVERGENCE_FACTOR,
     MIN_STACK,
@@ -41,7 +41,7 @@ from qlbench.engine.runtime import (
 
 __all__ = [
     "AdaptResult", "adapt", "build_model", "BUDGETS", "Budget", "Phase", "budget", "steps", "Pretrained", "pretrain",
-    "pretrain_needed", "DIVERGENCE_FACTOR", "MIN_STACK", "Curves", "Member", "StackedData", "Stage", "evaluate", "fit",
+    "Backbones", "DIVERGENCE_FACTOR", "MIN_STACK", "Curves", "Member", "StackedData", "Stage", "evaluate", "fit",
     "make_step", "padded", "squared_errors", "COMPILE_BUDGETS", "auto_threads", "check_threads", "compile_by_default",
     "compiled", "flush_denormals", "num_threads", "resolve_device",
 ]  # fmt: skip

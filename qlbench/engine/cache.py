@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from qlbench import results, suites, zoo
 from qlbench.adapters.base import adamw
-from qlbench.backbones import build_backbone
+from qlbench.backbones import DEFAULT_INIT, build_backbone
 from qlbench.engine.budgets import Phase
 from qlbench.engine.loop import Member, StackedData, Stage, fit, padded
 from qlbench.engine.runtime import flush_denormals
@@ -61,45 +61,53 @@ class Pretrained:
         return model
 
 
-def _cache_paths(
-    arch: str,
-    members: list[Member],
-    phase: Phase,
-    dtype,
-    store: Store | None,
-    init: str = "default",
-    noise: str = zoo.DEFAULT_NOISE,
-    suite: bool = False,
-) -> list[Path | None]:
-    """Cache files keyed by everything the weights depend on; a non-default backbone init and a label noise other
-    than the legacy one join the key (so the caches written before either setting existed keep their keys); a
-    suite's backbone (members (suite card, seed), suites.py) is keyed as one."""
-    if store is None:
-        return [None] * len(members)
-    extra = {} if init == "default" else {"init": init}
-    extra |= {} if noise == zoo.LEGACY_NOISE else {"noise": noise}
-    extra |= {"suite_source": True} if suite else {}
-    return [
-        store.backbone_path(
-            arch, f, s, stable_hash(dict(arch=arch, function=f, seed=s, phase=asdict(phase), dtype=str(dtype)) | extra)
-        )
-        for f, s in members
-    ]
+SOURCES = ("function", "suite")
 
 
-def pretrain_needed(
-    arch: str,
-    members: list[Member],
-    phase: Phase,
-    dtype,
-    store: Store | None,
-    init: str = "default",
-    noise: str = zoo.DEFAULT_NOISE,
-    suite: bool = False,
-) -> bool:
-    """Whether `pretrain` will train anything (some member is not in the cache)."""
-    paths = _cache_paths(arch, members, phase, dtype, store, init, noise, suite)
-    return any(p is None or not p.exists() for p in paths)
+@dataclass(frozen=True)
+class Backbones:
+    """What a stack of source-pretrained backbones is, besides its members: everything their weights depend on,
+    which keys the cache. `source`: "function" (members are (zoo function, seed), trained on the function's source
+    data with labels noised by `noise`, zoo.NOISES) or "suite" (members are (suite card, seed), trained on the suite's
+    standardised source, suites.py); `init`: the backbone initialisation (backbones.INITS)."""
+
+    arch: str
+    phase: Phase
+    dtype: torch.dtype = torch.float32
+    init: str = DEFAULT_INIT
+    noise: str = zoo.DEFAULT_NOISE
+    source: str = "function"
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown backbone source {self.source!r}; valid: {', '.join(SOURCES)}")
+
+    def paths(self, members: list[Member], store: Store | None) -> list[Path | None]:
+        """Cache files keyed by everything the weights depend on; a non-default backbone init and a label noise
+        other than the legacy one join the key (so the caches written before either setting existed keep their
+        keys); a suite's backbone is keyed as one."""
+        if store is None:
+            return [None] * len(members)
+        extra = {} if self.init == DEFAULT_INIT else {"init": self.init}
+        extra |= {} if self.noise == zoo.LEGACY_NOISE else {"noise": self.noise}
+        extra |= {"suite_source": True} if self.source == "suite" else {}
+        key = dict(arch=self.arch, phase=asdict(self.phase), dtype=str(self.dtype))
+        return [
+            store.backbone_path(self.arch, f, s, stable_hash(dict(arch=self.arch, function=f, seed=s) | key | extra))
+            for f, s in members
+        ]
+
+    def needed(self, members: list[Member], store: Store | None) -> bool:
+        """Whether `pretrain` will train anything (some member is not in the cache)."""
+        return any(p is None or not p.exists() for p in self.paths(members, store))
+
+    def source_data(self, members: list[Member], *, device) -> StackedData:
+        """The members' source training and test data."""
+        if self.source == "suite":
+            return StackedData.stack(
+                [suites.get(n).source_data(s, dtype=self.dtype, device=device) for n, s in members]
+            )
+        return StackedData.build(members, "source", device=device, dtype=self.dtype, noise=self.noise)
 
 
 @functools.cache
@@ -128,26 +136,20 @@ def _read_backbone(path: Path, arch: str) -> dict:
 
 @flush_denormals()
 def pretrain(
-    arch: str,
+    spec: Backbones,
     members: list[Member],
-    phase: Phase,
     *,
     device,
-    dtype=torch.float32,
     store: Store | None = None,
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
     log: Callable[[str], None] = lambda message: None,
-    init: str = "default",
-    noise: str = zoo.DEFAULT_NOISE,
-    suite: bool = False,
 ) -> Pretrained:
-    """Source-pretrained backbones for `members`. Members found in the store's backbone cache are loaded; the
+    """Source-pretrained backbones `spec` for `members`. Members found in the store's backbone cache are loaded; the
     rest are trained together and cached one file per member, so any later stacking of the same members reuses
-    them. A damaged cache file is reported through `log`, set aside and retrained. `init`: the backbone
-    initialisation (backbones.INITS); `noise`: the source labels' noise (zoo.NOISES); both part of the cache key.
-    `suite`: the members are (suite card, seed) and train on the suite's standardised source (suites.py)."""
-    paths = _cache_paths(arch, members, phase, dtype, store, init, noise, suite)
+    them. A damaged cache file is reported through `log`, set aside and retrained."""
+    arch, phase, dtype = spec.arch, spec.phase, spec.dtype
+    paths = spec.paths(members, store)
     cached = {}
     for i, path in enumerate(paths):
         if path is not None and path.exists():
@@ -158,11 +160,8 @@ def pretrain(
     todo = [i for i in range(len(members)) if i not in cached]
     if todo:
         sub = padded([members[i] for i in todo])  # trained as a stack of at least MIN_STACK
-        model = build_backbone(arch, sub, device=device, dtype=dtype, init=init)
-        if suite:
-            data = StackedData.stack([suites.get(n).source_data(s, dtype=dtype, device=device) for n, s in sub])
-        else:
-            data = StackedData.build(sub, "source", device=device, dtype=dtype, noise=noise)
+        model = build_backbone(arch, sub, device=device, dtype=dtype, init=spec.init)
+        data = spec.source_data(sub, device=device)
         order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
         optimizer = lambda: adamw(model.parameters(), phase.lr, phase.weight_decay)
         (curves,) = fit(model, [Stage(data, phase, optimizer, order, phase.epochs)], progress=progress, compile=compile)
