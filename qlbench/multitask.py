@@ -25,6 +25,9 @@ Rows are registered methods, plus VARIANTS: a method with a setting. `task-code`
 task's sentence replaced by a fixed seeded random vector of the sentence embedding's norm (identity without
 language); `no-instruction`, `no-language-prior` and `instruction-only` are the instruction ablation's structural
 variants (ablation.py). The same-instruction control is a suite of its own (`<suite>-same-instruction`, suites.py).
+
+Over 500 lines: one workload (plan, data and instructions, evaluation per stage, records) whose parts all read the
+SuitePlan; the generic parts live in runner.py and engine/.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, cost, engine, experiment, instructions, results, runner, suites, zoo
+from qlbench import adapters, cost, engine, instructions, planning, results, runner, suites, zoo
 from qlbench.adapters import instruct, queryable
 from qlbench.adapters.base import isolate_tasks
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
@@ -168,7 +171,7 @@ class SuitePlan:
     @property
     def backbones(self) -> engine.Backbones:
         """The suite's backbones: trained on its card's standardised source (members (suite card, seed))."""
-        dtype = experiment.DTYPES[self.dtype]
+        dtype = planning.DTYPES[self.dtype]
         return engine.Backbones(self.arch, self.budget.pretrain, dtype, self.backbone_init, source="suite")
 
     def pretrain(self, **kwargs) -> engine.Pretrained:
@@ -207,7 +210,7 @@ def plan(
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, backbone_init)
-    experiment.check_settings(eps=eps, dtype=dtype, threads=threads)
+    planning.check_settings(eps=eps, dtype=dtype, threads=threads)
     if compile not in SUITE_COMPILE:
         raise ValueError(f"compile {compile!r} is not available on a suite (its steps run eager); valid: auto, off")
     zoo.check_noise(noise)
@@ -222,9 +225,9 @@ def plan(
     if len(set(chosen)) != len(chosen):
         raise ValueError(f"method listed twice in {','.join(chosen)}")
     b = engine.budget(budget, arch)
-    n_seeds = experiment.seed_count(b, seeds)
+    n_seeds = planning.seed_count(b, seeds)
     reserved = {"tasks": f"the suite's task count ({len(s.tasks)})"}
-    overrides = experiment.check_overrides(overrides, [method_of(r)[0] for r in chosen], reserved)
+    overrides = planning.check_overrides(overrides, [method_of(r)[0] for r in chosen], reserved)
     configs, sizes = {}, {}
     for r in chosen:
         name, fixed = method_of(r)
@@ -233,9 +236,9 @@ def plan(
             configs[r] = adapters.get(name).make_config(**settings)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{r}: {err}") from None
-        sizes[r] = experiment.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
+        sizes[r] = planning.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
     dev = engine.resolve_device(device)
-    experiment.check_memory(sizes, n_seeds, dtype, dev, tasks=len(s.tasks))  # one member per seed, T tasks' data
+    planning.check_memory(sizes, n_seeds, dtype, dev, tasks=len(s.tasks))  # one member per seed, T tasks' data
     check_writable(Path(out_dir))
     return SuitePlan(
         suite=s,
@@ -376,7 +379,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     """Train one row on every stage and evaluate; returns per-member results (lists, E first) and counts."""
     name, _ = method_of(row)
     method, config = adapters.get(name), p.configs[row]
-    dtype, T = experiment.DTYPES[p.dtype], len(p.suite.tasks)
+    dtype, T = planning.DTYPES[p.dtype], len(p.suite.tasks)
     members = pre.members
     if len(engine.padded(members)) > len(members):  # as engine.adapt: no stack narrower than MIN_STACK
         pre = pre.select(engine.padded(members))
@@ -444,7 +447,7 @@ def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | 
     """The row's cost (qlbench/cost.py) on the suite's first member: a fresh one-member model, its instruction
     table bound, beside the frozen backbone, on every task's data. None, said through `log`, if it fails."""
     name, _ = method_of(row)
-    method, config, dtype = adapters.get(name), p.configs[row], experiment.DTYPES[p.dtype]
+    method, config, dtype = adapters.get(name), p.configs[row], planning.DTYPES[p.dtype]
     try:
         one = pre.select(pre.members[:1])
         seed = one.members[0][1]

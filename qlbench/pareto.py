@@ -92,7 +92,7 @@ def plans(
 ) -> tuple[list[tuple[Point, object]], list[str]]:
     """(point, plan) for every valid point: an `experiment.Plan` on `function`, or a `multitask.SuitePlan` on
     `suite` (one of the two), and the skipped points (`points`). `overrides`: hyper-parameters for every point,
-    applied where the method's config has the field (as a sweep's --hp; experiment.check_overrides checks them
+    applied where the method's config has the field (as a sweep's --hp; planning.check_overrides checks them
     against all the methods of a sweep), none of which a point sets (its axes and alpha: ValueError); kw: the
     plan's other settings (dtype, eps, noise, compile, force, ...). Every plan is validated before any work
     (ValueError)."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, engine, experiment, runner, zoo
+from qlbench import adapters, engine, experiment, planning, runner, zoo
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 
 INSTALL = "pip install 'qlbench[ray]'"
@@ -325,7 +325,7 @@ def _adapt_task(p: experiment.Plan, unit: Unit, threads: int, actor, key) -> tup
     """Adapt one unit from the cached backbones and commit its records; returns (host, log lines)."""
     p, messages, report = _task_plan(p), [], _Reporter(actor, key)
     members = [(f, s) for f in unit.functions for s in p.seeds]
-    dtype = experiment.DTYPES[p.dtype]
+    dtype = planning.DTYPES[p.dtype]
     if p.pretrain_needed(members):
         raise FileNotFoundError(
             f"the pretrained backbones are not in {p.store.backbone_dir} on {socket.gethostname()}: the results "

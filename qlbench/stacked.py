@@ -22,7 +22,7 @@ _SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
 @contextlib.contextmanager
 def shapes_only():
     """Within it the member initialisers draw nothing: they return meta tensors of the right shape, so a model can
-    be built to count its weights without allocating them (`experiment.dry_build`, whatever the sizes asked)."""
+    be built to count its weights without allocating them (`planning.dry_build`, whatever the sizes asked)."""
     token = _SHAPES_ONLY.set(True)
     try:
         yield

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlbench import adapters, cli, experiment, results, store
+from qlbench import adapters, cli, experiment, planning, results, store
 from qlbench.store import DamagedFile, Store
 
 from helpers import one_line_error
@@ -90,11 +90,11 @@ def test_a_plan_larger_than_memory_is_refused_with_its_estimate(tmp_path, capsys
 
 def test_the_memory_estimate_counts_every_trainable_number_four_times():
     # independent count: LoRA r=8 on deep-narrow adapts 32 hidden 32x32 layers: 32 * (8*32 + 32*8) trainable
-    sizes = experiment.dry_build("deep-narrow", {"lora": adapters.get("lora").make_config()})
+    sizes = planning.dry_build("deep-narrow", {"lora": adapters.get("lora").make_config()})
     held, trainable = sizes["lora"]
     assert trainable == 32 * (8 * 32 + 32 * 8)
-    need = experiment.plan_bytes(sizes, 10, "float64")
-    assert need == 10 * 8 * (held + 3 * trainable + experiment.DATA_PER_MEMBER)
+    need = planning.plan_bytes(sizes, 10, "float64")
+    assert need == 10 * 8 * (held + 3 * trainable + planning.DATA_PER_MEMBER)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 the stacked engine and the kernel floor; every method's throughput; Queryable LoRA's overhead against LoRA; a
 profile of one step; torch.compile against eager; inference; full-soap's optimizer step; a suite stage's step
 against a single-task one; and `run`, which takes them in order (`tasks`) and adds the peak and the paper-table
-estimate."""
+estimate.
+
+About 500 lines: one function per measured case, kept together so that `tasks` reads as the benchmark's contents.
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from qlbench import ablation, experiment, multitask, suite_stats, text, zoo
+from qlbench import ablation, experiment, multitask, planning, suite_stats, text, zoo
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, check_out, options, usage_errors
 
@@ -46,7 +46,7 @@ def run(args) -> int:
     with usage_errors():
         plans = ablation.plans(function=args.function, arch=args.arch, **shared)
     first = next(iter(plans.values()))
-    for caveat in experiment.caveats(first):
+    for caveat in planning.caveats(first):
         log(f"qlbench ablate: warning: {caveat}")
     init = "" if first.backbone_init == options.DEFAULTS["backbone_init"] else f", {first.backbone_init} init"
     print(
@@ -75,7 +75,7 @@ def run_suite(args, log) -> int:
     with usage_errors():
         plans = ablation.suite_plans(suite=args.suite, schedule=args.schedule, arch=args.arch, **shared)
     first = plans["variants"]
-    for caveat in experiment.caveats(first):
+    for caveat in planning.caveats(first):
         log(f"qlbench ablate: warning: {caveat}")
     print(
         f"qlbench ablate: {ablation.METHOD} on suite {first.suite.name} ({first.schedule}, {first.arch}, budget "

@@ -13,7 +13,7 @@ import argparse
 import inspect
 from pathlib import Path
 
-from qlbench import engine, experiment, zoo
+from qlbench import engine, experiment, planning, zoo
 from qlbench.backbones import INITS
 from qlbench.commands import UsageError, parse_overrides, usage_errors
 
@@ -46,7 +46,7 @@ TRAINING: dict[str, tuple[str, dict]] = {
         "dtype",
         dict(
             default=DEFAULTS["dtype"],
-            help=f"{' or '.join(experiment.DTYPES)} (default {DEFAULTS['dtype']})",
+            help=f"{' or '.join(planning.DTYPES)} (default {DEFAULTS['dtype']})",
         ),
     ),
     "--eps": (

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import experiment, multitask, pareto
+from qlbench import experiment, multitask, pareto, planning
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
 from qlbench.report import pareto as pareto_report
@@ -62,14 +62,14 @@ def run(args) -> int:
     common = dict(arch=args.arch, **options.plan_kwargs(args))
     overrides = common.pop("overrides")
     with usage_errors():
-        experiment.check_overrides(overrides, methods)  # each applies where a method has it, as a sweep's --hp
+        planning.check_overrides(overrides, methods)  # each applies where a method has it, as a sweep's --hp
         grid = pareto.parse_grid(args.grid)
         target = dict(function=args.function) if args.function else dict(suite=args.suite, schedule=args.schedule)
         todo, skipped = [], {}  # every method's plans, validated before any work
         for m in dict.fromkeys(methods):
             pairs, skipped[m] = pareto.plans(m, grid, **target, overrides=overrides, **common)
             todo += [(m, pt, p) for pt, p in pairs]
-    for caveat in experiment.caveats(todo[0][2]):  # every point has the same dtype and eps
+    for caveat in planning.caveats(todo[0][2]):  # every point has the same dtype and eps
         log(f"qlbench pareto: warning: {caveat}")
     for m, points in skipped.items():
         if points:

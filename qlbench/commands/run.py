@@ -9,7 +9,7 @@ import contextlib
 import sys
 import time
 
-from qlbench import adapters, experiment, ray_executor, results, text, zoo
+from qlbench import adapters, experiment, planning, ray_executor, results, text, zoo
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
 
@@ -140,7 +140,7 @@ def run(args, functions: list[str]) -> int:
                 cluster = stack.enter_context(ray_executor.connect(args.ray_address))
                 plan = experiment.plan(**kwargs, cuda=cluster.gpus > 0)
                 ray_executor.check(plan, cluster)
-        for caveat in experiment.caveats(plan):
+        for caveat in planning.caveats(plan):
             log(f"qlbench {args.command}: warning: {caveat}")
         b = plan.budget
         where = (

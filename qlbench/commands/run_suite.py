@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from qlbench import experiment, multitask, suite_stats, suites
+from qlbench import multitask, planning, suite_stats, suites
 from qlbench.backbones import ARCHS, DEFAULT_INIT
 from qlbench.commands import options, split_list, usage_errors
 
@@ -44,7 +44,7 @@ def run(args) -> int:
             methods=split_list(args.methods) if args.methods else None,
             **shared,
         )
-    for caveat in experiment.caveats(p):
+    for caveat in planning.caveats(p):
         log(f"qlbench suite: warning: {caveat}")
     b = p.budget
     init = "" if p.backbone_init == DEFAULT_INIT else f" ({p.backbone_init} init)"

@@ -4,6 +4,8 @@ forward of the real model (qlbench.theory.tracing) against its right-hand side (
 Right-hand sides are computed from the actual inputs, tight as stated, never padded: R_C = max_m ||C_m||,
 R_s = the largest norm among the summaries (and the entry state) the statement involves, rho_min = the smallest
 RMS_eps(x) = sqrt(mean(x^2) + eps) among the vectors that the statement's chain RMS-normalises.
+
+Longer than 500 lines: one check per statement of the paper, kept in one module so they read in the paper's order.
 """
 
 from __future__ import annotations

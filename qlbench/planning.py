@@ -1,0 +1,134 @@
+"""Plan checks every workload's plan runs before any work: dtypes, settings, seeds, hyper-parameter overrides, a
+shapes-only build of every method, and a memory estimate against what the device has. Each raises ValueError with
+the valid choices (the commands turn it into one line and exit code 2)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+
+import torch
+
+from qlbench import adapters, engine, stacked, zoo
+from qlbench.backbones import build_backbone
+from qlbench.seeding import generator
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+FLOAT32_EPS_FLOOR = 1e-20  # below it, in float32, Adam's v = g^2 underflows for the tiny gradients eps matters for
+
+
+def caveats(plan) -> list[str]:
+    """One-line warnings about valid but known-bad settings of a plan (a Plan or a multitask.SuitePlan: its dtype and
+    eps), printed before any work (none for the defaults).
+
+    float32 with eps below FLOAT32_EPS_FLOOR: the gradients such an eps is meant to stop swamping (about 1e-22 in the
+    deep-narrow backbone's early layers) square to below float32's smallest normal (1.2e-38), which flush-denormal
+    zeroes, so the step is about lr * m / eps and blows up (measured: every seed of LoRA, DoRA and Queryable LoRA
+    diverged at eps 1e-30 on two functions, quick budget). Not refused: that divergence is itself a measurement."""
+    out = []
+    if plan.dtype == "float32" and plan.eps < FLOAT32_EPS_FLOOR:
+        out.append(
+            f"eps {plan.eps:g} in float32: a tiny gradient's square underflows and the step divides by eps, so "
+            f"training is expected to diverge; use --dtype float64 for eps below {FLOAT32_EPS_FLOOR:g}"
+        )
+    return out
+
+
+def check_settings(*, eps, dtype: str, threads) -> None:
+    """The optimiser's epsilon, the dtype and the thread count, as every plan validates them (ValueError)."""
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+
+
+def seed_count(budget: engine.Budget, seeds: int | None) -> int:
+    """The number of seeds: the budget's, or `seeds` (an integer >= 1; ValueError otherwise)."""
+    n = budget.seeds if seeds is None else seeds
+    if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"seeds must be an integer >= 1, got {n!r}")
+    return n
+
+
+def check_overrides(overrides: dict | None, methods: list[str], reserved: dict[str, str] | None = None) -> dict:
+    """Hyper-parameter overrides, each a field of at least one of the methods' configs; `reserved` maps a field
+    that is not the user's to set to the reason (ValueError naming the valid ones otherwise)."""
+    overrides, reserved = dict(overrides or {}), reserved or {}
+    known = {f.name for m in methods for f in dataclasses.fields(adapters.get(m).config_cls)} - set(reserved)
+    if taken := sorted(set(overrides) & set(reserved)):
+        raise ValueError(f"{taken[0]} is {reserved[taken[0]]}, not a setting")
+    if unknown := sorted(set(overrides) - known):
+        raise ValueError(
+            f"unknown hyper-parameter(s) {', '.join(unknown)} for methods {','.join(methods)}; "
+            f"valid: {', '.join(sorted(known)) or 'none'}"
+        )
+    return overrides
+
+
+def dry_build(arch: str, configs: dict[str, object]) -> dict[str, tuple[int, int]]:
+    """Build every method on a one-member backbone on the meta device (shapes only, no memory, no arithmetic), so
+    a config that cannot be built on this arch (targets it lacks, more blocks than layers ...) fails before any
+    work, as a ValueError naming the method. Returns method -> (numbers held per member, of them trainable)."""
+    backbone = build_backbone(arch, [("dry-build", 0)], device="meta")
+    y = torch.zeros(1, 1, device="meta")
+    sizes = {}
+    for name, config in configs.items():
+        try:
+            with stacked.shapes_only():
+                model = adapters.get(name).build(copy.deepcopy(backbone), config, [generator("dry-build", name)], y)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name}: {err}") from None
+        tensors = [*model.parameters(), *model.buffers()]
+        sizes[name] = (sum(t.numel() for t in tensors), sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return sizes
+
+
+DATA_PER_MEMBER = 2 * (zoo.SOURCE_SIZE + zoo.TARGET_SIZE) * 3  # numbers: source and target (x, y), with copies
+MEMORY_FACTOR = 4  # a trainable number is held 4 times (weight, gradient, Adam's two moments)
+
+
+def plan_bytes(sizes: dict[str, tuple[int, int]], members: int, dtype: str, tasks: int = 1) -> int:
+    """A lower estimate of the memory one stacked method of a plan needs, for its largest method: every number the
+    model holds, each trainable one MEMORY_FACTOR times, and the data of `tasks` tasks, for `members` members
+    (activations and the allocator's overhead not counted)."""
+    model = max(held + (MEMORY_FACTOR - 1) * trainable for held, trainable in sizes.values())
+    per_member = model + DATA_PER_MEMBER * tasks
+    return per_member * members * DTYPES[dtype].itemsize
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a plan may use: free CUDA memory, or the CPU's available memory (/proc/meminfo's MemAvailable, else
+    the physical memory); None when it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(
+    sizes: dict[str, tuple[int, int]], members: int, dtype: str, device: torch.device, tasks: int = 1
+) -> None:
+    """ValueError (one line, the estimate and the limit) when a plan's largest stacked method cannot fit this
+    machine's memory: refused before anything is allocated. qlbench interpretation: the whole stack is estimated,
+    as the local executor trains it; a Ray plan is not checked (its workers are other machines)."""
+    need, have = plan_bytes(sizes, members, dtype, tasks), available_bytes(device)
+    if have is not None and need > have:
+        raise ValueError(
+            f"this plan needs at least {need / 2**30:,.1f} GiB ({members:,} stacked member(s)) but {device} has "
+            f"{have / 2**30:,.1f} GiB available; use fewer seeds or functions, or smaller sizes (--hp)"
+        )
