@@ -45,8 +45,11 @@ setup-dev: $(VENV)/.dev
 run: setup
 	$(BIN)/qlbench run --function dropwave --arch deep-narrow --budget quick
 
+# the default suite on TEST_WORKERS processes (pytest-xdist; each test one intra-op thread, tests/conftest.py); tests of
+# one xdist_group (the Ray executor's, which share one Ray runtime) run in one worker. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: setup-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup-dev
 	$(BIN)/ruff check qlbench tests

@@ -14,6 +14,7 @@ import torch
 
 from qlbench import ablation, adapters, cli, experiment, instructions, results, zoo
 from qlbench.adapters import instruct
+from qlbench.backbones import build_backbone
 
 from helpers import F64, TINY_DEEP_NARROW, gens, one_line_error
 
@@ -139,7 +140,7 @@ def test_every_ablation_variant_has_the_same_trainable_parameters(tmp_path):
     counts, hashes = set(), set()
     for plan in plans.values():
         config = plan.configs[ablation.METHOD]
-        bb = experiment.build_backbone("deep-narrow", [("matyas", 0)], device="meta")
+        bb = build_backbone("deep-narrow", [("matyas", 0)], device="meta")
         model = METHOD.build(bb, config, gens("x", members=1), torch.zeros(1, 1, device="meta"))
         counts.add(sum(p.numel() for p in model.parameters() if p.requires_grad))
         hashes.add(plan.record_path("matyas", ablation.METHOD).name)

@@ -22,6 +22,7 @@ from helpers import one_line_error
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'qlbench[ray]'): Ray executor untested")
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray runtime per module: its tests share one xdist worker
 SWEEP = ["sweep", "--functions", "matyas,levy", "--budget", "smoke", "--seeds", "2", "--no-progress"]
 RAY = ["--executor", "ray", "--ray-retries", "0"]
 
