@@ -294,12 +294,6 @@ def record_paths(p: Plan) -> list[Path]:
     return [p.unit_path(u) for u in p.units()]
 
 
-def run(p: Plan, *, progress: bool = True, log=print) -> list[Path]:
-    """Run every unfinished cell of the plan (every cell with `p.force`) in this process (runner.run); returns the
-    record paths of all cells (finished before or now). `qlbench.ray_executor.run` does the same on Ray."""
-    return runner.run(p, progress=progress, log=log)
-
-
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
     """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells."""
     if functions:

@@ -345,12 +345,6 @@ def stages(p: SuitePlan) -> list[list[int]]:
     ]
 
 
-def run(p: SuitePlan, *, progress: bool = True, log=print) -> list[Path]:
-    """Run every unfinished row of the plan (runner.run: temporaries of killed writers removed, each row locked
-    while it trains, a row another process trains left to it); returns every row's record path."""
-    return runner.run(p, progress=progress, log=log)
-
-
 def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:
     if todo:
         with engine.num_threads(engine.auto_threads(p.arch, len(p.seeds), p.threads)):

@@ -138,7 +138,7 @@ def run(
     log=print,
 ) -> list[Path]:
     """Run every unfinished cell of the plan as Ray tasks (connecting as `connect` does when Ray is not running
-    yet); returns the record paths of all cells, as `experiment.run`. A unit whose task fails (an exception, a
+    yet); returns the record paths of all cells, as `runner.run`. A unit whose task fails (an exception, a
     dead worker or node) is logged in one line and written as failed records; the other units go on."""
     if group_size is not None and not (isinstance(group_size, int) and group_size >= 1):
         raise ValueError(f"group size must be an integer >= 1, got {group_size!r}")

@@ -384,8 +384,10 @@ class RealPlan:
 
     def train(self, methods: list[str], progress, log) -> None:
         """Train every (method, seed) of the given methods not yet in its record, writing the record after each seed
-        (the seeds it held before are kept)."""
+        (the seeds it held before are kept). `progress`: a callback taking the steps done, or a flag (no bar here)."""
         from transformers import AutoTokenizer
+
+        progress = progress if callable(progress) else lambda n: None
 
         tokenizer = AutoTokenizer.from_pretrained(model_path())
         e = instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
@@ -411,18 +413,11 @@ class RealPlan:
                 store.write_json(record, path)
 
 
-def run(
-    methods: list[str],
-    config: RealConfig,
-    out: Path,
-    *,
-    progress: Callable[[int], None] = lambda n: None,
-    log: Callable[[str], None] = lambda m: None,
-) -> list[Path]:
-    """Train every (method, seed) not yet on record and write one record per method (atomic; a record of another
-    config never replaced: the config's hash names the folder), through the runner (a method another process is
-    training is left to it). Returns the methods' record paths."""
+def plan(methods: list[str], config: RealConfig, out: Path) -> RealPlan:
+    """The experiment's workload (ValueError naming the valid methods). `runner.run(plan(...))` trains every (method,
+    seed) not yet on record and writes one record per method (atomic; a record of another config never replaced: the
+    config's hash names the folder); a method another process is training is left to it."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
-    return runner.run(RealPlan(list(methods), config, Path(out)), progress=progress, log=log)
+    return RealPlan(list(methods), config, Path(out))

@@ -11,7 +11,7 @@ import torch
 from scipy import integrate
 from scipy.stats import norm
 
-from qlbench import diagnostics, engine, experiment, multitask
+from qlbench import diagnostics, engine, experiment, multitask, runner
 from qlbench.backbones import GELU_GAIN, build_backbone
 from qlbench.store import Store
 
@@ -109,7 +109,7 @@ def test_a_kaiming_cell_trains_caches_and_reloads(tmp_path):
         functions=["matyas"], arch="deep-narrow", methods=["queryable"], seeds=2, budget="smoke", device="cpu",
         dtype="float64", out_dir=tmp_path, backbone_init="kaiming",
     )  # fmt: skip
-    (path,) = experiment.run(plan, progress=False, log=lambda m: None)
+    (path,) = runner.run(plan, progress=False, log=lambda m: None)
     assert len(list(Store(tmp_path).backbone_dir.glob("*.pt"))) == 2
     rec = experiment.results.read_record(path)
     assert rec["run_info"]["config"]["backbone_init"] == "kaiming"
@@ -150,7 +150,7 @@ def test_a_record_states_every_setting_at_default_values_too(tmp_path):
         functions=["matyas"], arch="deep-narrow", methods=["lora"], seeds=2, budget="smoke", device="cpu",
         out_dir=tmp_path, threads=1,
     )  # fmt: skip
-    (path,) = experiment.run(plan, progress=False, log=lambda m: None)
+    (path,) = runner.run(plan, progress=False, log=lambda m: None)
     run = experiment.results.read_record(path)["run_info"]
     assert "eps" not in run["config"] and "backbone_init" not in run["config"]  # hashed only when not default
     s = run["settings"]
@@ -170,13 +170,13 @@ def test_a_record_states_every_setting_at_default_values_too(tmp_path):
         functions=["matyas"], arch="deep-narrow", methods=["mean"], seeds=2, budget="smoke", device="cpu",
         out_dir=tmp_path, threads=1,
     )  # fmt: skip
-    (path,) = experiment.run(again, progress=False, log=lambda m: None)
+    (path,) = runner.run(again, progress=False, log=lambda m: None)
     assert experiment.results.read_record(path)["run_info"]["settings"]["backbone_commits"] == ["unknown"]
     suite = multitask.plan(
         suite="zoo-4", schedule="joint", arch="deep-narrow", methods=["mean"], budget="smoke", seeds=2,
         out_dir=tmp_path, threads=1,
     )  # fmt: skip
-    (row,) = multitask.run(suite, progress=False, log=lambda m: None)
+    (row,) = runner.run(suite, progress=False, log=lambda m: None)
     s = experiment.results.read_record(row)["run_info"]["settings"]
     assert (s["eps"], s["backbone_init"], s["device"], s["dtype"]) == (1e-8, "default", "cpu", "float32")
     assert s["backbone_commits"] == [git["commit"] + ("+dirty" if git["dirty"] else "")]

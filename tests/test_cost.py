@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qlbench import adapters, cost, experiment, report, results
+from qlbench import adapters, cost, experiment, report, results, runner
 from qlbench.report import tables
 
 F32 = torch.float32
@@ -102,7 +102,7 @@ def smoke_records(tmp_path_factory):
         functions=["matyas"], arch="deep-narrow", methods=["lora", "queryable", "frozen"], seeds=2, budget="smoke",
         device="cpu", out_dir=out,
     )  # fmt: skip
-    paths = experiment.run(plan, progress=False, log=lambda m: None)
+    paths = runner.run(plan, progress=False, log=lambda m: None)
     return out, paths
 
 
@@ -156,7 +156,7 @@ def test_a_failing_cost_measurement_keeps_the_record(tmp_path, monkeypatch):
         functions=["matyas"], arch="deep-narrow", methods=["lora"], seeds=2, budget="smoke", device="cpu",
         out_dir=tmp_path,
     )  # fmt: skip
-    (path,) = experiment.run(plan, progress=False, log=said.append)
+    (path,) = runner.run(plan, progress=False, log=said.append)
     rec = results.read_record(path)
     assert rec["train_info"]["status"] == "ok" and "cost" not in rec["train_info"]
     assert any("cost not measured: RuntimeError: planted" in m for m in said)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from qlbench import cli, diagnostics, experiment, report, zoo
+from qlbench import cli, diagnostics, experiment, report, runner, zoo
 from qlbench.adapters import queryable
 from qlbench.theory import tracing
 
@@ -57,7 +57,7 @@ def trained(tmp_path_factory):
         functions=["levy"], arch="deep-narrow", methods=["queryable"], seeds=3, budget="smoke", device="cpu",
         out_dir=folder,
     )  # fmt: skip
-    (record,) = experiment.run(plan, progress=False, log=lambda m: None)
+    (record,) = runner.run(plan, progress=False, log=lambda m: None)
     return diagnostics.load_cell(record)
 
 

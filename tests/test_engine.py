@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from qlbench import adapters, engine, experiment, results, zoo
+from qlbench import adapters, engine, experiment, results, runner, zoo
 from qlbench.seeding import generator
 from qlbench.store import Store
 
@@ -122,7 +122,7 @@ def test_experiment_writes_records_resumes_and_reloads(tmp_path):
         dtype="float64",
         out_dir=tmp_path,
     )
-    paths = experiment.run(plan, progress=False, log=lambda m: None)
+    paths = runner.run(plan, progress=False, log=lambda m: None)
     rec = results.read_record(paths[0])
     assert rec["train_info"]["status"] == "ok" and rec["run_info"]["seeds"] == [0, 1]
     assert set(rec) == {"schema", "run_info", "train_info", "meta_info"}
@@ -133,7 +133,7 @@ def test_experiment_writes_records_resumes_and_reloads(tmp_path):
     json.loads(paths[0].read_text())  # strict JSON (no NaN)
     stamp = paths[0].stat().st_mtime_ns
     logs = []
-    experiment.run(plan, progress=False, log=logs.append)
+    runner.run(plan, progress=False, log=logs.append)
     assert paths[0].stat().st_mtime_ns == stamp and "skipped" in logs[0]
     frame = results.load(tmp_path)
     assert sorted(frame["method"].unique()) == ["mean", "queryable"] and len(frame) == 4
@@ -239,7 +239,7 @@ def test_the_optimisers_eps_reaches_the_update(method, tmp_path):
             out_dir=tmp_path / str(eps),
             eps=eps,
         )
-        (path,) = experiment.run(p, progress=False)
+        (path,) = runner.run(p, progress=False)
         curves[eps] = json.loads(path.read_text())["train_info"]["per_seed"][0]["train_curve"]
     moved = lambda c: abs(c[-1] - c[0]) / c[0]
     assert moved(curves[1e3]) < moved(curves[adapters.EPS]) / 10, curves  # measured: x100 (lora), x19 (full-soap)
@@ -254,7 +254,7 @@ def test_a_cell_trains_and_reloads_with_its_own_label_noise(noise, tmp_path):
         functions=["dropwave"], arch="deep-narrow", methods=["lora"], seeds=2, budget="smoke", dtype="float64",
         out_dir=tmp_path, noise=noise,
     )  # fmt: skip
-    (path,) = experiment.run(p, progress=False, log=lambda m: None)
+    (path,) = runner.run(p, progress=False, log=lambda m: None)
     rec = json.loads(path.read_text())
     assert rec["run_info"]["config"].get("noise", "absolute") == noise
     model, data, _ = experiment.load_adapted(path)
@@ -273,7 +273,7 @@ def test_source_mse_after_adaptation_is_measured_on_the_final_model(tmp_path):
         functions=["matyas"], arch="deep-narrow", methods=["frozen", "lora"], seeds=2, budget="smoke",
         device="cpu", dtype="float64", out_dir=tmp_path,
     )  # fmt: skip
-    paths = {Store(tmp_path).cell_of(p)[2]: p for p in experiment.run(plan, progress=False, log=lambda m: None)}
+    paths = {Store(tmp_path).cell_of(p)[2]: p for p in runner.run(plan, progress=False, log=lambda m: None)}
     frozen, lora = (results.read_record(paths[m])["train_info"]["per_seed"] for m in ("frozen", "lora"))
     for f, a in zip(frozen, lora):
         assert f["source_test_mse_after"] == pytest.approx(f["source_test_mse"], rel=1e-12)

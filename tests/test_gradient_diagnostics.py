@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from qlbench import adapters, engine, experiment, gradients, results
+from qlbench import adapters, engine, experiment, gradients, results, runner
 from qlbench.backbones import DeepNarrowMLP, RegressionTransformer
 from qlbench.seeding import generator
 
@@ -201,7 +201,7 @@ def test_records_hold_the_norms_and_old_records_still_load(tmp_path):
         functions=["matyas"], arch="deep-narrow", methods=["lora", "queryable", "mean"], seeds=2, budget="smoke",
         device="cpu", out_dir=tmp_path,
     )  # fmt: skip
-    paths = experiment.run(plan, progress=False, log=lambda m: None)
+    paths = runner.run(plan, progress=False, log=lambda m: None)
     rec = results.read_record(paths[1])
     train = rec["train_info"]
     assert train["grad_epochs"] == train["eval_epochs"][1:] == [2, 4]

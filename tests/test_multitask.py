@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qlbench import ablation, cli, continual, multitask, results, suite_stats, suites
+from qlbench import ablation, cli, continual, multitask, results, runner, suite_stats, suites
 
 from helpers import one_line_error
 
@@ -35,7 +35,7 @@ def seeds(p: multitask.SuitePlan, row: str) -> list[dict]:
 def zoo4(tmp_path_factory):
     """One sequential smoke run on zoo-4 (live backbone) of a static, a task and two instruction rows."""
     p = plan(tmp_path_factory.mktemp("zoo4"), methods=("lora", "lora-per-task", "instruct-queryable", "task-code"))
-    multitask.run(p, progress=False, log=lambda m: None)
+    runner.run(p, progress=False, log=lambda m: None)
     return p
 
 
@@ -74,7 +74,7 @@ def test_learning_rate_zero_forgets_nothing(tmp_path):
     """With lr 0 every stage leaves the parameters (and every task's MSE) exactly where they were: forgetting,
     BWT and FWT are 0 for a static and a routed row alike."""
     p = with_lr(plan(tmp_path, methods=("lora", "instruct-queryable")), 0.0)
-    multitask.run(p, progress=False, log=lambda m: None)
+    runner.run(p, progress=False, log=lambda m: None)
     for row in p.rows:
         for s in seeds(p, row):
             R, initial = np.array(s["stage_task_mse"]), np.array(s["initial_task_mse"])
@@ -90,7 +90,7 @@ def test_shuffling_instructions_moves_instruction_methods_only(zoo4, tmp_path):
             assert s["shuffled_task_mse"] != s["stage_task_mse"][-1]
     assert all("shuffled_task_mse" not in s for s in seeds(zoo4, "lora"))
     control = plan(tmp_path, suite="zoo-4-same-instruction", methods=("instruct-queryable",))
-    multitask.run(control, progress=False, log=lambda m: None)
+    runner.run(control, progress=False, log=lambda m: None)
     for s in seeds(control, "instruct-queryable"):
         assert s["shuffled_task_mse"] == s["stage_task_mse"][-1]
         assert s["paraphrase_task_mse"] == s["stage_task_mse"][-1]  # its paraphrases are the same sentence too
@@ -126,7 +126,7 @@ def test_copies_of_one_task_use_the_atoms_alike(tmp_path, monkeypatch, zoo4):
     cards = dict(suites._cards()) | {"copies": suites.parse("copies", COPIES)}
     monkeypatch.setattr(suites, "_cards", lambda: cards)
     p = plan(tmp_path, suite="copies", schedule="joint", methods=("instruct-queryable",))
-    multitask.run(p, progress=False, log=lambda m: None)
+    runner.run(p, progress=False, log=lambda m: None)
     copies = [continual.symmetric_kl(np.array(s["usage"])[-1]).max() for s in seeds(p, "instruct-queryable")]
     distinct = [continual.symmetric_kl(np.array(s["usage"])[-1]).max() for s in seeds(zoo4, "instruct-queryable")]
     assert max(copies) < 0.01, copies
@@ -137,7 +137,7 @@ def test_held_out_task_is_zero_shot(tmp_path):
     """Under held-out the last task is never trained on: lora-per-task's output on it is the frozen backbone's
     (its factors never moved), while the trained tasks moved."""
     p = plan(tmp_path, suite="shifts-matyas", schedule="held-out", methods=("lora-per-task", "frozen"))
-    multitask.run(p, progress=False, log=lambda m: None)
+    runner.run(p, progress=False, log=lambda m: None)
     frozen = {s["seed"]: s["stage_task_mse"][-1] for s in seeds(p, "frozen")}
     for s in seeds(p, "lora-per-task"):
         final = s["stage_task_mse"][-1]
@@ -149,11 +149,11 @@ def test_held_out_task_is_zero_shot(tmp_path):
 
 def test_a_suite_resumes_row_by_row_with_the_same_numbers(tmp_path):
     p = plan(tmp_path, schedule="joint", methods=("lora", "task-lora"))
-    multitask.run(p, progress=False, log=lambda m: None)
+    runner.run(p, progress=False, log=lambda m: None)
     before = seeds(p, "task-lora")
     p.record_path("task-lora").unlink()
     said = []
-    multitask.run(p, progress=False, log=said.append)
+    runner.run(p, progress=False, log=said.append)
     assert any("1 row(s) already have a finished record" in m for m in said)
     assert seeds(p, "task-lora") == before
 
@@ -259,7 +259,7 @@ def test_separate_adapters_fit_conflicting_tasks_that_one_static_update_cannot(t
     p = plan(tmp_path, schedule="joint", methods=(*static, "lora-per-task"), budget="quick", seeds=2)
     budget = dataclasses.replace(p.budget, adapt=dataclasses.replace(p.budget.adapt, epochs=100))
     p = dataclasses.replace(p, budget=budget)
-    multitask.run(p, progress=False, log=lambda m: None)
+    runner.run(p, progress=False, log=lambda m: None)
     frame = suite_stats.load(p.store.root).pivot(index="seed", columns="method", values="average")
     best_static = frame[list(static)].min(axis=1)
     assert (frame["lora-per-task"] < best_static).all(), frame

@@ -38,7 +38,7 @@ def seed_entry(seed: int, v: float) -> dict:
 
 
 def write_cell(out: Path, function: str, method: str, git: dict | None, monkeypatch, seeds: int = 3) -> Path:
-    """One finished smoke cell's record, as experiment.run writes it, from the checkout `git` (None: no git key)."""
+    """One finished smoke cell's record, as runner.run writes it, from the checkout `git` (None: no git key)."""
     p = experiment.plan(
         functions=[function], arch="deep-narrow", methods=[method], seeds=seeds, budget="smoke", device="cpu",
         out_dir=out,

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("peft")
 
-from qlbench import cli, real, store  # noqa: E402
+from qlbench import cli, real, runner, store  # noqa: E402
 
 # General knowledge, written here apart from qlbench/real.py's tables: the yes answers.
 MAMMALS = {"cat", "dog", "horse", "whale", "mouse", "bat"}
@@ -126,24 +126,24 @@ def test_the_runner_completes_a_record_keeps_its_seeds_and_leaves_a_locked_metho
 
     monkeypatch.setattr(real, "train_one", fake)
     one, three = real.RealConfig(epochs=1, seeds=(0,)), real.RealConfig(epochs=1, seeds=(0, 1, 2))
-    real.run(["lora"], one, tmp_path)
-    real.run(["lora"], three, tmp_path)
+    runner.run(real.plan(["lora"], one, tmp_path))
+    runner.run(real.plan(["lora"], three, tmp_path))
     path = real.record_path(tmp_path, three, "lora")
     assert trained == [("lora", 0), ("lora", 1), ("lora", 2)]
     assert [s["seed"] for s in store.read_json(path)["per_seed"]] == [0, 1, 2]
-    real.run(["lora"], real.RealConfig(epochs=1, seeds=(3,)), tmp_path)  # another seed adds to the record,
+    runner.run(real.plan(["lora"], real.RealConfig(epochs=1, seeds=(3,)), tmp_path))  # another seed: added,
     assert trained[3:] == [("lora", 3)] and [s["seed"] for s in store.read_json(path)["per_seed"]] == [0, 1, 2, 3]
-    real.run(["lora"], one, tmp_path)  # and a run of seeds on record trains nothing
+    runner.run(real.plan(["lora"], one, tmp_path))  # and a run of seeds on record trains nothing
     assert len(trained) == 4
 
     path.write_text('{"config_hash": "x"}')  # damaged: no per-seed list
     messages = []
-    real.run(["lora"], one, tmp_path, log=messages.append)
+    runner.run(real.plan(["lora"], one, tmp_path), log=messages.append)
     assert trained[4:] == [("lora", 0)]
     assert any("is damaged" in m and m.endswith("the method is recomputed") for m in messages)
     assert list(path.parent.glob("lora.json.damaged-*"))
 
     with store.claim([real.record_path(tmp_path, three, "queryable")]):  # another process trains it
         messages = []
-        real.run(["queryable"], three, tmp_path, log=messages.append)
+        runner.run(real.plan(["queryable"], three, tmp_path), log=messages.append)
     assert trained[5:] == [] and messages[-1] == "1 method(s) are being trained by another process: left to it"

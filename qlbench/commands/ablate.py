@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from qlbench import ablation, experiment, multitask, planning, suite_stats, text, zoo
+from qlbench import ablation, multitask, planning, runner, suite_stats, text, zoo
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, check_out, options, usage_errors
 
@@ -58,7 +58,7 @@ def run(args) -> int:
     records = {}
     for name, plan in plans.items():
         log(f"variant {name}")
-        (records[name],) = experiment.run(plan, progress=not args.no_progress, log=log)
+        (records[name],) = runner.run(plan, progress=not args.no_progress, log=log)
     table = ablation.table(records)
     print(text.markdown(table))
     print(f"\n{ablation.legend(table)}")
@@ -84,7 +84,7 @@ def run_suite(args, log) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    paths = [path for plan in plans.values() for path in multitask.run(plan, progress=not args.no_progress, log=log)]
+    paths = [path for plan in plans.values() for path in runner.run(plan, progress=not args.no_progress, log=log)]
     table = ablation.suite_table(suite_stats.load(paths, on_damaged=log))
     print(text.markdown(table))
     print(

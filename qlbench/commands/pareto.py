@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import experiment, multitask, pareto, planning
+from qlbench import multitask, pareto, planning, runner
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
 from qlbench.report import pareto as pareto_report
@@ -80,9 +80,9 @@ def run(args) -> int:
     for i, (m, pt, p) in enumerate(todo, 1):
         log(f"qlbench pareto: point {i}/{len(todo)}: {m} {pt.label}")
         if isinstance(p, multitask.SuitePlan):
-            paths += multitask.run(p, progress=not args.no_progress, log=log)
+            paths += runner.run(p, progress=not args.no_progress, log=log)
         else:
-            paths += experiment.run(p, progress=not args.no_progress, log=log)
+            paths += runner.run(p, progress=not args.no_progress, log=log)
     frame = pareto.load(paths)
     slug, title = labels(args, common, overrides, todo[0][2].budget.name)
     ylabel = "average task test MSE after the last stage" if args.suite else "test MSE @ best-train epoch"

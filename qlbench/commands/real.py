@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from qlbench import real
+from qlbench import real, runner
 from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
 from qlbench.progress import bar
 from qlbench.report import real as real_report
@@ -53,7 +53,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     todo = len(methods) * len(config.seeds) * real.steps(config)
     with bar(total=todo, desc="real", disable=args.no_progress) as progress:
-        paths = real.run(methods, config, out, progress=progress.update, log=log)
+        paths = runner.run(real.plan(methods, config, out), progress=progress.update, log=log)
     folder = real.record_path(out, config, methods[0]).parent
     report = real_report.write(paths, folder)
     print(report["markdown"])

@@ -9,7 +9,7 @@ import contextlib
 import sys
 import time
 
-from qlbench import adapters, experiment, planning, ray_executor, results, text, zoo
+from qlbench import adapters, experiment, planning, ray_executor, results, runner, text, zoo
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
 
@@ -161,7 +161,7 @@ def run(args, functions: list[str]) -> int:
                 plan, group_size=args.group_size, retries=retries, progress=not args.no_progress, log=log
             )
         else:
-            paths = experiment.run(plan, progress=not args.no_progress, log=log)
+            paths = runner.run(plan, progress=not args.no_progress, log=log)
     frame = results.load([p for p in paths if p.exists()], on_damaged=log)
     print()
     if len(frame):

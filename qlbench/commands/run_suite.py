@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from qlbench import multitask, planning, suite_stats, suites
+from qlbench import multitask, planning, runner, suite_stats, suites
 from qlbench.backbones import ARCHS, DEFAULT_INIT
 from qlbench.commands import options, split_list, usage_errors
 
@@ -54,7 +54,7 @@ def run(args) -> int:
         f"({b.adapt.epochs} epochs per stage), seeds {p.seeds}, methods {', '.join(p.rows)}, device {p.device}",
         flush=True,
     )
-    paths = multitask.run(p, progress=not args.no_progress, log=log)
+    paths = runner.run(p, progress=not args.no_progress, log=log)
     summary = suite_stats.summary(suite_stats.load(paths, on_damaged=log))
     print(
         f"\nTest MSE per task after the last stage, mean ± std over seeds (standardised labels: 1 = predicting the "

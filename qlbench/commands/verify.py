@@ -61,7 +61,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from qlbench import experiment, verify
+    from qlbench import runner, verify
 
     log = lambda message: print(message, file=sys.stderr, flush=True)
     if args.peft is not None:
@@ -89,7 +89,7 @@ def run(args) -> int:
         with usage_errors():
             plan = verify.smoke_plan(folder, arch, function, args.device, args.method)
         log(f"qlbench verify: training a smoke {args.method} cell ({function} on {arch}) in {folder}")
-        (record,) = experiment.run(plan, progress=not args.no_progress, log=log)
+        (record,) = runner.run(plan, progress=not args.no_progress, log=log)
         out = args.out or folder / "verify.json"
     with usage_errors():
         report = verify.verify_record(record, args.device)
