@@ -8,7 +8,6 @@ the same config hash are skipped, so an interrupted run resumes where it stopped
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -338,42 +337,24 @@ def measure_cost(p: Plan, method: str, pre: engine.Pretrained, dtype, log) -> di
     """The method's cost on this plan (qlbench/cost.py), measured once per stack and shared by its cells (the
     architecture, method and config fix it); None, said through `log`, if the measurement fails: the cell's
     results are not lost for it."""
-    try:
-        return cost.measure(
-            pre,
-            method,
-            p.configs[method],
-            batch_size=p.budget.adapt.batch_size,
-            device=p.device,
-            dtype=dtype,
-            repeats=cost.repeats_for(p.budget.name),
-        )
-    except Exception as err:  # a cost is an extra: the record is written without it
-        log(f"{method}: cost not measured: {type(err).__name__}: {err}")
-        return None
+    b = p.budget
+    measure = lambda: cost.measure(
+        pre, method, p.configs[method], batch_size=b.adapt.batch_size, device=p.device, dtype=dtype,
+        repeats=cost.repeats_for(b.name),
+    )  # fmt: skip
+    return runner.cost(method, measure, log)
 
 
 def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:
     """Adapt `method` on the stack `pre` (its members: functions x the plan's seeds) and commit one record per
     function, its adapter weights first; a failure is recorded as failed cells. Both executors call this."""
     functions = list(dict.fromkeys(f for f, _ in pre.members))
-    t0 = time.perf_counter()
-    try:
-        res = engine.adapt(
-            pre,
-            method,
-            p.configs[method],
-            p.budget,
-            device=p.device,
-            dtype=dtype,
-            progress=progress,
-            compile=p.compile,
-            eps=p.eps,
-            noise=p.noise,
-        )
-    except Exception as err:  # record the failure and go on with the other methods
-        log(f"{method}: failed: {type(err).__name__}: {err}")
-        write_failed(p, method, functions, f"{type(err).__name__}: {err}", time.perf_counter() - t0)
+    work = lambda: engine.adapt(
+        pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype, progress=progress,
+        compile=p.compile, eps=p.eps, noise=p.noise,
+    )  # fmt: skip
+    failed = lambda message, wall_time_s: write_failed(p, method, functions, message, wall_time_s)
+    if (res := runner.attempt(method, work, failed, log)) is None:
         return
     costs = measure_cost(p, method, pre, dtype, log)
     c = res.curves

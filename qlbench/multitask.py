@@ -442,7 +442,8 @@ def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | 
     table bound, beside the frozen backbone, on every task's data. None, said through `log`, if it fails."""
     name, _ = method_of(row)
     method, config, dtype = adapters.get(name), p.configs[row], planning.DTYPES[p.dtype]
-    try:
+
+    def measure() -> dict:
         one = pre.select(pre.members[:1])
         seed = one.members[0][1]
         data = task_data(p.suite, [seed], list(range(len(p.suite.tasks))), dtype=dtype, device=p.device)
@@ -453,9 +454,8 @@ def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | 
         frozen = one.model(device=p.device, dtype=dtype)
         repeats = cost.repeats_for(p.budget.name)
         return cost.measure_model(model, frozen, name, config, data, p.budget.adapt.batch_size, repeats)
-    except Exception as err:  # a cost is an extra: the record is written without it
-        log(f"{row}: cost not measured: {type(err).__name__}: {err}")
-        return None
+
+    return runner.cost(row, measure, log)
 
 
 def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> None:
@@ -466,14 +466,10 @@ def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> No
     chosen = {"eps": p.eps, "backbone_init": p.backbone_init, "noise": "suite-standardised"}
     chosen["backbone_commits"] = pre.commits()  # which code trained the backbones (engine.Pretrained.git)
     common = dict(config=config, seeds=p.seeds, device=p.device, chosen=chosen)
-    try:
-        res = adapt(p, row, pre, progress)
-    except Exception as err:  # record the failure and go on with the other rows
-        log(f"{row}: failed: {type(err).__name__}: {err}")
-        rec = results.make_record(
-            **common, status="failed", message=f"{type(err).__name__}: {err}", wall_time_s=time.perf_counter() - t0
-        )
-        write_json(rec, p.record_path(row))
+    failed = lambda message, wall_time_s: write_json(
+        results.make_record(**common, status="failed", message=message, wall_time_s=wall_time_s), p.record_path(row)
+    )
+    if (res := runner.attempt(row, lambda: adapt(p, row, pre, progress), failed, log)) is None:
         return
     per_seed = []
     for e, seed in enumerate(p.seeds):

@@ -15,15 +15,17 @@ The Ray executor claims through `claimed` too, and trains the units on its worke
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from qlbench import results
 from qlbench.store import DamagedFile, claim, clean_temps, set_aside, stable_hash
 
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 
 @dataclass
@@ -119,3 +121,27 @@ def run(w: Workload, *, progress=True, log: Log = print) -> list[Path]:
         if mine:
             w.train(mine, progress, log)
     return [w.unit_path(u) for u in w.units()]
+
+
+def attempt(label: str, work: Callable[[], T], failed: Callable[[str, float], None], log: Log) -> T | None:
+    """Run one unit's training: its result, or, when it raises, None after saying `label: failed: Type: message` and
+    recording it through `failed(message, wall seconds)` (a failed record, shown as a row and retried by the next run),
+    so the other units go on."""
+    t0 = time.perf_counter()
+    try:
+        return work()
+    except Exception as err:  # record the failure and go on with the other units
+        message = f"{type(err).__name__}: {err}"
+        log(f"{label}: failed: {message}")
+        failed(message, time.perf_counter() - t0)
+        return None
+
+
+def cost(label: str, measure: Callable[[], T], log: Log) -> T | None:
+    """A unit's cost (qlbench/cost.py), an extra beside its results: the measurement, or None said through `log` when
+    it fails (the record is written without it)."""
+    try:
+        return measure()
+    except Exception as err:  # a cost is an extra: the record is written without it
+        log(f"{label}: cost not measured: {type(err).__name__}: {err}")
+        return None

@@ -1,0 +1,98 @@
+"""The runner (qlbench/runner.py) on a toy workload: which units are finished, what it trains, what it leaves to
+another process; and its failure and cost wrappers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qlbench import runner, store
+
+
+@dataclass
+class Toy:
+    """A workload of named units; a unit's record is {"hash", "status"} JSON; train writes "ok" records."""
+
+    out_dir: Path
+    names: list[str]
+    config: dict = field(default_factory=lambda: {"lr": 1})
+    force: bool = False
+    noun = "toy"
+    trained: list = field(default_factory=list)
+    broken: set = field(default_factory=set)  # units whose extra file is missing (intact() says False)
+
+    def units(self):
+        return list(self.names)
+
+    def unit_path(self, unit):
+        return self.out_dir / f"{unit}.json"
+
+    def unit_config(self, unit):
+        return self.config | {"unit": unit}
+
+    def read(self, path):
+        try:
+            rec = json.loads(path.read_text())
+        except ValueError:
+            raise store.DamagedFile(f"{path} is damaged (not JSON)") from None
+        return runner.Found(rec["hash"], rec["status"], rec)
+
+    def intact(self, record, rec, log):
+        return record.stem not in self.broken
+
+    def train(self, units, progress, log):
+        self.trained += units
+        for u in units:
+            self.write(u, "ok")
+
+    def write(self, unit, status, config=None):
+        h = store.stable_hash(config or self.unit_config(unit))
+        self.unit_path(unit).write_text(json.dumps({"hash": h, "status": status}))
+
+
+def test_only_units_without_a_finished_intact_record_of_their_config_train(tmp_path):
+    toy = Toy(tmp_path, ["ok", "failed", "incomplete", "other-config", "damaged", "broken", "new"])
+    toy.write("ok", "ok")
+    toy.write("failed", "failed")
+    toy.write("incomplete", "incomplete")
+    toy.write("other-config", "ok", config={"lr": 2, "unit": "other-config"})
+    toy.unit_path("damaged").write_text("{not json")
+    toy.write("broken", "ok")
+    toy.broken.add("broken")
+    said = []
+    paths = runner.run(toy, log=said.append)
+    assert toy.trained == ["failed", "incomplete", "other-config", "damaged", "broken", "new"]
+    assert paths == [toy.unit_path(u) for u in toy.names]
+    assert said[0].startswith(f"{tmp_path / 'damaged.json'} is damaged (not JSON); moved to damaged.json.damaged-1")
+    assert said[0].endswith("the toy is recomputed")
+    assert said[-1] == "1 toy(s) already have a finished record of the same config: skipped (--force re-runs them)"
+    toy.trained.clear()
+    toy.broken.clear()
+    runner.run(toy, log=said.append)
+    assert toy.trained == []  # everything finished now
+    toy.force = True
+    runner.run(toy, log=said.append)
+    assert toy.trained == toy.names
+
+
+def test_a_unit_another_process_holds_is_left_to_it(tmp_path):
+    toy = Toy(tmp_path, ["a", "b"])
+    said = []
+    with store.claim([toy.unit_path("a")]):
+        runner.run(toy, log=said.append)
+    assert toy.trained == ["b"] and said == ["1 toy(s) are being trained by another process: left to it"]
+
+
+def test_attempt_records_a_failure_and_goes_on_and_cost_is_an_extra():
+    said, failed = [], []
+
+    def boom():
+        raise RuntimeError("planted")
+
+    assert runner.attempt("lora", boom, lambda m, s: failed.append((m, s >= 0)), said.append) is None
+    assert failed == [("RuntimeError: planted", True)] and said == ["lora: failed: RuntimeError: planted"]
+    assert runner.attempt("lora", lambda: 3, lambda m, s: failed.append(m), said.append) == 3 and len(failed) == 1
+    assert runner.cost("lora", boom, said.append) is None
+    assert said[-1] == "lora: cost not measured: RuntimeError: planted"
+    assert runner.cost("lora", lambda: {"bytes": 1}, said.append) == {"bytes": 1}
