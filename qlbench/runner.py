@@ -1,10 +1,12 @@
 """The one runner: which units of a workload are finished, which this process may train, and the run itself.
 
 A workload is any experiment whose results are one record per unit: `experiment.Plan` (a unit is a (method, function)
-cell of a single-task sweep) and `multitask.SuitePlan` (a unit is a row of a suite schedule). It names its units,
-where each unit's record lives and the config that record must hold, and trains a list of units, writing their
-records. The runner is the one place that decides whether a unit is finished and intact (`finished`), and it plans,
-claims and resumes for every workload:
+cell of a single-task sweep), `multitask.SuitePlan` (a row of a suite schedule) and `real.RealPlan` (a method of the
+real-model experiment). It names its units, where each unit's record lives, the config that record must hold and
+how to read it, and trains a list of units: it builds their stages, trains them with `engine.fit` and writes their
+records, through `attempt` (a failure is a failed record, and the other units go on) and `cost` (a cost that cannot
+be measured is left out). The runner is the one place that decides whether a unit is finished and intact
+(`finished`), and it plans, claims and resumes for every workload:
 
     run(w)      remove the temporaries of killed writers -> pending units -> lock them (a unit another process is
                 training is left to it) -> w.train(the units this process holds) -> every unit's record path
@@ -49,7 +51,7 @@ class Workload(Protocol):
 
     out_dir: Path
     force: bool  # re-run units that already have a finished record of the same config
-    noun: str  # what a unit is called in messages ("cell", "row")
+    noun: str  # what a unit is called in messages ("cell", "row", "method")
 
     def units(self) -> list[Hashable]: ...
 
