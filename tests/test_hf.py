@@ -4,6 +4,7 @@ Skipped where the `hf` extra (peft, transformers) is not installed; CI installs 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -373,3 +374,89 @@ def test_every_statement_holds_on_a_wrapped_bert():
     assert {r["label"] for r in rows} >= {"prop:app_convex_hull_bound", "cor:app_query_norm_bound"}
     assert [r for r in rows if r["status"] == "VIOLATED"] == []
     assert sum(r["items"] for r in rows) > 100
+
+
+# Dtypes and checkpointing (issue 43): language-model heads, so that a loss and a training step are the real ones.
+
+
+def lm(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **peft_kw):
+    """A tiny GPT-2 or Llama causal LM in `dtype`, wrapped (B drawn non-zero; three blocks, so that the depth
+    attention is not constant), in training mode."""
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        c = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=D, n_layer=LAYERS, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+        base, targets = transformers.GPT2LMHeadModel(c), ["c_attn"]
+    else:
+        c = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=2,
+            intermediate_size=64,
+        )  # fmt: skip
+        base, targets = transformers.LlamaForCausalLM(c), ["q_proj", "v_proj"]
+    config = QueryableLoraConfig(target_modules=targets, r=4, n_atoms=8, top_k=2, n_blocks=3)
+    model = peft.get_peft_model(base.to(dtype), config, **peft_kw)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "queryable_B" in n:
+                p.normal_(0, 0.2)
+    return model.train()
+
+
+def memory_parameters(model) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in model.named_parameters() if "queryable_memory" in n]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_half_precision_base_model_trains_and_infers(dtype):
+    """peft's autocast-adapter-dtype rule (on by default) upcasts the adapter to float32: the memory too, so that the
+    layers' float32 rank states meet float32 atoms; with the rule off everything stays in the base's dtype. Either
+    way a training step moves the memory and the loss stays finite."""
+    x = inputs()["input_ids"]
+    for autocast, want in [(True, torch.float32), (False, dtype)]:
+        model = lm("gpt2", dtype, autocast_adapter_dtype=autocast)
+        assert {p.dtype for n, p in model.named_parameters() if p.requires_grad} == {want}
+        assert model.get_base_model().transformer.h[0].attn.c_attn.base_layer.weight.dtype == dtype
+        optimiser = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        out = model(input_ids=x, labels=x)
+        assert out.logits.dtype == dtype and torch.isfinite(out.loss)
+        out.loss.backward()
+        memory = memory_parameters(model)
+        assert memory and all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.any() for _, p in memory)
+        before = {n: p.detach().clone() for n, p in memory}
+        optimiser.step()
+        assert any(not torch.equal(p, before[n]) for n, p in memory)
+        with torch.no_grad():
+            assert torch.isfinite(model.eval()(input_ids=x, labels=x).loss)
+
+
+def grads_of(model, *batches) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's gradient after the forwards of `batches` and then their backwards."""
+    losses = [model(input_ids=x, labels=x, use_cache=False).loss for x in batches]
+    for loss in losses:
+        loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_gradient_checkpointing_gives_the_gradients_without_it(name, reentrant):
+    """Every layer checkpointed: the memory and adapter gradients equal those without checkpointing, also when two
+    forwards run before their two backwards (each layer's recomputation routes with its own forward's state)."""
+    x, y = inputs(seed=1)["input_ids"], inputs(seed=2)["input_ids"]
+    for batches in [(x,), (x, y)]:
+        want = grads_of(lm(name), *batches)
+        model = lm(name)
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5; before, the old name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        assert model.get_base_model().is_gradient_checkpointing
+        with pytest.warns(UserWarning, match="non-reentrant") if reentrant else contextlib.nullcontext():
+            got = grads_of(model, *batches)
+        assert got.keys() == want.keys() and any("queryable_memory" in n for n in got)
+        missing = [n for n, g in got.items() if g is None]
+        assert missing == []
+        for n, g in got.items():
+            torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")

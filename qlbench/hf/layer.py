@@ -76,7 +76,7 @@ class Linear(nn.Module, QueryableLoraLayer):
                 continue
             A, B = self.queryable_A[name], self.queryable_B[name]
             s = x.to(A.dtype) @ A.T  # (batch, [T,] r)
-            S = self.routing.operator(name, self.block[name], s)  # (batch, r, r)
+            S = self.routing.operator(name, self.block[name], s, id(self)).to(s.dtype)  # (batch, r, r)
             g = torch.sigmoid(self.queryable_eta[name])
             Ss = s @ S.transpose(-1, -2) if s.dim() == 3 else (S @ s.unsqueeze(-1)).squeeze(-1)  # S s per token
             t = s + g * Ss

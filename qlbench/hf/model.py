@@ -8,12 +8,20 @@ What peft's API does not express, and how this tuner does it (docs/hf.md):
   out of the model's keywords before the model sees it, and the attention mask, whose padding the token average of
   a rank state skips. `set_instruction` binds one per adapter.
 - *A memory shared by all layers.* Each adapter's atoms, keys and router parameters are one `QueryableMemory` in
-  the tuner's `queryable_memory` ModuleDict (saved once, as peft saves tuner-level containers).
+  the tuner's `queryable_memory` ModuleDict (saved once, as peft saves tuner-level containers). peft's
+  autocast-adapter-dtype rule (float16/bfloat16 adapter weights upcast to float32) covers it as it covers A and B.
+- *Checkpointing.* A block's operator and the layers' pooled states cross the model's layers, so they cross the
+  checkpointed segments: the pre-hook runs transformers' checkpointing non-reentrant (reentrant checkpointing
+  cannot differentiate through a tensor that one segment makes and another uses) and recomputes each segment in
+  the routing state of its own forward, the layer that routed a block routing it again (`Recompute`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +70,7 @@ class ForwardState:
     operators: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # adapter -> block -> (b, r, r)
     mask: torch.Tensor | None = None  # (batch, T) attention mask of this forward, if the model was given one
     instruction: torch.Tensor | None = None  # (d_c,) or (batch, d_c) given to this forward
+    routers: dict[str, dict[int, int]] = field(default_factory=dict)  # adapter -> block -> id of the routing layer
 
 
 class Routing:
@@ -72,6 +81,7 @@ class Routing:
         self.memories = memories
         self.instructions: dict[str, torch.Tensor] = {}
         self.state = ForwardState()
+        self.recomputing = False  # a checkpointed segment is being recomputed (backward): the forward is replayed
         self.last: dict[str, dict] = {}  # adapter -> block -> Route of the last forward (inspection, tests)
 
     def pooled(self, s: torch.Tensor) -> torch.Tensor:
@@ -85,25 +95,36 @@ class Routing:
         w = mask.to(s.dtype).unsqueeze(-1)  # (batch, T, 1)
         return (s * w).sum(1) / w.sum(1).clamp_min(1.0)
 
-    def operator(self, adapter: str, block: int, s: torch.Tensor) -> torch.Tensor:
+    def operator(self, adapter: str, block: int, s: torch.Tensor, layer: int) -> torch.Tensor:
         """S_b (batch, r, r) for this adapter's block, routed by the first layer of the block to run in this forward
-        (from its rank state s and the summaries of the blocks before it); every layer's pooled state is recorded."""
+        (from its rank state s and the summaries of the blocks before it); every layer's pooled state is recorded.
+        `layer` names the calling layer (its id): in a checkpoint's recomputation the layer that routed the block
+        routes it again, as it did in the forward, and nothing is recorded (the forward's state stands)."""
         memory = self.memories[adapter]
         state = self.state
-        pooled = self.pooled(s)  # (batch, r)
+        pooled = self.pooled(s).to(memory.atoms.dtype)  # (batch, r), in the memory's dtype (cast at use)
         states = state.states.setdefault(adapter, {})
         operators = state.operators.setdefault(adapter, {})
+        routers = state.routers.setdefault(adapter, {})
+        if self.recomputing:
+            return self.route(adapter, block, pooled).S[0] if routers.get(block) == layer else operators[block]
         if block not in operators:
-            earlier = [b for b in range(block) if b in states]
-            summaries = (
-                torch.stack([torch.stack(states[b]).mean(0) for b in earlier], dim=1).unsqueeze(0) if earlier else None
-            )  # (1, batch, P, r)
-            instruction = self.instruction(adapter, pooled)
-            r = MemoryView(memory).route(block, pooled.unsqueeze(0), summaries, instruction)
-            operators[block] = r.S[0]  # (batch, r, r)
+            r = self.route(adapter, block, pooled)
+            operators[block], routers[block] = r.S[0], layer  # (batch, r, r)
             self.last.setdefault(adapter, {})[block] = r
         states.setdefault(block, []).append(pooled)
         return operators[block]
+
+    def route(self, adapter: str, block: int, pooled: torch.Tensor) -> Route:
+        """The block's Route from the routing layer's pooled state (batch, r) and the summaries of the blocks before
+        it (each the mean of its layers' pooled states)."""
+        states = self.state.states.get(adapter, {})
+        earlier = [b for b in range(block) if b in states]
+        summaries = (
+            torch.stack([torch.stack(states[b]).mean(0) for b in earlier], dim=1).unsqueeze(0) if earlier else None
+        )  # (1, batch, P, r)
+        instruction = self.instruction(adapter, pooled)
+        return MemoryView(self.memories[adapter]).route(block, pooled.unsqueeze(0), summaries, instruction)
 
     def instruction(self, adapter: str, pooled: torch.Tensor) -> torch.Tensor | None:
         """(1, d_c) or (1, batch, d_c): the forward's instruction, else the adapter's bound one, else None (an error
@@ -124,6 +145,40 @@ class Routing:
                 f"({pooled.shape[0]}, {c.instruction_dim})"
             )
         return e.unsqueeze(0)
+
+
+class Recompute:
+    """The context a checkpointed segment is recomputed in (torch.utils.checkpoint's `context_fn`): the routing
+    state of the forward that ran the segment (captured when it ran, so forwards may run before their backwards),
+    with `recomputing` set. Composed with a `context_fn` the caller gave."""
+
+    def __init__(self, routing: Routing, inner: contextlib.AbstractContextManager):
+        self.routing, self.state, self.inner = routing, routing.state, inner
+
+    def __enter__(self):
+        self.saved = self.routing.state, self.routing.recomputing
+        self.routing.state, self.routing.recomputing = self.state, True
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        self.routing.state, self.routing.recomputing = self.saved
+        return self.inner.__exit__(*exc)
+
+
+def routed_checkpoint(routing: Routing, checkpoint: functools.partial) -> functools.partial:
+    """transformers' checkpoint function (a partial of torch's `checkpoint`), made non-reentrant and replaying the
+    routing state of its forward in the recomputation."""
+    keywords = dict(checkpoint.keywords)
+    user = keywords.get("context_fn")
+
+    def context_fn():
+        forward, recompute = user() if user is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        return forward, Recompute(routing, recompute)
+
+    keywords.update(use_reentrant=False, context_fn=context_fn)
+    wrapped = functools.partial(checkpoint.func, *checkpoint.args, **keywords)
+    wrapped.queryable_routing = routing
+    return wrapped
 
 
 def layer_index(module_name: str) -> int | None:
@@ -152,7 +207,24 @@ class QueryableLoraModel(BaseTuner):
         self.routing.state = ForwardState(
             mask=kwargs.get("attention_mask"), instruction=kwargs.pop("instruction", None)
         )
+        if module.training and torch.is_grad_enabled():
+            self._route_checkpointing(module)
         return args, kwargs
+
+    def _route_checkpointing(self, model: nn.Module) -> None:
+        """Every transformers checkpoint function in the model (`_gradient_checkpointing_func`, set by
+        activation/gradient_checkpointing_enable) made non-reentrant and routing-aware (`routed_checkpoint`)."""
+        for m in model.modules():
+            f = m.__dict__.get("_gradient_checkpointing_func")
+            if not isinstance(f, functools.partial) or getattr(f, "queryable_routing", None) is self.routing:
+                continue
+            if f.keywords.get("use_reentrant"):
+                warnings.warn(
+                    "queryable_lora: reentrant checkpointing cannot differentiate the routing state that crosses "
+                    "layers; the tuner runs the model's checkpointing non-reentrant (same gradients)",
+                    stacklevel=2,
+                )
+            m._gradient_checkpointing_func = routed_checkpoint(self.routing, f)
 
     def _create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, **kwargs):
         if isinstance(target, QueryableLoraLayer):
@@ -182,6 +254,14 @@ class QueryableLoraModel(BaseTuner):
         weight = layers[0][1].get_base_layer().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         self.queryable_memory[adapter_name].to(device=weight.device, dtype=dtype)
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        """peft's rule (float16 and bfloat16 adapter weights upcast to float32) on the layers and on the memory."""
+        super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
+        if autocast_adapter_dtype and adapter_name in getattr(self, "queryable_memory", {}):
+            memory = self.queryable_memory[adapter_name]
+            if any(p.dtype in (torch.float16, torch.bfloat16) for p in memory.parameters()):
+                memory.to(torch.float32)
 
     def set_instruction(self, e: torch.Tensor | None, adapter_name: str | None = None) -> None:
         """Bind the frozen instruction embedding e (d_c,) to an adapter (default: the active one); None unbinds.
