@@ -79,10 +79,7 @@ def run(args) -> int:
     paths = []
     for i, (m, pt, p) in enumerate(todo, 1):
         log(f"qlbench pareto: point {i}/{len(todo)}: {m} {pt.label}")
-        if isinstance(p, multitask.SuitePlan):
-            paths += runner.run(p, progress=not args.no_progress, log=log)
-        else:
-            paths += runner.run(p, progress=not args.no_progress, log=log)
+        paths += runner.run(p, progress=not args.no_progress, log=log)  # a suite's or a single-task plan
     frame = pareto.load(paths)
     slug, title = labels(args, common, overrides, todo[0][2].budget.name)
     ylabel = "average task test MSE after the last stage" if args.suite else "test MSE @ best-train epoch"
