@@ -177,7 +177,7 @@ def routed_checkpoint(routing: Routing, checkpoint: functools.partial) -> functo
 
     keywords.update(use_reentrant=False, context_fn=context_fn)
     wrapped = functools.partial(checkpoint.func, *checkpoint.args, **keywords)
-    wrapped.queryable_routing = routing
+    wrapped.queryable_routing, wrapped.queryable_original = routing, checkpoint
     return wrapped
 
 
@@ -195,11 +195,59 @@ class QueryableLoraModel(BaseTuner):
     target_module_mapping = {}  # no defaults: target_modules is required
 
     def _pre_injection_hook(self, model: nn.Module, config, adapter_name: str) -> None:
+        """The adapter's memory (once: peft calls this hook from __init__, and `inject_adapter` calls it for adapters
+        added later), and the tuner's forward pre-hook."""
         if not hasattr(self, "queryable_memory"):
             self.queryable_memory = nn.ModuleDict({})
             self.routing = Routing(self.queryable_memory)
+        if getattr(self, "_hook", None) is None:
             self._hook = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
-        self.queryable_memory[adapter_name] = QueryableMemory(config)
+        if adapter_name not in self.queryable_memory:
+            self.queryable_memory[adapter_name] = QueryableMemory(config)
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, **kwargs) -> None:
+        """peft's injection, with this tuner's pre- and post-injection hooks around it: peft calls those hooks only
+        from __init__, while `add_adapter` and `load_adapter` (a second adapter) call only `inject_adapter`."""
+        self._pre_injection_hook(model, self.peft_config[adapter_name], adapter_name)
+        try:
+            super().inject_adapter(model, adapter_name, **kwargs)
+        except Exception:
+            if adapter_name in self.queryable_memory:
+                del self.queryable_memory[adapter_name]
+            raise
+        self._post_injection_hook(model, self.peft_config[adapter_name], adapter_name)
+
+    def _sync_memory_grad(self) -> None:
+        """Each adapter's memory requires grad exactly when its layers' A does (peft sets the layers' flags by the
+        active adapters and inference_mode; the memory, held by the tuner, is not one of peft's layers)."""
+        flags: dict[str, bool] = {}
+        for m in self.model.modules():
+            if isinstance(m, QueryableLoraLayer):
+                for name, p in m.queryable_A.items():
+                    flags[name] = flags.get(name, False) or p.requires_grad
+        for name, memory in getattr(self, "queryable_memory", {}).items():
+            memory.requires_grad_(flags.get(name, False))
+
+    def set_adapter(self, adapter_name, inference_mode: bool = False) -> None:
+        super().set_adapter(adapter_name, inference_mode=inference_mode)
+        self._sync_memory_grad()
+
+    def set_requires_grad(self, adapter_names, requires_grad: bool = True) -> None:
+        super().set_requires_grad(adapter_names, requires_grad=requires_grad)
+        self._sync_memory_grad()
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        super()._mark_only_adapters_as_trainable(model)
+        self._sync_memory_grad()
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """peft's deletion (the layers' A, B, gate and block), and the adapter's memory, bound instruction and last
+        routes."""
+        super().delete_adapter(adapter_name)
+        if adapter_name in self.queryable_memory:
+            del self.queryable_memory[adapter_name]
+        self.routing.instructions.pop(adapter_name, None)
+        self.routing.last.pop(adapter_name, None)
 
     def _begin_forward(self, module, args, kwargs):
         """Before every forward of the wrapped model: a fresh routing state, this call's instruction (taken out of
@@ -253,7 +301,10 @@ class QueryableLoraModel(BaseTuner):
             layer.routing = self.routing
         weight = layers[0][1].get_base_layer().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        self.queryable_memory[adapter_name].to(device=weight.device, dtype=dtype)
+        memory = self.queryable_memory[adapter_name]
+        if not any(p.is_meta for p in memory.parameters()):  # meta (low_cpu_mem_usage): the loaded weights replace it
+            memory.to(device=weight.device, dtype=dtype)
+        self._sync_memory_grad()
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         """peft's rule (float16 and bfloat16 adapter weights upcast to float32) on the layers and on the memory."""
@@ -272,5 +323,21 @@ class QueryableLoraModel(BaseTuner):
         else:
             self.routing.instructions[name] = e.detach()
 
-    def _unload_and_optionally_merge(self, *args, **kwargs):
-        raise NotImplementedError("queryable_lora's update depends on the input (its routes): it cannot be merged")
+    def _unload_and_optionally_merge(self, merge: bool = True, *args, **kwargs):
+        """`unload()`: the base model as it was (the adapted layers replaced by their base layers, the forward
+        pre-hook removed, transformers' checkpoint functions restored). Merging is refused: the update depends on
+        the input through its route, so no fixed weight equals it."""
+        if merge:
+            raise NotImplementedError(
+                "queryable_lora's update depends on the input (its routes): it cannot be merged; "
+                "unload() returns the base model without the adapters"
+            )
+        model = super()._unload_and_optionally_merge(*args, merge=False, **kwargs)
+        if getattr(self, "_hook", None) is not None:
+            self._hook.remove()
+            self._hook = None
+        for m in model.modules():
+            f = m.__dict__.get("_gradient_checkpointing_func")
+            if getattr(f, "queryable_routing", None) is self.routing:
+                m._gradient_checkpointing_func = f.queryable_original
+        return model
