@@ -308,6 +308,14 @@ def verify_adapter(folder: Path, n: int = 60) -> dict:
     base_path = config.base_model_name_or_path
     if not base_path or not Path(base_path).is_dir():
         raise ValueError(f"the adapter's base model {base_path!r} is not a local folder (nothing is downloaded)")
+    from transformers import AutoConfig
+
+    kind = AutoConfig.from_pretrained(base_path).model_type
+    if kind != "bert":
+        raise ValueError(
+            f"verify --peft supports adapters on a BERT-style encoder like qlbench real's MiniLM; {base_path} is a "
+            f"{kind} model: call qlbench.hf.verify.check(model, x, e, call=...) in Python instead"
+        )
     transformers_quiet()
     model = peft.PeftModel.from_pretrained(AutoModel.from_pretrained(base_path), str(folder)).eval()
     tokenizer = AutoTokenizer.from_pretrained(base_path)

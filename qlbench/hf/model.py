@@ -196,7 +196,13 @@ class QueryableLoraModel(BaseTuner):
 
     def _pre_injection_hook(self, model: nn.Module, config, adapter_name: str) -> None:
         """The adapter's memory (once: peft calls this hook from __init__, and `inject_adapter` calls it for adapters
-        added later), and the tuner's forward pre-hook."""
+        added later), and the tuner's forward pre-hook. Encoder-decoder models are refused (see docs/hf.md)."""
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            raise ValueError(
+                "queryable_lora does not support encoder-decoder models: one routing state per forward spans "
+                "the layers in order, while the decoder runs without the encoder at each generated token "
+                "(use a decoder-only or encoder-only model)"
+            )
         if not hasattr(self, "queryable_memory"):
             self.queryable_memory = nn.ModuleDict({})
             self.routing = Routing(self.queryable_memory)
@@ -249,12 +255,40 @@ class QueryableLoraModel(BaseTuner):
         self.routing.instructions.pop(adapter_name, None)
         self.routing.last.pop(adapter_name, None)
 
+    @contextlib.contextmanager
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        """peft runs PeftModel.forward and .generate inside this context. A `generate(..., instruction=e)` call
+        would reach transformers' generate, which refuses keywords its model's forward does not name: for the
+        context's duration the model's `generate` takes `instruction=` out and every forward of the generation
+        routes on it (a (batch, d_c) one repeated for beams and returned sequences)."""
+        if kwargs.get("instruction") is None:
+            yield
+            return
+        model = self.model
+
+        def generate(*a, instruction=None, **kw):
+            self._generate_instruction = instruction
+            try:
+                return type(model).generate(model, *a, **kw)
+            finally:
+                self._generate_instruction = None
+
+        model.generate = generate
+        try:
+            yield
+        finally:
+            del model.generate
+
     def _begin_forward(self, module, args, kwargs):
         """Before every forward of the wrapped model: a fresh routing state, this call's instruction (taken out of
-        the keywords) and attention mask."""
-        self.routing.state = ForwardState(
-            mask=kwargs.get("attention_mask"), instruction=kwargs.pop("instruction", None)
-        )
+        the keywords, else the running generate call's) and attention mask."""
+        instruction = kwargs.pop("instruction", None)
+        if instruction is None and getattr(self, "_generate_instruction", None) is not None:
+            instruction = self._generate_instruction
+            ids = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+            if instruction.dim() == 2 and ids is not None and ids.shape[0] % instruction.shape[0] == 0:
+                instruction = instruction.repeat_interleave(ids.shape[0] // instruction.shape[0], 0)
+        self.routing.state = ForwardState(mask=kwargs.get("attention_mask"), instruction=instruction)
         if module.training and torch.is_grad_enabled():
             self._route_checkpointing(module)
         return args, kwargs
