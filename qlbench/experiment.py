@@ -56,8 +56,7 @@ class Plan:
     def unit_config(self, unit: tuple[str, str]) -> dict:
         return self.cell_config(unit[1], unit[0])
 
-    def read(self, path: Path) -> runner.Found:
-        return runner.read_result(path)
+    read = staticmethod(runner.read_result)  # a record of the schema (results.read_record)
 
     def intact(self, record: Path, rec: dict, log) -> bool:
         """Whether the adapter weights a finished record relies on are there and readable (runner.finished)."""

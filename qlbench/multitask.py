@@ -127,8 +127,7 @@ class SuitePlan:
     def unit_config(self, row: str) -> dict:
         return self.cell_config(row)
 
-    def read(self, path: Path) -> runner.Found:
-        return runner.read_result(path)
+    read = staticmethod(runner.read_result)  # a record of the schema (results.read_record)
 
     def intact(self, record: Path, rec: dict, log) -> bool:
         return True  # a suite row saves no weights: its record is all it has
@@ -348,8 +347,9 @@ def stages(p: SuitePlan) -> list[list[int]]:
 def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:
     if todo:
         with engine.num_threads(engine.auto_threads(p.arch, len(p.seeds), p.threads)):
+            needed = p.backbones.needed(p.members, p.store)
             with progress_bar(
-                total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if _pretrain_needed(p) else 0),
+                total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if needed else 0),
                 desc=f"pretrain {p.arch} x{len(p.seeds)}",
                 unit="step",
                 disable=not progress,
@@ -362,10 +362,6 @@ def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:
                 for r in todo:
                     bar.set_description(f"{p.suite.name} {p.schedule} {r} x{len(p.seeds)}")
                     run_row(p, r, pre, bar.update if r in trained else None, log)
-
-
-def _pretrain_needed(p: SuitePlan) -> bool:
-    return p.backbones.needed(p.members, p.store)
 
 
 @engine.flush_denormals()

@@ -81,8 +81,17 @@ class RealConfig:
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
             raise ValueError(f"seeds must be integers >= 0, got {self.seeds!r}")
 
+    def key(self) -> dict:
+        """What a record's numbers depend on beyond its seeds (a record adds seeds of the same key)."""
+        return {k: v for k, v in asdict(self).items() if k != "seeds"}
+
     def hash(self) -> str:
-        return store.stable_hash({k: v for k, v in asdict(self).items() if k != "seeds"})
+        return store.stable_hash(self.key())
+
+    @property
+    def phase(self) -> engine.Phase:
+        """The training phase every (method, seed) runs: its epochs, learning rate, batch and weight decay."""
+        return engine.Phase(self.epochs, self.lr, self.batch_size, self.weight_decay)
 
 
 @dataclass
@@ -250,9 +259,8 @@ def train_one(
     )
     (x_train, y_train, task_train), (x_test, y_test, task_test) = stacked(train), stacked(test)
     data = engine.StackedData(x_train, y_train, x_test, y_test, task_train, task_test)
-    phase = engine.Phase(config.epochs, config.lr, config.batch_size, config.weight_decay)
     order = [torch.Generator().manual_seed(seed)]
-    stage = engine.Stage(data, phase, optimizer, order, eval_every=config.epochs)
+    stage = engine.Stage(data, config.phase, optimizer, order, eval_every=config.epochs)
     engine.fit(OneMemberStack(model), [stage], instruction=routed_e, progress=progress)
     if save_to is not None and method in QUERYABLE:
         save_adapter(model.encoder, save_to)
@@ -345,8 +353,7 @@ def verify_adapter(folder: Path, n: int = 60) -> dict:
 
 def steps(config: RealConfig) -> int:
     """Optimizer steps of one (method, seed), for progress bars."""
-    n = config.train_per_task * len(TASKS)
-    return config.epochs * -(-n // config.batch_size)
+    return engine.steps(config.phase, config.train_per_task * len(TASKS))
 
 
 def check_record(rec, path: Path) -> dict:
@@ -378,7 +385,7 @@ class RealPlan:
         return record_path(self.out_dir, self.config, method)
 
     def unit_config(self, method: str) -> dict:
-        return {k: v for k, v in asdict(self.config).items() if k != "seeds"}  # RealConfig.hash's
+        return self.config.key()
 
     def read(self, path: Path) -> runner.Found:
         """The record's config hash and state: "ok" once it holds every seed of the config, else "incomplete"
