@@ -34,6 +34,7 @@ class Plan:
     dtype: str
     out_dir: Path
     compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
+    capture: bool = False  # record the training step in CUDA graphs (engine/step.py; CUDA only; not hashed)
     threads: int | None = None  # intra-op threads; None: engine.auto_threads
     force: bool = False  # re-run cells that already have a finished record of the same config
     backbone_init: str = DEFAULT_INIT  # backbones.INITS; hashed only when not the default (see cell_config)
@@ -90,13 +91,19 @@ class Plan:
         (cached; `engine.pretrain`); kwargs: progress, log. Every executor pretrains through here, so none can drop
         one of these settings."""
         return engine.pretrain(
-            self.backbones, members, device=self.device, store=self.store, compile=self.compile, **kwargs
+            self.backbones,
+            members,
+            device=self.device,
+            store=self.store,
+            compile=self.compile,
+            capture=self.capture,
+            **kwargs,
         )
 
     @property
     def chosen(self) -> dict:
         """The settings beyond the config that every record states, defaults included (results.settings)."""
-        return {"eps": self.eps, "backbone_init": self.backbone_init, "noise": self.noise}
+        return {"eps": self.eps, "backbone_init": self.backbone_init, "noise": self.noise, "capture": self.capture}
 
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused.
@@ -134,6 +141,7 @@ def plan(
     threads: int | None = None,
     force: bool = False,
     cuda: bool | None = None,
+    capture: str = "auto",
     backbone_init: str = DEFAULT_INIT,
     eps: float = adapters.EPS,
     noise: str = zoo.DEFAULT_NOISE,
@@ -173,6 +181,7 @@ def plan(
         check_memory(sizes, len(set(functions)) * n_seeds, dtype, dev)
     check_writable(Path(out_dir))
     use_compile = compile == "on" or (compile == "auto" and engine.compile_by_default(dev, b.name))
+    use_capture = engine.use_capture(capture, dev)
     return Plan(
         functions=list(dict.fromkeys(functions)),
         arch=arch,
@@ -184,6 +193,7 @@ def plan(
         dtype=dtype,
         out_dir=Path(out_dir),
         compile=use_compile,
+        capture=use_capture,
         threads=threads,
         force=force,
         backbone_init=backbone_init,
@@ -350,7 +360,7 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
     functions = list(dict.fromkeys(f for f, _ in pre.members))
     work = lambda: engine.adapt(
         pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype, progress=progress,
-        compile=p.compile, eps=p.eps, noise=p.noise,
+        compile=p.compile, capture=p.capture, eps=p.eps, noise=p.noise,
     )  # fmt: skip
     failed = lambda message, wall_time_s: write_failed(p, method, functions, message, wall_time_s)
     if (res := runner.attempt(method, work, failed, log)) is None:

@@ -111,6 +111,7 @@ class SuitePlan:
     force: bool = False
     backbone_init: str = DEFAULT_INIT
     eps: float = adapters.EPS
+    capture: bool = False  # record the training step in CUDA graphs (engine/step.py; CUDA only; not hashed)
 
     noun = "row"  # runner.Workload: a unit is a row
 
@@ -174,7 +175,9 @@ class SuitePlan:
         return engine.Backbones(self.arch, self.budget.pretrain, dtype, self.backbone_init, source="suite")
 
     def pretrain(self, **kwargs) -> engine.Pretrained:
-        return engine.pretrain(self.backbones, self.members, device=self.device, store=self.store, **kwargs)
+        return engine.pretrain(
+            self.backbones, self.members, device=self.device, store=self.store, capture=self.capture, **kwargs
+        )
 
 
 SUITE_COMPILE = ("auto", "off")  # experiment.plan's compile settings a suite honours: its steps run eager
@@ -198,6 +201,7 @@ def plan(
     eps: float = adapters.EPS,
     compile: str = "auto",
     noise: str = zoo.DEFAULT_NOISE,
+    capture: str = "auto",
 ) -> SuitePlan:
     """Validate every choice (ValueError with the valid options) before any work. `compile` and `noise` take
     experiment.plan's values, of which a suite honours one meaning each: its steps run eager (auto or off; on is
@@ -238,6 +242,7 @@ def plan(
         sizes[r] = planning.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
     dev = engine.resolve_device(device)
     planning.check_memory(sizes, n_seeds, dtype, dev, tasks=len(s.tasks))  # one member per seed, T tasks' data
+    use_capture = engine.use_capture(capture, dev)
     check_writable(Path(out_dir))
     return SuitePlan(
         suite=s,
@@ -254,6 +259,7 @@ def plan(
         force=force,
         backbone_init=backbone_init,
         eps=float(eps),
+        capture=use_capture,
     )
 
 
@@ -403,7 +409,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
             )
             for k, tasks in enumerate(stages(p))
         ]
-        curves = engine.fit(model, plan_stages, progress=progress, after_stage=evaluate_stage)
+        curves = engine.fit(model, plan_stages, progress=progress, after_stage=evaluate_stage, capture=p.capture)
     else:
         for k in range(len(stages(p))):
             evaluate_stage(k)
@@ -459,7 +465,7 @@ def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> No
     t0 = time.perf_counter()
     config = p.cell_config(row)
     # suites: eager steps, labels standardised per task with their own noise (suites.py), no --noise option
-    chosen = {"eps": p.eps, "backbone_init": p.backbone_init, "noise": "suite-standardised"}
+    chosen = {"eps": p.eps, "backbone_init": p.backbone_init, "noise": "suite-standardised", "capture": p.capture}
     chosen["backbone_commits"] = pre.commits()  # which code trained the backbones (engine.Pretrained.git)
     common = dict(config=config, seeds=p.seeds, device=p.device, chosen=chosen)
     failed = lambda message, wall_time_s: write_json(

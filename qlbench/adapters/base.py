@@ -86,7 +86,8 @@ def adamw(params, lr: float, weight_decay: float, eps: float = EPS) -> torch.opt
     """AdamW as pretraining and every element-wise method use it, exact on stacked leaves (member e's update is the
     one it would get alone) in both implementations it picks:
 
-    - on CUDA, fused (one kernel over all tensors; every element takes the same arithmetic);
+    - on CUDA, fused (one kernel over all tensors; every element takes the same arithmetic) and capturable (its step
+      count on the device, so the engine can record the update in a CUDA graph: engine/step.py);
     - elsewhere, foreach. PyTorch's fused CPU kernel is not position independent: it splits each tensor into
       cache-line units, vectorises inside them and finishes a short tail with scalar code whose last bits differ,
       so a member's update depended on how many members its stack held (the (E, 1) head bias of a stack of 18 or
@@ -94,7 +95,9 @@ def adamw(params, lr: float, weight_decay: float, eps: float = EPS) -> torch.opt
     """
     params = list(params)
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, fused=fused, foreach=not fused)
+    return torch.optim.AdamW(
+        params, lr=lr, weight_decay=weight_decay, eps=eps, fused=fused, foreach=not fused, capturable=fused
+    )
 
 
 def task_owned(model: nn.Module) -> list[tuple[nn.Parameter, int, int]]:

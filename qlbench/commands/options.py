@@ -103,8 +103,15 @@ TRAINING: dict[str, tuple[str, dict]] = {
         "compile",
         dict(
             default=DEFAULTS["compile"],
-            help="torch.compile the training step: auto (CPU: paper budget; CUDA: paper and quick), on, off (a "
+            help="torch.compile the training step: auto (the paper budget), on, off (a "
             "suite's steps run eager: auto or off)",
+        ),
+    ),
+    "--capture": (
+        "capture",
+        dict(
+            default=DEFAULTS["capture"],
+            help="record the whole training step in a CUDA graph and replay it: auto (on CUDA), on (CUDA only), off",
         ),
     ),
 }

@@ -3,7 +3,8 @@
 The package's modules, each one concern, imported in this order (none imports a later one):
 
     budgets   Phase and Budget: the paper's protocol and the quick and smoke runs
-    runtime   device, intra-op threads, flush-denormal, torch.compile policy
+    runtime   device, intra-op threads, flush-denormal, torch.compile and CUDA-graph policy
+    step      the training step, eager or captured whole in a CUDA graph
     loop      stacked data, the training step and `fit`, the one training loop (pretraining, adaptation, suite
               stages and the real model all train through it), evaluation and curves
     cache     source-pretrained backbone stacks and their on-disk cache
@@ -29,6 +30,7 @@ from qlbench.engine.loop import (
     squared_errors,
 )
 from qlbench.engine.runtime import (
+    CAPTURE_SETTINGS,
     COMPILE_BUDGETS,
     auto_threads,
     check_threads,
@@ -37,11 +39,14 @@ from qlbench.engine.runtime import (
     flush_denormals,
     num_threads,
     resolve_device,
+    use_capture,
 )
+from qlbench.engine.step import CapturedStep, Step
 
 __all__ = [
     "AdaptResult", "adapt", "build_model", "BUDGETS", "Budget", "Phase", "budget", "steps", "Pretrained", "pretrain",
     "Backbones", "DIVERGENCE_FACTOR", "MIN_STACK", "Curves", "Member", "StackedData", "Stage", "evaluate", "fit",
     "make_step", "padded", "squared_errors", "COMPILE_BUDGETS", "auto_threads", "check_threads", "compile_by_default",
-    "compiled", "flush_denormals", "num_threads", "resolve_device",
+    "compiled", "flush_denormals", "num_threads", "resolve_device", "CAPTURE_SETTINGS", "use_capture", "Step",
+    "CapturedStep",
 ]  # fmt: skip

@@ -56,13 +56,15 @@ def adapt(
     dtype=torch.float32,
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
+    capture: bool = False,
     diagnostics: bool = True,
     eps: float = adapters.EPS,
     noise: str = zoo.DEFAULT_NOISE,
 ) -> AdaptResult:
     """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target; with
     `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `eps`: the optimiser's
-    epsilon (AdamW's, or SOAP's for full-soap); `noise`: the target labels' noise (zoo.NOISES)."""
+    epsilon (AdamW's, or SOAP's for full-soap); `noise`: the target labels' noise (zoo.NOISES); `compile`, `capture`:
+    how the training step runs (engine.fit)."""
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
@@ -77,7 +79,7 @@ def adapt(
             groups = gradients.param_groups(model)
             diagnose = lambda: gradients.grad_norms(groups)
         stage = Stage(data, budget.adapt, optimizer, order, budget.eval_every)
-        (curves,) = fit(model, [stage], progress=progress, compile=compile, diagnose=diagnose)
+        (curves,) = fit(model, [stage], progress=progress, compile=compile, capture=capture, diagnose=diagnose)
     else:
         tr = evaluate(model, data.x_train, data.y_train).cpu()
         te = evaluate(model, data.x_test, data.y_test).cpu()

@@ -143,11 +143,13 @@ def pretrain(
     store: Store | None = None,
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
+    capture: bool = False,
     log: Callable[[str], None] = lambda message: None,
 ) -> Pretrained:
     """Source-pretrained backbones `spec` for `members`. Members found in the store's backbone cache are loaded; the
     rest are trained together and cached one file per member, so any later stacking of the same members reuses
-    them. A damaged cache file is reported through `log`, set aside and retrained."""
+    them. A damaged cache file is reported through `log`, set aside and retrained. `compile`, `capture`: how the
+    training step runs (engine.fit)."""
     arch, phase, dtype = spec.arch, spec.phase, spec.dtype
     paths = spec.paths(members, store)
     cached = {}
@@ -164,7 +166,8 @@ def pretrain(
         data = spec.source_data(sub, device=device)
         order = [generator("order", "pretrain", arch, f, s) for f, s in sub]
         optimizer = lambda: adamw(model.parameters(), phase.lr, phase.weight_decay)
-        (curves,) = fit(model, [Stage(data, phase, optimizer, order, phase.epochs)], progress=progress, compile=compile)
+        stage = Stage(data, phase, optimizer, order, phase.epochs)
+        (curves,) = fit(model, [stage], progress=progress, compile=compile, capture=capture)
         state = model.state_dict()
         for j, i in enumerate(todo):
             cached[i] = dict(

@@ -17,6 +17,8 @@ import torch.nn as nn
 from qlbench import zoo
 from qlbench.engine.budgets import Phase
 from qlbench.engine.runtime import compiled
+from qlbench.engine.step import Step
+from qlbench.engine.step import build as build_step
 
 Member = tuple[str, int]  # (function name, seed)
 
@@ -147,37 +149,16 @@ def squared_errors(
 
 
 def make_step(
-    model: nn.Module, optimizer, instruction: torch.Tensor | None = None, *, compile: bool = False
-) -> Callable:
-    """The training step every method and the benchmarks run: step(xb (E, b, 2), yb (E, b)) -> loss (E,).
-
-    Each member's loss is its own batch mean and the stack minimises their sum, so member e's gradient is the one
-    it would get alone. `step(xb, yb, inspect)` calls inspect() after backward and before the optimizer step (the
-    gradients are in .grad; outside the compiled forward), e.g. to record gradient norms. `step(..., task=tb)`
-    passes each sample's task index tb (E, b) in a multi-task suite.
-    """
-    return _step(compiled(model) if compile else model, optimizer, instruction)
-
-
-def _step(forward: Callable, optimizer, instruction: torch.Tensor | None) -> Callable:
-    """make_step's step over a given forward (the model, or its compiled wrapper shared by a fit's stages)."""
-
-    def step(
-        xb: torch.Tensor,
-        yb: torch.Tensor,
-        inspect: Callable[[], None] | None = None,
-        task: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        out = forward(xb, instruction) if task is None else forward(xb, instruction, task=task)
-        loss = (out - yb).pow(2).mean(dim=1)  # (E,)
-        loss.sum().backward()
-        if inspect is not None:
-            inspect()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    model: nn.Module,
+    optimizer,
+    instruction: torch.Tensor | None = None,
+    *,
+    compile: bool = False,
+    capture: bool = False,
+) -> Step:
+    """The training step every method and the benchmarks run: step(xb (E, b, 2), yb (E, b)) -> loss (E,) (`Step`),
+    over the model's forward (`compile`: through torch.compile), captured in a CUDA graph when `capture` (CUDA)."""
+    return build_step(compiled(model) if compile else model, optimizer, instruction, capture=capture)
 
 
 @dataclass
@@ -202,12 +183,19 @@ def fit(
     compile: bool = False,
     diagnose: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     after_stage: Callable[[int], None] | None = None,
+    capture: bool = False,
 ) -> list[Curves]:
     """The training loop of qlbench: train `model` through `stages` in order, one Curves per stage.
 
     Within a stage every member shuffles its own data with its order generator every epoch and trains on minibatches
     of the stage's batch size (the last one smaller). `after_stage(k)`, if given, is called once stage k has trained
-    (a suite evaluates every task there). With `compile`, the forward is compiled once for all stages.
+    (a suite evaluates every task there). With `compile`, the forward is compiled once for all stages; with
+    `capture` (CUDA), each stage's step is recorded in a CUDA graph per batch shape and replayed (engine/step.py).
+
+    Nothing inside an epoch waits for the device: each epoch's order is drawn by the members' own generators on the
+    host (qlbench interpretation of "drawn on the device": the same draw as on CPU, so a CUDA run trains on the
+    very order a CPU run does and the two agree to rounding) and copied to the device without blocking; the running
+    loss stays on the device; divergence checks and metrics are read back at evaluation epochs only.
 
     `diagnose()` (gradients.grad_norms over the model's groups), if given, is called after backward of the last
     step of every evaluated epoch > 0 and its (E, L) per-layer and (E,) shared gradient norms are returned in the
@@ -222,7 +210,7 @@ def fit(
     forward = compiled(model) if compile and stages else model
     curves = []
     for k, stage in enumerate(stages):
-        step = _step(forward, stage.optimizer(), instruction)
+        step = build_step(forward, stage.optimizer(), instruction, capture=capture)
         curves.append(_train(model, step, stage, instruction, progress, diagnose))
         if after_stage is not None:
             after_stage(k)
@@ -264,7 +252,8 @@ def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress
     model.train()
     record(0)
     for epoch in range(1, phase.epochs + 1):
-        perm = torch.stack([torch.randperm(N, generator=g) for g in order]).to(device)  # (E, N)
+        perm = torch.stack([torch.randperm(N, generator=g) for g in order])  # (E, N), on the host
+        perm = perm.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else perm.to(device)
         xs, ys = data.x_train[rows, perm], data.y_train[rows, perm]  # this epoch's order, (E, N, 2), (E, N)
         ts = None if data.task_train is None else data.task_train[rows, perm]  # (E, N)
         evaluated = epoch % eval_every == 0 or epoch == phase.epochs

@@ -1,4 +1,4 @@
-"""Runtime policy: the device, intra-op threads, flush-denormal and torch.compile choices every training run makes."""
+"""Runtime policy: device, intra-op threads, flush-denormal, torch.compile and CUDA-graph choices of a training run."""
 
 from __future__ import annotations
 
@@ -77,29 +77,48 @@ def num_threads(n: int | None):
 
 
 def compiled(model: nn.Module) -> nn.Module:
-    """torch.compile for the training forward: CUDA graphs ("reduce-overhead") on a GPU, Inductor's default on CPU.
+    """torch.compile for the training forward: Inductor's default mode on every device.
+
+    On CUDA the whole step (forward, backward, the optimiser's update) is recorded in a CUDA graph by the engine
+    itself (`--capture`, engine/step.py), over the compiled forward or the eager one; torch.compile's own CUDA
+    graphs ("reduce-overhead") are not used: they recorded the forward and backward only, and a quick run that had
+    trained full-soap and LoRA aborted the process at DoRA under them (docs/speed.md).
 
     It shares the model's parameters; evaluation keeps calling the eager model (its batch shapes vary). Whether
     `--compile auto` uses it depends on the device and budget (`compile_by_default`). `qlbench bench` also times
     no-grad forwards through it. Call it before the first call of anything compiled earlier: the reset below drops
     compiled code (which then recompiles on its next call).
     """
-    on_cuda = next(model.parameters()).device.type == "cuda"
     # a fresh in-process cache per training run: every method's model re-enters the same forward code, and past
     # torch._dynamo's recompile limit (8 per code object) a sweep's later methods would silently run eager. The
     # on-disk Inductor cache survives the reset, so a model seen before still compiles in seconds.
     torch._dynamo.reset()
-    return torch.compile(model, mode="reduce-overhead" if on_cuda else None, dynamic=False)
+    return torch.compile(model, dynamic=False)
 
 
 # Budgets whose training step `--compile auto` compiles, per device type. On CPU the measured cold warm-up (about 16 s
 # for LoRA, 57 s for Queryable LoRA on the deep-narrow stack; seconds when Inductor's cache is warm) is repaid only by
-# the paper budget's 35,000 steps per member, not by a quick run's 2,800 (docs/speed.md). On CUDA, where CUDA graphs
-# remove per-kernel launch cost, every budget but smoke (seconds long, where the warm-up would dominate); not
-# measured on this project's machines, which have no GPU.
-COMPILE_BUDGETS = {"cpu": ("paper",), "cuda": ("paper", "quick")}
+# the paper budget's 35,000 steps per member, not by a quick run's 2,800 (docs/speed.md). On CUDA, where the captured
+# step already removes the per-kernel launch cost, compiling fuses kernels; its warm-up is repaid by the paper budget
+# only (the same rule as on CPU, until measured otherwise on a GPU).
+COMPILE_BUDGETS = {"cpu": ("paper",), "cuda": ("paper",)}
 
 
 def compile_by_default(device: torch.device, budget_name: str) -> bool:
     """Whether `--compile auto` compiles the training step for this device and budget (COMPILE_BUDGETS)."""
     return budget_name in COMPILE_BUDGETS.get(torch.device(device).type, ())
+
+
+CAPTURE_SETTINGS = ("auto", "on", "off")
+
+
+def use_capture(setting: str, device: torch.device) -> bool:
+    """Whether a run records its training steps in CUDA graphs (engine/step.py): `--capture` auto (on CUDA, every
+    budget: recording costs a few ordinary steps per batch shape), on (CUDA only) or off. ValueError naming the
+    valid settings otherwise."""
+    if setting not in CAPTURE_SETTINGS:
+        raise ValueError(f"unknown capture setting {setting!r}; valid: {', '.join(CAPTURE_SETTINGS)}")
+    cuda = torch.device(device).type == "cuda"
+    if setting == "on" and not cuda:
+        raise ValueError(f"--capture on needs a CUDA device (CUDA graphs), got {device}; valid here: auto, off")
+    return cuda and setting != "off"

@@ -1,0 +1,137 @@
+"""The training step every stack runs, eager or captured whole in a CUDA graph and replayed.
+
+`Step` is the step: forward, each member's batch-mean loss, backward of their sum, the optimiser's update.
+`CapturedStep` is the same step on CUDA, recorded once per batch shape (forward, backward and the optimiser's
+update, `torch.cuda.graph`) and replayed: one launch per step instead of one per kernel (a deep-narrow LoRA step is
+about 470 kernels, Queryable LoRA's about 1,470; docs/speed.md). Both are called as step(xb, yb, inspect, task)
+and return the members' losses (E,).
+
+How the captured step stays the same training as the eager one:
+- Capture records kernels without running them. Each batch shape first trains WARMUP ordinary steps on a side
+  stream (as PyTorch's CUDA-graph notes require: lazy initialisation, the optimiser's state, a compiled forward's
+  compilation), then is recorded, then every later step of that shape replays the recording. The warm-up steps are
+  real training steps, so nothing is run twice or skipped.
+- A stage's last partial batch is one more shape, recorded once for the stage (not once per epoch).
+- The optimiser must keep its step count on the device (AdamW's `capturable`, which `adapters.adamw` sets on
+  CUDA); an optimiser that does not (full-soap's SOAP, whose eigendecompositions synchronise with the host) has
+  the forward and backward captured and steps eagerly after the replay.
+- The gradients a replay writes are the recording's own tensors; `inspect` (gradient diagnostics) is handed them,
+  so it reads the step's gradients whichever shape was recorded last.
+- Inputs are copied into the recording's fixed buffers; the returned loss is a fixed buffer too, overwritten by
+  the next call of the same shape (the loop adds it to its running sum at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+WARMUP = 3  # ordinary steps per batch shape before it is recorded
+
+
+def _loss(forward: Callable, instruction, xb: torch.Tensor, yb: torch.Tensor, task) -> torch.Tensor:
+    """Each member's batch-mean squared error (E,) for xb (E, b, 2) or (E, b, ...), yb (E, b)."""
+    out = forward(xb, instruction) if task is None else forward(xb, instruction, task=task)
+    return (out - yb).pow(2).mean(dim=1)
+
+
+class Step:
+    """The training step: step(xb (E, b, 2), yb (E, b), inspect=None, task=None) -> loss (E,).
+
+    Each member's loss is its own batch mean and the stack minimises their sum, so member e's gradient is the one
+    it would get alone. `inspect()`, if given, is called after backward and before the optimiser's update (the
+    gradients are in .grad), e.g. to record gradient norms; `task` (E, b): each sample's task in a suite."""
+
+    captured = False
+
+    def __init__(self, forward: Callable, optimizer: torch.optim.Optimizer, instruction: torch.Tensor | None):
+        self.forward, self.optimizer, self.instruction = forward, optimizer, instruction
+
+    def __call__(self, xb, yb, inspect: Callable[[], None] | None = None, task=None) -> torch.Tensor:
+        loss = _loss(self.forward, self.instruction, xb, yb, task)
+        loss.sum().backward()
+        if inspect is not None:
+            inspect()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def capturable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimiser's update can be recorded in a CUDA graph (its state, step count included, lives on the
+    device: torch.optim's `capturable` flag)."""
+    return bool(optimizer.param_groups) and all(g.get("capturable", False) for g in optimizer.param_groups)
+
+
+class CapturedStep(Step):
+    """`Step` recorded in a CUDA graph per batch shape and replayed (CUDA only; see the module docstring)."""
+
+    captured = True
+
+    def __init__(self, forward: Callable, optimizer: torch.optim.Optimizer, instruction: torch.Tensor | None):
+        super().__init__(forward, optimizer, instruction)
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.whole = capturable(optimizer)  # the update recorded too (else it steps eagerly after each replay)
+        self.seen: dict[tuple, int] = {}  # batch shape -> ordinary steps taken
+        self.graphs: dict[tuple, _Recording] = {}
+        self.side = torch.cuda.Stream(device=self.params[0].device)
+
+    def __call__(self, xb, yb, inspect: Callable[[], None] | None = None, task=None) -> torch.Tensor:
+        key = (tuple(xb.shape), None if task is None else tuple(task.shape))
+        if key not in self.graphs and self.seen.get(key, 0) < WARMUP:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            main = torch.cuda.current_stream()
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                loss = super().__call__(xb, yb, inspect, task)
+            main.wait_stream(self.side)
+            return loss
+        if key not in self.graphs:
+            self.graphs[key] = self._record(xb, yb, task)
+        rec = self.graphs[key]
+        rec.x.copy_(xb)
+        rec.y.copy_(yb)
+        if task is not None:
+            rec.task.copy_(task)
+        rec.graph.replay()
+        if inspect is not None or not self.whole:
+            for p, g in zip(self.params, rec.grads):
+                p.grad = g
+            if inspect is not None:
+                inspect()
+            if not self.whole:
+                self.optimizer.step()
+        return rec.loss
+
+    def _record(self, xb, yb, task) -> _Recording:
+        x, y = xb.clone(), yb.clone()
+        t = None if task is None else task.clone()
+        self.optimizer.zero_grad(set_to_none=True)  # backward inside the recording allocates its own gradients
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                loss = _loss(self.forward, self.instruction, x, y, t)
+                loss.sum().backward()
+                if self.whole:
+                    self.optimizer.step()
+                loss = loss.detach()
+        except RuntimeError as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            message = (
+                f"the training step could not be captured in a CUDA graph ({first}); --capture off trains it eagerly"
+            )
+            raise RuntimeError(message) from err
+        return _Recording(graph, x, y, t, loss, [p.grad for p in self.params])
+
+
+class _Recording:
+    """One recorded step: the graph, its fixed input buffers, its loss buffer and the gradients it writes."""
+
+    def __init__(self, graph, x, y, task, loss, grads):
+        self.graph, self.x, self.y, self.task, self.loss, self.grads = graph, x, y, task, loss, grads
+
+
+def build(forward: Callable, optimizer, instruction=None, *, capture: bool = False) -> Step:
+    """The step over `forward` (a model, or its compiled wrapper): captured when `capture` (CUDA only)."""
+    return (CapturedStep if capture else Step)(forward, optimizer, instruction)
