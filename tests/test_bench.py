@@ -178,6 +178,43 @@ def test_paper_estimate_uses_compiled_rates_only_where_the_paper_budget_compiles
     assert est["lora"]["eval_s"] == eager["lora"]["eval_s"]  # evaluation runs eager either way
 
 
+def test_paper_estimate_on_cuda_uses_the_captured_rates():
+    """On CUDA the estimate takes each method's captured step (compiled + captured where the paper budget compiles
+    and the run measured it), with the recording's warm-up; a method without a capture row keeps its other rate."""
+    rows = [
+        dict(arch="deep-narrow", method=m, members=45, stacked=1000.0, eval_s=0.5, threads=2) for m in ("lora", "dora")
+    ]
+    capture = [
+        dict(arch="deep-narrow", method="lora", members=45, captured_rate=9000.0, captured_warmup_s=2.0,
+             compiled_captured_ms=2.5, compiled_captured_warmup_s=40.0),
+    ]  # fmt: skip
+    report = {"throughput": rows, "capture": capture}
+    est = bench.paper_estimate(report, compiled=False)["methods"]
+    assert est["lora"]["train_s"] == pytest.approx(45 * 35_000 / 9000 + 2.0) and est["lora"]["mode"] == "captured"
+    assert est["dora"]["mode"] == "eager"
+    est = bench.paper_estimate(report, compiled=True)["methods"]
+    # 45 members in 2.5 ms per step: 18,000 model-steps/s
+    assert est["lora"]["train_s"] == pytest.approx(45 * 35_000 / 18_000 + 40.0)
+    assert est["lora"]["mode"] == "compiled + captured"
+
+
+def test_capture_table_and_both_estimates_render():
+    """A CUDA run's report: the capture table (compiled columns only when measured) and one estimate per backbone."""
+    row = dict(arch="deep-narrow", method="lora", members=5, threads=1, eager_ms=8.5, captured_ms=0.97,
+               captured_speedup=8.8, captured_warmup_s=0.4, eager_kernels=468.0, captured_kernels=465.0,
+               captured_us_per_kernel=2.09, captured_rate=5150.0)  # fmt: skip
+    est = lambda arch: dict(arch=arch, measured_at=5, members=45, total_s=3600.0, methods={"lora": dict(
+        train_s=3000.0, eval_s=600.0, total_s=3600.0, mode="captured")})  # fmt: skip
+    report = dict(meta=dict(threads=16), settings=dict(rounds=3, inference_rounds=9), peak_gflops=49000.0,
+                  throughput=[], inference=[], capture=[row],
+                  paper_estimates=[est("deep-narrow"), est("transformer")])  # fmt: skip
+    text = bench.markdown(report)
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| deep")]
+    assert ["deep-narrow", "lora", "5", "1", "8.500", "0.970", "x8.8", "0.4", "468", "465", "2.09"] in cells
+    assert "compiled + captured ms" not in text  # not measured: no column
+    assert "full deep-narrow paper table" in text and "full transformer paper table" in text
+
+
 @pytest.mark.slow
 def test_compiled_bench_paths_measure_every_arm():
     """The paths `qlbench bench` takes outside --quick: the plain-loop comparison's stacks eager and compiled,

@@ -31,6 +31,9 @@ from helpers import one_line_error
         (["sweep", "--functions", "dropwave,nope"], ["'nope'", "levy"]),
         (["run", "--function", "dropwave", "--threads", "0"], ["threads", "from 1 to", "cores present"]),
         (["run", "--function", "dropwave", "--compile", "maybe"], ["'maybe'", "auto", "on", "off"]),
+        (["run", "--function", "dropwave", "--capture", "maybe"], ["capture setting 'maybe'", "auto, on, off"]),
+        (["run", "--function", "dropwave", "--device", "cpu", "--capture", "on"], ["needs a CUDA device", "auto, off"]),
+        (["suite", "--suite", "zoo-4", "--device", "cpu", "--capture", "on"], ["needs a CUDA device", "auto, off"]),
         (["run", "--function", "dropwave", "--eps", "0"], ["eps", "finite number > 0", "0.0"]),
         (["run", "--function", "dropwave", "--eps", "nan"], ["eps", "finite number > 0", "nan"]),
         (["sweep", "--functions", "matyas", "--eps", "tiny"], ["--eps", "'tiny'"]),
@@ -355,6 +358,7 @@ def test_the_shared_options_reach_the_plans_of_pareto_and_ablate(tmp_path):
     ((point, p),), _ = pareto.plans("queryable", grid, function="matyas", noise="absolute", force=True,
                                     overrides={"t_attn": 2.0}, **settings)  # fmt: skip
     assert (p.dtype, p.eps, p.noise, p.force, p.compile) == ("float64", 1e-30, "absolute", True, False)
+    assert p.capture is False  # --capture auto: on CUDA only
     assert (p.configs["queryable"].t_attn, p.configs["queryable"].n_atoms) == (2.0, 4)
     ((_, s),), _ = pareto.plans("lora", grid, suite="zoo-4", overrides={"t_attn": 2.0}, **settings)
     assert (s.dtype, s.eps) == ("float64", 1e-30)  # t_attn: not lora's, left out as a sweep's --hp

@@ -1,6 +1,9 @@
-"""The CUDA path: every registered method trains a smoke cell on the GPU (both backbones, eager; compiled for the
-routed and DoRA-family methods), CPU and CUDA agree on a smoke cell, a member trained alone equals the same member in a
-wider stack, a suite's sequential schedule trains, and an interrupted sweep resumes to the numbers of a clean one.
+"""The CUDA path: every registered method trains a smoke cell on the GPU (both backbones, the step captured in a CUDA
+graph as `--capture auto` does there; compiled for the routed and DoRA-family methods), the captured step trains
+exactly as the eager one (one recording per batch shape, not per epoch), CPU and CUDA agree on a smoke cell, a member
+trained alone equals the same member in a wider stack, a suite's sequential schedule trains, an interrupted sweep
+resumes to the numbers of a clean one, the quick run that once aborted at DoRA completes, and a step that cannot be
+captured is one line naming `--capture off`.
 
 Skipped, with the reason, on a machine without CUDA (CI); `make test-cuda` runs them where a GPU is present.
 
@@ -11,6 +14,9 @@ cell, every method, median relative difference 4.7e-8, largest 1.9e-7; the tests
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,11 +35,13 @@ EVERY_METHOD = adapters.names()
 COMPILED = ["lora", "dora", "doran", "queryable", "instruct-queryable"]
 
 
-def cells(tmp_path, device: str, methods, arch="deep-narrow", compile="off", functions=("dropwave",), seeds=2):
+def cells(
+    tmp_path, device: str, methods, arch="deep-narrow", compile="off", functions=("dropwave",), seeds=2, capture="auto"
+):
     """The smoke cells' per-seed entries by (function, method), trained through the runner on `device`."""
     plan = experiment.plan(
         functions=list(functions), arch=arch, methods=list(methods), seeds=seeds, budget="smoke", device=device,
-        compile=compile, out_dir=tmp_path / device,
+        compile=compile, out_dir=tmp_path / device, capture=capture,
     )  # fmt: skip
     runner.run(plan, progress=False, log=lambda m: None)
     out = {}
@@ -124,3 +132,81 @@ def test_the_routed_and_dora_methods_train_compiled_on_cuda(tmp_path):
 
 def test_every_method_trains_a_transformer_smoke_cell_on_cuda_eager(tmp_path):
     every_method_trains_a_smoke_cell(tmp_path, "transformer")
+
+
+# full-soap: an optimiser that is not capturable (forward and backward recorded, the update eager); moe-lora and the
+# routed methods: top-k routing inside the recording; task-lora: a task-conditioned method
+CAPTURED = ["full-soap", "lora", "dora", "moe-lora", "task-lora", "queryable", "instruct-queryable"]
+
+
+def test_the_captured_step_trains_exactly_as_the_eager_step(tmp_path):
+    """A deep-narrow smoke adaptation (4 epochs of 6 full batches and one of 16 samples) records the full batch at
+    its fourth step and the partial one in the last epoch: both recordings replay. The same kernels run in both, so
+    the curves and the gradient diagnostics agree to rounding (CUDA_RTOL)."""
+    captured = cells(tmp_path / "captured", "cuda", CAPTURED, capture="on")
+    eager = cells(tmp_path / "eager", "cuda", CAPTURED, capture="off")
+    for key in eager:
+        for a, b in zip(captured[key], eager[key]):
+            for field in ("train_curve", "test_curve", "grad_layer_norms"):
+                flat = lambda v: [x for row in v for x in (row if isinstance(row, list) else [row])]
+                if b.get(field) is None:  # not recorded for this method
+                    assert a.get(field) is None, (key, field)
+                    continue
+                got, want = flat(a[field]), flat(b[field])
+                assert got == pytest.approx(want, rel=CUDA_RTOL, nan_ok=True), (key, field)
+
+
+def test_a_stage_records_one_graph_per_batch_shape_not_per_epoch(monkeypatch):
+    """12 epochs of 400 samples at batch 64: two shapes (64 and the last 16), two recordings for the whole stage;
+    and its curves equal the eager stage's."""
+    recorded = []
+    record = engine.CapturedStep._record
+    monkeypatch.setattr(
+        engine.CapturedStep, "_record", lambda self, *a: recorded.append(a[0].shape) or record(self, *a)
+    )
+    smoke = engine.budget("smoke", "deep-narrow")
+    pre = engine.pretrain(
+        engine.Backbones("deep-narrow", smoke.pretrain), [("dropwave", 0), ("levy", 1)], device="cuda"
+    )
+    budget = engine.Budget("test", 2, smoke.pretrain, engine.Phase(12, 5e-4), eval_every=4)
+    config = adapters.get("lora").make_config()
+    captured = engine.adapt(pre, "lora", config, budget, device="cuda", capture=True)
+    assert [tuple(s) for s in recorded] == [(2, 64, 2), (2, 16, 2)]
+    eager = engine.adapt(pre, "lora", config, budget, device="cuda", capture=False)
+    torch.testing.assert_close(captured.curves.test_mse, eager.curves.test_mse, rtol=CUDA_RTOL, atol=0)
+
+
+class _Syncing(torch.nn.Module):
+    """A forward that reads a value back to the host (`.item()`), which a CUDA graph cannot record."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2, 1, 2, device="cuda"))
+
+    def forward(self, x, instruction=None):
+        return (x * self.w).sum(-1) * (1.0 if self.w.sum().item() > 0 else -1.0)
+
+
+def test_a_step_that_cannot_be_captured_is_one_line_naming_capture_off():
+    model = _Syncing()
+    data = engine.StackedData(*(torch.rand(2, 100, *s, device="cuda") for s in ((2,), (), (2,), ())))
+    optimizer = lambda: adapters.adamw(model.parameters(), 1e-3, 0.0)
+    order = [torch.Generator().manual_seed(e) for e in range(2)]
+    stage = engine.Stage(data, engine.Phase(5, 1e-3), optimizer, order, eval_every=5)  # recorded at epoch 4
+    with pytest.raises(RuntimeError, match="could not be captured in a CUDA graph") as err:
+        engine.fit(model, [stage], capture=True)
+    assert "--capture off" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_quick_cuda_run_that_aborted_at_dora_completes(tmp_path):
+    """The run that once aborted the process at DoRA ("trying to set the current ProxyTorchDispatchMode, but one
+    already exists", under torch.compile's own CUDA graphs after full-soap and LoRA): the same methods in the same
+    order at the quick budget, compiled, in a process of its own (an abort cannot take the test run down; a hang
+    fails at the timeout)."""
+    argv = ["run", "--function", "dropwave", "--arch", "deep-narrow", "--budget", "quick", "--seeds", "2",
+            "--methods", "full-soap,lora,dora", "--device", "cuda", "--compile", "on", "--no-progress",
+            "--out", str(tmp_path)]  # fmt: skip
+    code = "import sys; from qlbench.cli import main; sys.exit(main())"
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr

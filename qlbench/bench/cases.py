@@ -168,6 +168,53 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     )
 
 
+def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """CUDA only: the training step eager, captured whole in a CUDA graph (engine/step.py) and, when the run
+    compiles, compiled and compiled + captured, alternating (ms per step, speed-up against eager, the recording's
+    warm-up); and the CUDA kernels each executes per step (torch.profiler), with µs per kernel of the captured step.
+    Every variant trains its own copy of the same stack on the same batches."""
+    n = s.steps[arch]
+    variants = {"eager": dict(), "captured": dict(capture=True)}
+    if s.compile:
+        variants |= {"compiled": dict(compile=True), "compiled_captured": dict(compile=True, capture=True)}
+    data, steps, warmup = batches(E, device), {}, {}
+    for name, how in variants.items():
+        model, opt = stacked_model(arch, method, E, device)
+        steps[name] = engine.make_step(model, opt, **how)
+        sync(device)
+        t0 = time.perf_counter()
+        chunk(steps[name], data, engine.step.WARMUP + 2)()  # the warm-up steps, compilation and the recording
+        sync(device)
+        warmup[name] = time.perf_counter() - t0
+    r = alternate({k: (chunk(fn, data, n), n) for k, fn in steps.items()}, s.rounds, device)
+    ms = {k: 1e3 / statistics.median(v) for k, v in r.items()}
+    kernels = {k: cuda_kernels(steps[k], data, device) for k in ("eager", "captured")}
+    return stack_row(
+        arch,
+        method,
+        E,
+        None,
+        **{f"{k}_ms": v for k, v in ms.items()},
+        **{f"{k}_speedup": median_ratio(r[k], r["eager"]) for k in r if k != "eager"},
+        **{f"{k}_warmup_s": v for k, v in warmup.items() if k != "eager"},
+        eager_kernels=kernels["eager"],
+        captured_kernels=kernels["captured"],
+        captured_us_per_kernel=1e3 * ms["captured"] / kernels["captured"],
+        captured_rate=E * 1e3 / ms["captured"],  # model-steps/s, the paper estimate's rate on CUDA
+    )
+
+
+def cuda_kernels(step, data, device, n: int = 3) -> float:
+    """CUDA kernels executed per step over n profiled steps (torch.profiler's CUDA activity; memory copies and
+    sets not counted)."""
+    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        chunk(step, data, n)()
+        sync(device)
+    kinds = ("memcpy", "memset")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(1 for e in kernels if not any(k in e.name.lower() for k in kinds)) / n
+
+
 def plain_loop(s: Settings, device) -> dict:
     """The plain PyTorch deep-narrow LoRA loop a user would write (PyTorch's default threads, and one thread), next
     to qlbench's per-seed loop (E = 1, default threads), the stacked engine at each E of the run (its own thread
@@ -475,6 +522,11 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             if torch.device(device).type == "cpu" and s.side_by_side_for(arch, E)[1] > 1 and paired:
                 row = lambda a=arch, E=E, p=paired: report["side_by_side"].extend(side_by_side(a, p, E, s, device))
                 out.append((f"{arch} side by side E={E}", row))
+        if torch.device(device).type == "cuda":  # the captured step of every trained method at every E
+            for E in s.members:
+                for m in trained:
+                    row = lambda a=arch, m=m, E=E: capture_row(a, m, E, s, device)
+                    out.append((f"{arch} capture {m} E={E}", add("capture", row)))
         out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
     return out
 
@@ -494,6 +546,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
         padding=[],
         suite=[],
         side_by_side=[],
+        capture=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
     todo = tasks(archs, methods, s, device, report)
@@ -505,5 +558,8 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
     report["peak_gflops"] = max(report["peak_gflops_start"], report["peak_gflops_end"])
     for row in report["throughput"]:
         row["peak_share"] = row["gflops"] / report["peak_gflops"]
-    report["paper_estimate"] = paper_estimate(report, compiled=engine.compile_by_default(device, "paper"))
+    compiled = engine.compile_by_default(device, "paper")
+    report["paper_estimate"] = paper_estimate(report, compiled=compiled)
+    if torch.device(device).type == "cuda":  # on CUDA the paper table of each backbone, at the captured rates
+        report["paper_estimates"] = [paper_estimate(report, a, compiled=compiled) for a in archs]
     return report

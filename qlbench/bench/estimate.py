@@ -14,7 +14,8 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     400-sample target at batch 64 per member) at the stacked rate plus its evaluations (every 10 epochs and at 0) at
     the measured evaluation time, scaled linearly from E to 45 members. With `compiled` (the paper budget compiles
     its training step on this device, engine.compile_by_default) a method's compiled rate at that E is used where
-    the run measured one, plus its measured compile warm-up; evaluation always runs eager. Pretraining is not
+    the run measured one, plus its measured compile warm-up; on CUDA the captured step's rate (`training_rate`);
+    evaluation always runs eager. Pretraining is not
     included (it is cached and shared by the methods). None when the run has no throughput row of `arch`."""
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
@@ -26,17 +27,15 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     steps = engine.steps(budget.adapt, zoo.TARGET_TRAIN)  # per member
     evaluations = budget.adapt.epochs // budget.eval_every + 1
     comp = {r["method"]: r for r in report.get("compile", []) if r["arch"] == arch and r["members"] == E}
+    cap = {r["method"]: r for r in report.get("capture", []) if r["arch"] == arch and r["members"] == E}
     methods = {}
     for r in rows:
         if r["members"] != E:
             continue
-        c = comp.get(r["method"]) if compiled else None
-        rate = c["compiled"] if c else r["stacked"]  # model-steps/s
-        train = members * steps / rate + (c["warmup_s"] if c else 0.0)
+        rate, warmup, mode = training_rate(r, comp.get(r["method"]), cap.get(r["method"]), compiled)
+        train = members * steps / rate + warmup
         evaluation = evaluations * r["eval_s"] * members / E
-        methods[r["method"]] = dict(
-            train_s=train, eval_s=evaluation, total_s=train + evaluation, mode="compiled" if c else "eager"
-        )
+        methods[r["method"]] = dict(train_s=train, eval_s=evaluation, total_s=train + evaluation, mode=mode)
     out = dict(
         arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
     )
@@ -54,6 +53,20 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
             slowed = {m: dict(total_s=v["total_s"] / measured.get(m, mean)) for m, v in methods.items()}
             out["parallel"] |= dict(measured_total_s=list_schedule(slowed, workers), together_vs_alone=measured)
     return out
+
+
+def training_rate(row: dict, comp: dict | None, cap: dict | None, compiled: bool) -> tuple[float, float, str]:
+    """(model-steps/s, warm-up s, mode) of a method's paper-budget training step: captured (CUDA, `capture` rows;
+    compiled too where the paper budget compiles and the run measured it), else compiled where the paper budget
+    compiles (`compile` rows), else the eager stacked rate."""
+    if cap is not None:
+        if compiled and "compiled_captured_ms" in cap:
+            rate = cap["members"] * 1e3 / cap["compiled_captured_ms"]
+            return rate, cap["compiled_captured_warmup_s"], "compiled + captured"
+        return cap["captured_rate"], cap["captured_warmup_s"], "captured"
+    if compiled and comp is not None:
+        return comp["compiled"], comp["warmup_s"], "compiled"
+    return row["stacked"], 0.0, "eager"
 
 
 def list_schedule(methods: dict[str, dict], workers: int) -> float:

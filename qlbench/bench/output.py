@@ -127,6 +127,26 @@ TABLES = [
         ],
     ),
     Table(
+        "capture",
+        "CUDA graphs: the training step eager, captured whole in a CUDA graph (and compiled, when the run compiles); "
+        "ms per step, CUDA kernels per step (torch.profiler)",
+        STACK
+        + [
+            Column("eager ms", "eager_ms", digits(3)),
+            Column("captured ms", "captured_ms", digits(3)),
+            Column("captured speed-up", "captured_speedup", partial(times, digits=1)),
+            Column("compiled ms", "compiled_ms", digits(3), optional=True),
+            Column("compiled + captured ms", "compiled_captured_ms", digits(3), optional=True),
+            Column(
+                "compiled + captured speed-up", "compiled_captured_speedup", partial(times, digits=1), optional=True
+            ),
+            Column("recording warm-up s", "captured_warmup_s", digits(1)),
+            Column("kernels eager", "eager_kernels", digits(0)),
+            Column("kernels captured", "captured_kernels", digits(0)),
+            Column("µs per kernel captured", "captured_us_per_kernel", digits(2)),
+        ],
+    ),
+    Table(
         "side_by_side",
         "Tasks side by side (separate processes, as Ray's workers; rate of one process alone against each of them at "
         "once, paired)",
@@ -162,8 +182,8 @@ def markdown(report: dict) -> str:
     """The report as Markdown tables (what `qlbench bench` prints and writes to bench.md)."""
     out = [header(report), *plain_lines(report.get("plain"))]
     out += section(THROUGHPUT, report)
-    if est := report.get("paper_estimate"):
-        out += estimate(est)
+    for est in report.get("paper_estimates") or [report.get("paper_estimate")]:
+        out += estimate(est) if est else []
     for spec in TABLES:
         out += section(spec, report)
     return "\n".join(out) + "\n"
@@ -227,8 +247,9 @@ def estimate(est: dict) -> list[str]:
     rows = [dict(method=m, mode="eager") | v for m, v in est["methods"].items()]
     out = [
         f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
-        f"from the rates at E = {est['measured_at']}, linear in members; training steps compiled where "
-        f"`--compile auto` compiles the paper budget on this device, warm-up included; one process; pretraining "
+        f"from the rates at E = {est['measured_at']}, linear in members; training steps as the paper budget runs them "
+        f"on this device (compiled where `--compile auto` compiles it, captured on CUDA), warm-up included; one "
+        f"process; pretraining "
         f"not included): {est['total_s'] / 3600:.2f} h for the methods measured\n",
         table(rows, ESTIMATE),
     ]
