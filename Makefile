@@ -3,6 +3,9 @@
 #   make test     the default test suite (what CI runs, after make lint)
 #   make test-faults  the slower fault cases and the random-damage test (CI runs them after make test)
 #   make test-cuda    the CUDA tests, on a machine with a GPU (skipped with the reason elsewhere)
+#   make gpu-check    on a machine with one GPU and PyTorch (no venv: the system's Python, missing wheels in .whl/):
+#                     the CUDA tests, the CUDA bench rows, the quick run on CUDA and a paper-budget cell per backbone,
+#                     timed, in one call of at most 10 minutes; logs in ./gpu-check (docs/speed.md)
 #   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
@@ -25,7 +28,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow test-faults test-cuda lint format figures bench results-snapshot pareto-snapshot real-snapshot diag-snapshot \
+.PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot pareto-snapshot real-snapshot diag-snapshot \
 	suites-snapshot matched-snapshot mechanism-snapshot check-clean clean
 
 $(BIN)/python:
@@ -66,6 +69,9 @@ test-slow: setup-dev
 # the CUDA tests (tests/test_cuda.py): skipped, with the reason, on a machine without a GPU (CI)
 test-cuda: setup-dev
 	$(BIN)/python -m pytest -q -m cuda -rs
+
+gpu-check:
+	bash docs/gpu/gpu-check.sh
 
 # the slower fault cases and the property-based random-damage test (tests/test_faults.py); CI runs them after `make test`
 test-faults: setup-dev
