@@ -104,6 +104,9 @@ class Data:
     y: torch.Tensor
     texts: list[str] = field(repr=False)
 
+    def to(self, device) -> Data:
+        return Data(self.ids.to(device), self.mask.to(device), self.task.to(device), self.y.to(device), self.texts)
+
 
 def sentences(n_per_task: int, seed: int, split: str) -> tuple[list[str], list[int], list[float]]:
     """(texts, tasks, labels): n_per_task fresh sentences for each task, each read with its task's instruction, half
@@ -247,12 +250,14 @@ def train_one(
     e: torch.Tensor,
     progress: Callable[[int], None],
     save_to: Path | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict:
-    """Train one (method, seed); returns its per-seed record entry. `save_to`: where a queryable method's trained
-    adapter is saved (peft's save_pretrained; `qlbench verify --peft` reads it)."""
+    """Train one (method, seed) on `device`; returns its per-seed record entry. `save_to`: where a queryable
+    method's trained adapter is saved (peft's save_pretrained; `qlbench verify --peft` reads it)."""
     t0 = time.perf_counter()
-    train, test = dataset(config, seed, "train", tokenizer), dataset(config, seed, "test", tokenizer)
-    model = build(method, config, seed)
+    train, test = (dataset(config, seed, split, tokenizer).to(device) for split in ("train", "test"))
+    model = build(method, config, seed).to(device)
+    e = e.to(device)
     routed_e = e if method == "instruct-queryable" else None  # (T, 384): each sample its task's instruction
     optimizer = lambda: torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
@@ -263,7 +268,8 @@ def train_one(
     stage = engine.Stage(data, config.phase, optimizer, order, eval_every=config.epochs)
     engine.fit(OneMemberStack(model), [stage], instruction=routed_e, progress=progress)
     if save_to is not None and method in QUERYABLE:
-        save_adapter(model.encoder, save_to)
+        save_adapter(model.encoder.cpu(), save_to)
+        model.to(device)
     test_tasks = mse_per_task(model, test, routed_e)
     train_tasks = mse_per_task(model, train, routed_e)
     finite = all(np.isfinite(test_tasks + train_tasks))
@@ -376,6 +382,7 @@ class RealPlan:
     config: RealConfig
     out_dir: Path
     force: bool = False
+    device: torch.device = torch.device("cpu")
     noun = "method"
 
     def units(self) -> list[str]:
@@ -418,21 +425,21 @@ class RealPlan:
                 if seed in done:
                     continue
                 log(f"{m} seed {seed}")
-                done[seed] = train_one(
-                    m, self.config, seed, tokenizer, e, progress, adapter_dir(self.out_dir, self.config, m, seed)
-                )
+                folder = adapter_dir(self.out_dir, self.config, m, seed)
+                done[seed] = train_one(m, self.config, seed, tokenizer, e, progress, folder, self.device)
                 record = {"method": m, "config": asdict(self.config) | {"seeds": sorted(done)},
                           "config_hash": self.config.hash(), "per_seed": [done[s] for s in sorted(done)],
                           "git": results.git_info(),  # where the code came from, and every setting beyond the config
-                          "settings": results.settings(device="cpu", compile=False, dtype="float32")}  # fmt: skip
+                          "settings": results.settings(device=self.device, compile=False, dtype="float32")}  # fmt: skip
                 store.write_json(record, path)
 
 
-def plan(methods: list[str], config: RealConfig, out: Path) -> RealPlan:
+def plan(methods: list[str], config: RealConfig, out: Path, device: str = "cpu") -> RealPlan:
     """The experiment's workload (ValueError naming the valid methods). `runner.run(plan(...))` trains every (method,
     seed) not yet on record and writes one record per method (atomic; a record of another config never replaced: the
-    config's hash names the folder); a method another process is training is left to it."""
+    config's hash names the folder); a method another process is training is left to it. `device`: auto, cpu or
+    cuda (engine.resolve_device; ValueError otherwise)."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
-    return RealPlan(list(methods), config, Path(out))
+    return RealPlan(list(methods), config, Path(out), device=engine.resolve_device(device))

