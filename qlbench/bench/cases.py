@@ -139,32 +139,33 @@ def overhead(arch: str, E: int, s: Settings, device) -> dict:
 
 
 def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
-    """torch.compile against eager for one stack: the warm-up (compilation) and the steady rate, alternating."""
+    """torch.compile against eager for one stack, alternating: the step `--compile on` runs (the forward compiled,
+    and the optimiser's update where that pays, engine/step.py), its forward alone compiled (the compiled step
+    before the update was compiled too) and eager; the warm-up (compilation) of the first and the steady rates."""
     n = s.steps[arch]
-    eager_model, eager_opt = stacked_model(arch, method, E, device)
-    comp_model, comp_opt = stacked_model(arch, method, E, device)
-    data = batches(E, device)
-    eager = engine.make_step(eager_model, eager_opt)
-    comp = engine.make_step(comp_model, comp_opt, compile=True)
-    threads = s.threads_for(arch, E, device)
-    chunk(eager, data, 2, threads)()
-    t0 = time.perf_counter()
-    chunk(comp, data, 2, threads)()  # compiles (one batch shape)
-    warmup = time.perf_counter() - t0
-    r = alternate(
-        {"eager": (chunk(eager, data, n, threads), E * n), "compiled": (chunk(comp, data, n, threads), E * n)},
-        s.rounds,
-        device,
-    )
+    variants = {
+        "eager": dict(),
+        "compiled": dict(compile=True),
+        "compiled_forward": dict(compile=True, compile_update=False),
+    }
+    data, steps, threads = batches(E, device), {}, s.threads_for(arch, E, device)
+    for name, how in variants.items():
+        model, opt = stacked_model(arch, method, E, device)
+        steps[name] = engine.make_step(model, opt, **how)
+        t0 = time.perf_counter()
+        chunk(steps[name], data, 2, threads)()  # compiles (one batch shape)
+        if name == "compiled":
+            warmup = time.perf_counter() - t0
+    r = alternate({k: (chunk(fn, data, n, threads), E * n) for k, fn in steps.items()}, s.rounds, device)
     return stack_row(
         arch,
         method,
         E,
         threads,
         warmup_s=warmup,
-        eager=statistics.median(r["eager"]),
-        compiled=statistics.median(r["compiled"]),
+        **{k: statistics.median(v) for k, v in r.items()},
         speedup=median_ratio(r["compiled"], r["eager"]),
+        update_speedup=median_ratio(r["compiled"], r["compiled_forward"]),
     )
 
 

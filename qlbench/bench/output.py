@@ -122,8 +122,10 @@ TABLES = [
         + [
             Column("warm-up s", "warmup_s", digits(1)),
             Column("eager", "eager", digits(0)),
-            Column("compiled", "compiled", digits(0)),
+            Column("forward compiled", "compiled_forward", digits(0), optional=True),
+            Column("forward and update compiled", "compiled", digits(0)),
             Column("speed-up", "speedup", partial(times, digits=2)),
+            Column("update compiled vs not", "update_speedup", partial(times, digits=2), optional=True),
         ],
     ),
     Table(

@@ -155,10 +155,15 @@ def make_step(
     *,
     compile: bool = False,
     capture: bool = False,
+    compile_update: bool | None = None,
 ) -> Step:
     """The training step every method and the benchmarks run: step(xb (E, b, 2), yb (E, b)) -> loss (E,) (`Step`),
-    over the model's forward (`compile`: through torch.compile), captured in a CUDA graph when `capture` (CUDA)."""
-    return build_step(compiled(model) if compile else model, optimizer, instruction, capture=capture)
+    over the model's forward (`compile`: through torch.compile, and the optimiser's update too where that pays,
+    unless `compile_update` is False), captured in a CUDA graph when `capture` (CUDA)."""
+    update = compile if compile_update is None else compile_update
+    return build_step(
+        compiled(model) if compile else model, optimizer, instruction, capture=capture, compile_update=update
+    )
 
 
 @dataclass
@@ -189,7 +194,8 @@ def fit(
 
     Within a stage every member shuffles its own data with its order generator every epoch and trains on minibatches
     of the stage's batch size (the last one smaller). `after_stage(k)`, if given, is called once stage k has trained
-    (a suite evaluates every task there). With `compile`, the forward is compiled once for all stages; with
+    (a suite evaluates every task there). With `compile`, the forward is compiled once for all stages (and each
+    stage's optimiser update where that pays, engine/step.py `updates_compile`); with
     `capture` (CUDA), each stage's step is recorded in a CUDA graph per batch shape and replayed (engine/step.py).
 
     Nothing inside an epoch waits for the device: each epoch's order is drawn by the members' own generators on the
@@ -210,7 +216,7 @@ def fit(
     forward = compiled(model) if compile and stages else model
     curves = []
     for k, stage in enumerate(stages):
-        step = build_step(forward, stage.optimizer(), instruction, capture=capture)
+        step = build_step(forward, stage.optimizer(), instruction, capture=capture, compile_update=compile)
         curves.append(_train(model, step, stage, instruction, progress, diagnose))
         if after_stage is not None:
             after_stage(k)
