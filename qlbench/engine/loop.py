@@ -218,6 +218,7 @@ def fit(
     for k, stage in enumerate(stages):
         step = build_step(forward, stage.optimizer(), instruction, capture=capture, compile_update=compile)
         curves.append(_train(model, step, stage, instruction, progress, diagnose))
+        step.close()
         if after_stage is not None:
             after_stage(k)
     return curves

@@ -16,7 +16,9 @@ How the captured step stays the same training as the eager one:
   CUDA); an optimiser that does not (full-soap's SOAP, whose eigendecompositions synchronise with the host) has
   the forward and backward captured and steps eagerly after the replay.
 - The gradients a replay writes are the recording's own tensors; `inspect` (gradient diagnostics) is handed them,
-  so it reads the step's gradients whichever shape was recorded last.
+  so it reads the step's gradients whichever shape was recorded last. An ordinary step (another shape's warm-up)
+  first detaches them from the parameters, so its backward does not add to them; `close()` does the same when the
+  stage ends and frees the recordings.
 - Inputs are copied into the recording's fixed buffers; the returned loss is a fixed buffer too, overwritten by
   the next call of the same shape (the loop adds it to its running sum at once).
 """
@@ -63,6 +65,9 @@ class Step:
         self.update()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def close(self) -> None:
+        """Called once the stage has trained: nothing to release for an eager step."""
 
 
 def updates_compile(optimizer: torch.optim.Optimizer) -> bool:
@@ -114,6 +119,8 @@ class CapturedStep(Step):
         key = (tuple(xb.shape), None if task is None else tuple(task.shape))
         if key not in self.graphs and self.seen.get(key, 0) < WARMUP:
             self.seen[key] = self.seen.get(key, 0) + 1
+            # .grad may still hold another recording's gradient tensors: an ordinary backward would add to them
+            self.optimizer.zero_grad(set_to_none=True)
             main = torch.cuda.current_stream()
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
@@ -156,6 +163,12 @@ class CapturedStep(Step):
             )
             raise RuntimeError(message) from err
         return _Recording(graph, x, y, t, loss, [p.grad for p in self.params])
+
+    def close(self) -> None:
+        """Release the recordings (their memory pools) and detach their gradient tensors from the parameters, so
+        that a later backward outside them (the next stage, a measurement) starts from no gradient."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.graphs.clear()
 
 
 class _Recording:
