@@ -18,7 +18,9 @@ class QueryableLoraConfig(PeftConfig):
     The adapted layers, in the model's layer order (the first integer of each module's path: `layers.3.` is layer 3),
     form `n_blocks` contiguous blocks (qlbench.adapters.queryable.block_of). The first adapted layer that runs in a
     block routes it from its own rank state, averaged over the sequence's tokens (attention_mask respected); every
-    adapted layer's averaged state enters its block's summary for the depth attention of later blocks.
+    adapted layer's averaged state enters its block's summary for the depth attention of later blocks. With `causal`
+    (the default for causal language models) the average at token t runs over tokens 0..t only, so each token has
+    its own route and no position sees a later one, in training as in generation with a KV cache (docs/hf.md).
     """
 
     r: int = field(default=8, metadata={"help": "rank of A and B, and size of the r x r atoms"})
@@ -40,6 +42,13 @@ class QueryableLoraConfig(PeftConfig):
     instruction_dim: int | None = field(default=None, metadata={"help": "d_c of e(c); None: no instruction channels"})
     atom_std: float = field(default=0.02, metadata={"help": "std of the atoms at initialisation"})
     rms_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon of the router"})
+    causal: bool | None = field(
+        default=None,
+        metadata={
+            "help": "route each token from the tokens up to it (decoder models); False: one route per sequence from "
+            "all its tokens; None: True for task_type CAUSAL_LM or a causal-LM base model, set at injection"
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,7 +1,8 @@
 """The adapted linear of the peft tuner: y = W0 x + b0 + s B (I_r + g S_b) A x, g = sigmoid(eta).
 
 S_b comes from the tuner's router (`model.Routing.operator`): the layer hands it its rank state s = A x and its
-block, and gets the block's routed operator, one per sequence (or per sample for inputs without a token axis).
+block, and gets the block's routed operator, one per sequence (or per sample for inputs without a token axis), or
+one per token with causal routing.
 """
 
 from __future__ import annotations
@@ -76,9 +77,12 @@ class Linear(nn.Module, QueryableLoraLayer):
                 continue
             A, B = self.queryable_A[name], self.queryable_B[name]
             s = x.to(A.dtype) @ A.T  # (batch, [T,] r)
-            S = self.routing.operator(name, self.block[name], s, id(self)).to(s.dtype)  # (batch, r, r)
+            S = self.routing.operator(name, self.block[name], s, id(self)).to(s.dtype)  # (batch, [T,] r, r)
             g = torch.sigmoid(self.queryable_eta[name])
-            Ss = s @ S.transpose(-1, -2) if s.dim() == 3 else (S @ s.unsqueeze(-1)).squeeze(-1)  # S s per token
+            if S.dim() == s.dim() + 1:  # an operator per sample, or per token (causal): S s
+                Ss = (S @ s.unsqueeze(-1)).squeeze(-1)
+            else:  # one operator per sequence, applied to each of its tokens
+                Ss = s @ S.transpose(-1, -2)
             t = s + g * Ss
             result = result + (self.scaling[name] * (t @ B.T)).to(result.dtype)
         return result

@@ -64,13 +64,19 @@ class MemoryView:
 
 @dataclass
 class ForwardState:
-    """One forward's routing scratch, per adapter: each block's pooled rank states and its routed operator."""
+    """One forward's routing scratch, per adapter: each block's pooled rank states and its routed operator; with
+    causal routing, each layer's running sums over the tokens so far (what a KV-cached next forward continues)."""
 
-    states: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)  # adapter -> block -> [(b, r)]
-    operators: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # adapter -> block -> (b, r, r)
+    states: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)  # adapter -> block -> [(N, r)]
+    operators: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # adapter -> block -> (b, [T,] r, r)
     mask: torch.Tensor | None = None  # (batch, T) attention mask of this forward, if the model was given one
     instruction: torch.Tensor | None = None  # (d_c,) or (batch, d_c) given to this forward
     routers: dict[str, dict[int, int]] = field(default_factory=dict)  # adapter -> block -> id of the routing layer
+    # causal routing: (adapter, layer id) -> (sum of masked rank states (b, r), token weight (b, 1)) before this
+    # forward (a KV cache's tokens) and after it; `positions`: the token positions covered after it
+    carry_in: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    carry_out: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    positions: int = 0
 
 
 class Routing:
@@ -84,16 +90,38 @@ class Routing:
         self.recomputing = False  # a checkpointed segment is being recomputed (backward): the forward is replayed
         self.last: dict[str, dict] = {}  # adapter -> block -> Route of the last forward (inspection, tests)
 
-    def pooled(self, s: torch.Tensor) -> torch.Tensor:
+    def causal(self, adapter: str) -> bool:
+        return bool(self.memories[adapter].config.causal)
+
+    def pooled(self, s: torch.Tensor, adapter: str, layer: int) -> torch.Tensor:
         """A rank state per sequence: s (batch, T, r) averaged over its tokens (the mask's padding skipped, when the
-        forward had a mask of the same shape), or s (batch, r) itself."""
+        forward had a mask of the same shape), or s (batch, r) itself. With causal routing, one per token
+        (batch, T, r): the average over the tokens up to it, a KV cache's earlier tokens included (the running sums
+        this layer left after the previous forward of the generation)."""
         if s.dim() == 2:
             return s
         mask = self.state.mask
-        if mask is None or mask.shape != s.shape[:2]:
-            return s.mean(1)
-        w = mask.to(s.dtype).unsqueeze(-1)  # (batch, T, 1)
-        return (s * w).sum(1) / w.sum(1).clamp_min(1.0)
+        if not self.causal(adapter):
+            if mask is None or mask.shape != s.shape[:2]:
+                return s.mean(1)
+            w = mask.to(s.dtype).unsqueeze(-1)  # (batch, T, 1)
+            return (s * w).sum(1) / w.sum(1).clamp_min(1.0)
+        T = s.shape[1]
+        fits = mask is not None and mask.dim() == 2 and mask.shape[0] == s.shape[0] and mask.shape[1] >= T
+        w = mask[:, -T:].to(s.dtype).unsqueeze(-1) if fits else torch.ones_like(s[..., :1])  # (batch, T, 1)
+        total, weight = (s * w).cumsum(1), w.cumsum(1)  # (batch, T, r), (batch, T, 1)
+        if (adapter, layer) in self.state.carry_in:
+            before, seen = self.state.carry_in[adapter, layer]
+            total, weight = total + before.unsqueeze(1), weight + seen.unsqueeze(1)
+        if not self.recomputing:
+            self.state.carry_out[adapter, layer] = total[:, -1], weight[:, -1]
+        return total / weight.clamp_min(1.0)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Reorder the running sums' rows as a beam search reorders its KV cache."""
+        carry = self.state.carry_out
+        for key, (total, weight) in carry.items():
+            carry[key] = total.index_select(0, rows.to(total.device)), weight.index_select(0, rows.to(weight.device))
 
     def operator(self, adapter: str, block: int, s: torch.Tensor, layer: int) -> torch.Tensor:
         """S_b (batch, r, r) for this adapter's block, routed by the first layer of the block to run in this forward
@@ -102,33 +130,40 @@ class Routing:
         routes it again, as it did in the forward, and nothing is recorded (the forward's state stands)."""
         memory = self.memories[adapter]
         state = self.state
-        pooled = self.pooled(s).to(memory.atoms.dtype)  # (batch, r), in the memory's dtype (cast at use)
+        pooled = self.pooled(s, adapter, layer).to(memory.atoms.dtype)  # (batch, [T,] r), the memory's dtype
+        shape = pooled.shape[:-1]  # (batch,), or (batch, T): a route per token
+        pooled = pooled.reshape(-1, pooled.shape[-1])  # (N, r), the rows routed
         states = state.states.setdefault(adapter, {})
         operators = state.operators.setdefault(adapter, {})
         routers = state.routers.setdefault(adapter, {})
+        per = lambda S: S.reshape(*shape, *S.shape[-2:])  # (N, r, r) -> (batch, [T,] r, r)
         if self.recomputing:
-            return self.route(adapter, block, pooled).S[0] if routers.get(block) == layer else operators[block]
+            return (
+                per(self.route(adapter, block, pooled, shape[0]).S[0])
+                if routers.get(block) == layer
+                else operators[block]
+            )
         if block not in operators:
-            r = self.route(adapter, block, pooled)
-            operators[block], routers[block] = r.S[0], layer  # (batch, r, r)
+            r = self.route(adapter, block, pooled, shape[0])
+            operators[block], routers[block] = per(r.S[0]), layer  # (batch, [T,] r, r)
             self.last.setdefault(adapter, {})[block] = r
         states.setdefault(block, []).append(pooled)
         return operators[block]
 
-    def route(self, adapter: str, block: int, pooled: torch.Tensor) -> Route:
-        """The block's Route from the routing layer's pooled state (batch, r) and the summaries of the blocks before
-        it (each the mean of its layers' pooled states)."""
+    def route(self, adapter: str, block: int, pooled: torch.Tensor, batch: int) -> Route:
+        """The block's Route from the routing layer's pooled states (N, r) (N = batch, or batch x T tokens with
+        causal routing) and the summaries of the blocks before it (each the mean of its layers' pooled states)."""
         states = self.state.states.get(adapter, {})
         earlier = [b for b in range(block) if b in states]
         summaries = (
             torch.stack([torch.stack(states[b]).mean(0) for b in earlier], dim=1).unsqueeze(0) if earlier else None
-        )  # (1, batch, P, r)
-        instruction = self.instruction(adapter, pooled)
+        )  # (1, N, P, r)
+        instruction = self.instruction(adapter, pooled, batch)
         return MemoryView(self.memories[adapter]).route(block, pooled.unsqueeze(0), summaries, instruction)
 
-    def instruction(self, adapter: str, pooled: torch.Tensor) -> torch.Tensor | None:
-        """(1, d_c) or (1, batch, d_c): the forward's instruction, else the adapter's bound one, else None (an error
-        when the adapter's instruction channels are on)."""
+    def instruction(self, adapter: str, pooled: torch.Tensor, batch: int) -> torch.Tensor | None:
+        """(1, d_c) or (1, N, d_c): the forward's instruction, else the adapter's bound one, else None (an error
+        when the adapter's instruction channels are on); a (batch, d_c) one repeated for each row's tokens."""
         c = self.memories[adapter].config
         e = self.state.instruction if self.state.instruction is not None else self.instructions.get(adapter)
         if e is None:
@@ -139,11 +174,13 @@ class Routing:
                 )
             return None
         e = e.to(device=pooled.device, dtype=pooled.dtype)
-        if e.shape[-1] != c.instruction_dim or e.dim() > 2 or (e.dim() == 2 and e.shape[0] != pooled.shape[0]):
+        if e.shape[-1] != c.instruction_dim or e.dim() > 2 or (e.dim() == 2 and e.shape[0] != batch):
             raise ValueError(
                 f"instruction of shape {tuple(e.shape)}: adapter {adapter!r} wants ({c.instruction_dim},) or "
-                f"({pooled.shape[0]}, {c.instruction_dim})"
+                f"({batch}, {c.instruction_dim})"
             )
+        if e.dim() == 2 and pooled.shape[0] != batch:  # a route per token: each token its row's instruction
+            e = e.repeat_interleave(pooled.shape[0] // batch, 0)
         return e.unsqueeze(0)
 
 
@@ -181,6 +218,18 @@ def routed_checkpoint(routing: Routing, checkpoint: functools.partial) -> functo
     return wrapped
 
 
+CACHE_KEYWORDS = ("cache", "past_key_values")  # transformers 5's name for a KV cache, and the older one
+
+
+def is_causal_lm(model: nn.Module, config) -> bool:
+    """Whether causal routing is the default: peft's task_type CAUSAL_LM, or a transformers causal-LM class
+    (`...ForCausalLM`, GPT-2's `GPT2LMHeadModel`)."""
+    name = type(model).__name__
+    return str(getattr(config, "task_type", None)) in ("CAUSAL_LM", "TaskType.CAUSAL_LM") or name.endswith(
+        ("ForCausalLM", "LMHeadModel")
+    )
+
+
 def layer_index(module_name: str) -> int | None:
     """The layer a module belongs to: the first integer component of its path (`encoder.layer.3.attention` -> 3)."""
     match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", module_name)
@@ -203,6 +252,8 @@ class QueryableLoraModel(BaseTuner):
                 "the layers in order, while the decoder runs without the encoder at each generated token "
                 "(use a decoder-only or encoder-only model)"
             )
+        if config.causal is None:  # qlbench interpretation: causal routing is the default for causal LMs
+            config.causal = is_causal_lm(model, config)
         if not hasattr(self, "queryable_memory"):
             self.queryable_memory = nn.ModuleDict({})
             self.routing = Routing(self.queryable_memory)
@@ -281,17 +332,49 @@ class QueryableLoraModel(BaseTuner):
 
     def _begin_forward(self, module, args, kwargs):
         """Before every forward of the wrapped model: a fresh routing state, this call's instruction (taken out of
-        the keywords, else the running generate call's) and attention mask."""
+        the keywords, else the running generate call's) and attention mask; with causal routing and a KV cache of
+        earlier tokens, the running sums the previous forward left (`_continue_cache`)."""
         instruction = kwargs.pop("instruction", None)
+        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
         if instruction is None and getattr(self, "_generate_instruction", None) is not None:
             instruction = self._generate_instruction
-            ids = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
             if instruction.dim() == 2 and ids is not None and ids.shape[0] % instruction.shape[0] == 0:
                 instruction = instruction.repeat_interleave(ids.shape[0] // instruction.shape[0], 0)
-        self.routing.state = ForwardState(mask=kwargs.get("attention_mask"), instruction=instruction)
+        previous = self.routing.state
+        state = ForwardState(mask=kwargs.get("attention_mask"), instruction=instruction)
+        state.positions = ids.shape[1] if ids is not None and ids.dim() >= 2 else 0
+        self.routing.state = state
+        cache = next((kwargs[k] for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+        self._continue_cache(cache, previous, state)
         if module.training and torch.is_grad_enabled():
             self._route_checkpointing(module)
         return args, kwargs
+
+    def _continue_cache(self, cache, previous: ForwardState, state: ForwardState) -> None:
+        """Causal routing over a KV cache: a forward that continues a cache of L tokens continues the running sums of
+        the forward that ended at L tokens (the previous one; ValueError otherwise: the cache was not made by this
+        model's forwards in order). The cache's `reorder_cache` (beam search) reorders the sums with it."""
+        if cache is None or not any(self.routing.causal(a) for a in self.queryable_memory):
+            return
+        if hasattr(cache, "reorder_cache") and not getattr(cache, "queryable_reorders", False):
+            original, routing = cache.reorder_cache, self.routing
+
+            def reorder_cache(beam_idx):
+                original(beam_idx)
+                routing.reorder(beam_idx)
+
+            cache.reorder_cache, cache.queryable_reorders = reorder_cache, True
+        cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if not cached:
+            return
+        if previous.positions != cached:
+            raise ValueError(
+                f"queryable_lora (causal routing): this forward continues a KV cache of {cached} tokens, but the "
+                f"adapter's running route summary covers {previous.positions}; run the earlier tokens through this "
+                "model first (a cache made elsewhere, or forwards out of order, cannot be continued)"
+            )
+        state.carry_in = previous.carry_out
+        state.positions += cached
 
     def _route_checkpointing(self, model: nn.Module) -> None:
         """Every transformers checkpoint function in the model (`_gradient_checkpointing_func`, set by

@@ -1,0 +1,174 @@
+"""qlbench.hf: causal routing on decoder language models (issue 43).
+
+With causal routing (the default for causal LMs) the route at token t is made from the rank states of tokens 0..t
+only. Oracles: the running average against a plain loop over its equation; the first block's route at t against the
+route sequence mode (one route per sequence) makes for the prefix 0..t, which is the same quantity computed another
+way. Then the properties a causal LM needs: a later token never moves earlier logits; greedy and beam search give
+the same tokens with and without the KV cache, and the cached step logits equal a full forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from qlbench.hf import InstructQueryableLoraConfig, QueryableLoraConfig  # noqa: E402
+
+IDS = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+E = torch.randn(2, 8, generator=torch.Generator().manual_seed(5))  # one instruction per row
+
+
+def base(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        c = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(c), ["c_attn"]
+    c = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=100, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(c), ["q_proj", "v_proj"]
+
+
+def wrapped(kind: str, causal=None, instruct: bool = True, task_type="CAUSAL_LM"):
+    """A tiny decoder with a non-trivial adapter (B and the memory drawn at 0.3, not B = 0)."""
+    model, targets = base(kind)
+    cls = InstructQueryableLoraConfig if instruct else QueryableLoraConfig
+    extra = dict(instruction_dim=8) if instruct else {}
+    config = cls(target_modules=targets, r=4, n_atoms=4, top_k=2, n_blocks=2, task_type=task_type, causal=causal,
+                 **extra)  # fmt: skip
+    model = peft.get_peft_model(model, config).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "queryable_B" in n or "queryable_memory" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def set_causal(model, causal: bool) -> None:
+    model.base_model.queryable_memory["default"].config.causal = causal
+
+
+def logits(model, ids, **kw) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, instruction=E[: len(ids)], use_cache=False, **kw).logits
+
+
+def test_causal_routing_is_the_default_for_causal_language_models():
+    assert wrapped("gpt2").peft_config["default"].causal is True
+    assert wrapped("llama", task_type=None).peft_config["default"].causal is True  # LlamaForCausalLM
+    assert wrapped("gpt2", causal=False).peft_config["default"].causal is False
+    c = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    config = QueryableLoraConfig(target_modules=["query", "value"], r=4, n_atoms=4, top_k=2, n_blocks=2)
+    assert peft.get_peft_model(transformers.BertModel(c), config).peft_config["default"].causal is False
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_first_blocks_route_at_t_is_the_sequence_route_of_the_prefix(kind):
+    """Block 0 is routed by the first adapted layer, whose input no adapter has touched: its causal route at token t
+    (one row per token) is the route sequence mode makes for the prefix 0..t (one row per sequence)."""
+    model = wrapped(kind)
+    routing = model.base_model.routing
+    logits(model, IDS)
+    causal = routing.last["default"][0].logits[0].reshape(2, IDS.shape[1], -1)  # (batch, T, M)
+    set_causal(model, False)
+    for t in range(IDS.shape[1]):
+        logits(model, IDS[:, : t + 1])
+        torch.testing.assert_close(causal[:, t], routing.last["default"][0].logits[0], rtol=1e-5, atol=1e-6)
+    # the check can fail: the whole sequence's route is not the first token's
+    assert not torch.allclose(routing.last["default"][0].logits[0], causal[:, 0], atol=1e-4)
+
+
+def test_the_running_average_is_the_masked_mean_of_the_tokens_so_far():
+    """Routing.pooled against a plain loop over the equation: pooled_t = sum_{i<=t} m_i s_i / sum_{i<=t} m_i (a
+    padded position before any token: 0), over a forward of 4 tokens and the cached forward of 2 more after it."""
+    model = wrapped("gpt2")
+    routing = model.base_model.routing
+    g = torch.Generator().manual_seed(9)
+    s, mask = torch.randn(2, 6, 4, generator=g), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    routing.state = type(routing.state)(mask=mask[:, :4])
+    first = routing.pooled(s[:, :4], "default", layer=1)
+    carried = routing.state.carry_out
+    routing.state = type(routing.state)(mask=mask, carry_in=carried)  # generate's mask covers the cache too
+    second = routing.pooled(s[:, 4:], "default", layer=1)
+    got = torch.cat([first, second], 1)
+    for b in range(2):
+        for t in range(6):
+            m = mask[b, : t + 1].float()
+            want = (m[:, None] * s[b, : t + 1]).sum(0) / max(m.sum().item(), 1.0)
+            torch.testing.assert_close(got[b, t], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_later_token_leaves_earlier_logits_unchanged(kind):
+    other = IDS.clone()
+    other[:, -1] = (other[:, -1] + 7) % 100
+    model = wrapped(kind)
+    torch.testing.assert_close(logits(model, other)[:, :-1], logits(model, IDS)[:, :-1], rtol=0, atol=1e-6)
+    set_causal(model, False)  # one route per sequence: the later token leaks into every position
+    assert not torch.allclose(logits(model, other)[:, :-1], logits(model, IDS)[:, :-1], atol=1e-4)
+
+
+GREEDY = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_greedy_generation_is_the_same_with_and_without_the_cache(kind):
+    model = wrapped(kind)
+    cached = model.generate(input_ids=IDS, instruction=E, use_cache=True, **GREEDY)
+    plain = model.generate(input_ids=IDS, instruction=E, use_cache=False, **GREEDY)
+    assert torch.equal(cached.sequences, plain.sequences)
+    steps = torch.stack(cached.logits, 1)  # (2, 4, V): the cached steps' logits
+    torch.testing.assert_close(steps, torch.stack(plain.logits, 1), rtol=1e-5, atol=1e-5)
+    # and a full forward of the generated sequence gives the same logits at the positions that produced them
+    full = logits(model, cached.sequences[:, :-1])[:, IDS.shape[1] - 1 :]
+    torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_beam_search_runs_and_is_the_same_with_and_without_the_cache(kind):
+    model = wrapped(kind)
+    beams = dict(max_new_tokens=4, do_sample=False, num_beams=3, pad_token_id=0)
+    cached = model.generate(input_ids=IDS, instruction=E, use_cache=True, **beams)
+    assert torch.equal(cached, model.generate(input_ids=IDS, instruction=E, use_cache=False, **beams))
+    assert cached.shape == (2, IDS.shape[1] + 4)
+
+
+def test_left_padding_is_skipped_by_the_running_average():
+    """A row left-padded to a longer batch routes and generates as it does alone."""
+    model = wrapped("llama")
+    short = IDS[:1, 2:]
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), short], 1)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    alone = model.generate(input_ids=short, instruction=E[:1], **GREEDY)
+    both = model.generate(input_ids=padded, attention_mask=mask, instruction=E[:1], **GREEDY)
+    assert torch.equal(both.sequences[:, 2:], alone.sequences)
+    torch.testing.assert_close(torch.stack(both.logits, 1), torch.stack(alone.logits, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_the_running_summary_does_not_cover_is_refused():
+    model = wrapped("gpt2")
+    with torch.no_grad():
+        past = model(input_ids=IDS, instruction=E, use_cache=True).past_key_values
+        model(input_ids=IDS[:, :3], instruction=E)  # another forward in between: the summary now covers 3 tokens
+        with pytest.raises(ValueError, match="continues a KV cache of 6 tokens"):
+            model(input_ids=IDS[:, :1], instruction=E, past_key_values=past)
+
+
+def test_causal_gradients_are_the_same_with_gradient_checkpointing():
+    grads = []
+    for checkpointing in (False, True):
+        model = wrapped("llama").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        out = model(input_ids=IDS, instruction=E, labels=IDS, use_cache=False)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and any("queryable_memory" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
