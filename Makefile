@@ -13,6 +13,7 @@
 #   make pareto-snapshot   the accuracy-cost Pareto sweeps of docs/results/pareto (ackley and the zoo-4 suite, live
 #                          deep-narrow, quick)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
+#   make real-lm-snapshot  the causal-LM experiment of docs/results/real-lm (a tiny decoder through peft, 3 seeds)
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
 #   make matched-snapshot  README's parameter-matched deep-narrow table (docs/results/matched)
 #   make mechanism-snapshot  the routing-vs-sharing baselines without the epsilon artifact and on a live backbone
@@ -28,7 +29,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot pareto-snapshot real-snapshot diag-snapshot \
+.PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
 	suites-snapshot matched-snapshot mechanism-snapshot check-clean clean
 
 $(BIN)/python:
@@ -141,6 +142,12 @@ real-snapshot: check-clean setup-dev
 	rm -rf docs/results/real && mkdir -p docs/results/real
 	cp $$($(BIN)/python -c "from qlbench import real; \
 	  print(real.record_path('real-results', real.RealConfig(), '').parent)")/real.* docs/results/real/
+
+real-lm-snapshot: check-clean setup-dev
+	$(BIN)/qlbench real-lm --seeds 3 --threads 1 --out real-results --no-progress
+	rm -rf docs/results/real-lm && mkdir -p docs/results/real-lm
+	cp $$($(BIN)/python -c "from qlbench import real_lm; \
+	  print(real_lm.record_path('real-results', real_lm.LMConfig(), '').parent)")/real-lm.md docs/results/real-lm/
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley

@@ -20,6 +20,7 @@ from qlbench.commands import diagnose as diagnose_command
 from qlbench.commands import functions as functions_command
 from qlbench.commands import pareto as pareto_command
 from qlbench.commands import real as real_command
+from qlbench.commands import real_lm as real_lm_command
 from qlbench.commands import report as report_command
 from qlbench.commands import results as results_command
 from qlbench.commands import run as run_command
@@ -39,6 +40,7 @@ COMMANDS = (
     ablate_command,
     pareto_command,
     real_command,
+    real_lm_command,
     verify_command,
     diagnose_command,
     signal_command,

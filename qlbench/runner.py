@@ -118,11 +118,15 @@ def claimed(w: Workload, log: Log) -> Iterator[list]:
 
 def run(w: Workload, *, progress=True, log: Log = print) -> list[Path]:
     """Train every unfinished unit of the workload that no other process holds (every unit with `w.force`); returns
-    the record path of every unit, finished before or now."""
+    the record path of every unit that has a record, finished before or now. A unit another process is training
+    and has not yet written is left out, and said so: what the caller tabulates are records that exist."""
     with claimed(w, log) as mine:
         if mine:
             w.train(mine, progress, log)
-    return [w.unit_path(u) for u in w.units()]
+    paths = [w.unit_path(u) for u in w.units()]
+    if missing := [p for p in paths if not p.exists()]:
+        log(f"{len(missing)} {w.noun}(s) have no record yet (another process is training them): left out here")
+    return [p for p in paths if p.exists()]
 
 
 def attempt(label: str, work: Callable[[], T], failed: Callable[[str, float], None], log: Log) -> T | None:

@@ -267,6 +267,7 @@ TRAINS = ("run", "sweep", "suite", "pareto", "ablate")
 OWN = {  # (command, option) that is not the shared option of that name, and why
     ("pareto", "--out"): "the grid's records, kept apart from the method tables' (default ./pareto-results)",
     ("real", "--seeds"): "the real model has no budget: its own default, 3",
+    ("real-lm", "--seeds"): "the causal-LM experiment has no budget: its own default, 3",
     ("signal", "--backbone-init"): "a list of inits, compared side by side",
     ("verify", "--out"): "the JSON report file",
     ("verify", "--budget"): "selects a record",

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from qlbench import runner, store
 
 
@@ -80,8 +82,41 @@ def test_a_unit_another_process_holds_is_left_to_it(tmp_path):
     toy = Toy(tmp_path, ["a", "b"])
     said = []
     with store.claim([toy.unit_path("a")]):
-        runner.run(toy, log=said.append)
-    assert toy.trained == ["b"] and said == ["1 toy(s) are being trained by another process: left to it"]
+        paths = runner.run(toy, log=said.append)
+    assert toy.trained == ["b"] and said == [
+        "1 toy(s) are being trained by another process: left to it",
+        "1 toy(s) have no record yet (another process is training them): left out here",
+    ]
+    assert paths == [toy.unit_path("b")]  # only records that exist: a caller never reads one that does not
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["suite", "--suite", "zoo-4", "--methods", "lora,task-code"],
+        ["pareto", "--function", "matyas", "--methods", "lora", "--grid", "r=2,4"],
+        ["ablate", "--function", "matyas"],
+        ["ablate", "--suite", "zoo-4"],
+    ],
+)
+def test_a_second_command_on_the_same_out_leaves_every_unit_to_the_first(tmp_path, capsys, monkeypatch, argv):
+    """Another process holds every unit's lock (a first `suite`, `pareto` or `ablate` on the same --out, still
+    training): the second trains nothing, reads no record that does not exist and ends in one line, no traceback."""
+    from qlbench import cli
+
+    held = []
+    real_claim = store.claim
+
+    def everything_taken(paths):  # every lock already held elsewhere: claim yields nothing
+        held.extend(paths)
+        return real_claim([])
+
+    monkeypatch.setattr(runner, "claim", everything_taken)
+    code = cli.main([*argv, "--budget", "smoke", "--out", str(tmp_path), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert held and "Traceback" not in err and "Error" not in err, err
+    assert "being trained by another process" in err
+    assert code in (0, 1)
 
 
 def test_attempt_records_a_failure_and_goes_on_and_cost_is_an_extra():

@@ -4,7 +4,7 @@ profile of one step; torch.compile against eager; inference; full-soap's optimiz
 against a single-task one; and `run`, which takes them in order (`tasks`) and adds the peak and the paper-table
 estimate.
 
-About 500 lines: one function per measured case, kept together so that `tasks` reads as the benchmark's contents.
+About 600 lines: one function per measured case, kept together so that `tasks` reads as the benchmark's contents.
 """
 
 from __future__ import annotations
@@ -203,6 +203,46 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         captured_us_per_kernel=1e3 * ms["captured"] / kernels["captured"],
         captured_rate=E * 1e3 / ms["captured"],  # model-steps/s, the paper estimate's rate on CUDA
     )
+
+
+def hf_rows(s: Settings, device) -> list[dict]:
+    """The peft tuner (qlbench.hf) against peft's LoRA on the same model: the causal-LM experiment's decoder
+    (qlbench/real_lm.py, 2 layers, width 64) with each adapter on q_proj and v_proj, one training step (forward,
+    next-token loss, backward, AdamW) on a batch of 32 sequences of 13 tokens, alternating; ms per step and the ratio
+    to LoRA's. None without the hf extra."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return []
+    from qlbench import instructions, real_lm
+
+    ids = real_lm.sequences("reverse", 32, 0, "train").to(device)
+    e = instructions.embed(list(real_lm.INSTRUCTIONS[:1])).to(device).expand(len(ids), -1)  # (32, 384)
+    steps = {}
+    for m in ("lora", "queryable", "instruct-queryable"):
+        model = real_lm.adapted(m, real_lm.decoder(0), real_lm.LMConfig()).to(device).train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        kw = {"instruction": e} if m == "instruct-queryable" else {}
+
+        def step(model=model, opt=opt, kw=kw):
+            model(input_ids=ids, labels=ids, use_cache=False, **kw).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps[m] = step
+        for _ in range(2):
+            step()  # warm-up
+    n = max(2, s.steps["deep-narrow"] // 2)
+    r = alternate({m: (lambda fn=fn: [fn() for _ in range(n)], n) for m, fn in steps.items()}, s.rounds, device)
+    return [
+        dict(
+            model="tiny decoder (real-lm)",
+            method=m,
+            ms_per_step=1e3 / statistics.median(v),
+            vs_lora=median_ratio(r["lora"], v),
+        )  # fmt: skip
+        for m, v in r.items()
+    ]
 
 
 def cuda_kernels(step, data, device, n: int = 3) -> float:
@@ -529,6 +569,8 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                     row = lambda a=arch, m=m, E=E: capture_row(a, m, E, s, device)
                     out.append((f"{arch} capture {m} E={E}", add("capture", row)))
         out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
+    if "lora" in methods and "queryable" in methods:  # the peft tuner against peft's LoRA
+        out.append(("peft tuner", lambda: report["hf"].extend(hf_rows(s, device))))
     return out
 
 
@@ -548,6 +590,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
         suite=[],
         side_by_side=[],
         capture=[],
+        hf=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
     todo = tasks(archs, methods, s, device, report)

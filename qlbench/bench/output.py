@@ -162,6 +162,17 @@ TABLES = [
         ],
     ),
     Table(
+        "hf",
+        "The peft tuner (qlbench.hf) against peft's LoRA on the same model: one training step on a batch of 32 "
+        "sequences of 13 tokens",
+        [
+            Column("model", "model"),
+            Column("method", "method"),
+            Column("ms/step", "ms_per_step", digits(2)),
+            Column("vs LoRA", "vs_lora", partial(times, digits=2)),
+        ],
+    ),
+    Table(
         "inference",
         "Inference: forward at batch 64, one model (no grad; compiled: the same model through torch.compile)",
         [

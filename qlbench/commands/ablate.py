@@ -58,7 +58,11 @@ def run(args) -> int:
     records = {}
     for name, plan in plans.items():
         log(f"variant {name}")
-        (records[name],) = runner.run(plan, progress=not args.no_progress, log=log)
+        for path in runner.run(plan, progress=not args.no_progress, log=log):  # none: another process has it
+            records[name] = path
+    if not records:
+        log("qlbench ablate: no variant has a record yet (another process is training them); run again later")
+        return 1
     table = ablation.table(records)
     print(text.markdown(table))
     print(f"\n{ablation.legend(table)}")
@@ -85,6 +89,9 @@ def run_suite(args, log) -> int:
     )
     t0 = time.perf_counter()
     paths = [path for plan in plans.values() for path in runner.run(plan, progress=not args.no_progress, log=log)]
+    if not paths:
+        log("qlbench ablate: no variant has a record yet (another process is training them); run again later")
+        return 1
     table = ablation.suite_table(suite_stats.load(paths, on_damaged=log))
     print(text.markdown(table))
     print(

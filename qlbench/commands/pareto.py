@@ -80,6 +80,9 @@ def run(args) -> int:
     for i, (m, pt, p) in enumerate(todo, 1):
         log(f"qlbench pareto: point {i}/{len(todo)}: {m} {pt.label}")
         paths += runner.run(p, progress=not args.no_progress, log=log)  # a suite's or a single-task plan
+    if not paths:
+        log("qlbench pareto: no point has a record yet (another process is training them); run again later")
+        return 1
     frame = pareto.load(paths)
     slug, title = labels(args, common, overrides, todo[0][2].budget.name)
     ylabel = "average task test MSE after the last stage" if args.suite else "test MSE @ best-train epoch"

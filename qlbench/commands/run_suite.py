@@ -55,6 +55,9 @@ def run(args) -> int:
         flush=True,
     )
     paths = runner.run(p, progress=not args.no_progress, log=log)
+    if not paths:
+        log("qlbench suite: no row has a record yet (another process is training them); run again later")
+        return 1
     summary = suite_stats.summary(suite_stats.load(paths, on_damaged=log))
     print(
         f"\nTest MSE per task after the last stage, mean ± std over seeds (standardised labels: 1 = predicting the "

@@ -1,0 +1,359 @@
+"""A causal-LM experiment beside `qlbench real` (`qlbench real-lm`): a tiny decoder adapted through peft to three
+generation tasks over the same inputs, which only the task's instruction tells apart.
+
+The model (qlbench's choice; built from a config, nothing downloaded): a 2-layer Llama-style decoder (width 64,
+4 heads) over a 12-token vocabulary (PAD, BOS, SEP, EOS and the letters a-h), pretrained here, per seed, on the
+source task: copy five letters (BOS x1..x5 SEP x1..x5 EOS, the loss on the answer). Then each method adapts it to the
+three target tasks at once, each sample one (letters, task) pair:
+- `reverse` ("Write the letters in reverse order."): x5..x1;
+- `shift` ("Replace every letter by the next one in the alphabet, h by a."): x1+1..x5+1;
+- `swap` ("Swap the letters in pairs: second first, fourth third, fifth last."): x2 x1 x4 x3 x5.
+The input holds the letters only, so a method can tell the tasks apart only through the instruction: the rows that
+route on none can at best learn one task or a compromise; `instruct-queryable` routes on the frozen MiniLM embedding
+of the task's instruction (qlbench.instructions.embed). Rows: `base` (the pretrained decoder, no adaptation),
+`lora` (peft LoRA, r = 8, alpha 16, on q_proj and v_proj), `queryable` and `instruct-queryable` (qlbench.hf, r = 8,
+8 atoms, top-2, 2 blocks, causal routing, the same targets). AdamW (lr 3e-3, weight decay 0.01), batch 32, 15
+pretraining and 20 adaptation epochs (on one seed at 20 epochs, lr 1e-3 left every method short of the tasks it
+could learn: instruct-queryable's shift and swap exact match 0.74 and 0.70 at 1e-3, 0.99 and 0.96 at 3e-3).
+
+Metric: exact match of the greedy answer (generated with the KV cache, so causal routing's cached path is what is
+scored) on 100 fresh test inputs per task, per task and its mean; the answer's token cross-entropy beside it.
+
+qlbench interpretation, how a language model trains through the engine's loop (engine.fit, which minimises a
+per-member mean of squared errors): the wrapper `LMStack` returns, per sequence, sqrt(CE + 1e-12) against a target of
+0, so the loop's squared error is the sequence's mean answer-token cross-entropy (+1e-12) and its gradient is the
+cross-entropy's exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from qlbench import engine, instructions, results, runner, stats, store, text
+from qlbench.adapters.base import check_positive_int
+
+PAD, BOS, SEP, EOS, FIRST = 0, 1, 2, 3, 4  # FIRST: the letter a; letters a..h are FIRST..FIRST+7
+LETTERS, LENGTH = 8, 5
+SOURCE = "copy"
+TASKS = ("reverse", "shift", "swap")
+INSTRUCTIONS = (
+    "Write the letters in reverse order.",
+    "Replace every letter by the next one in the alphabet, h by a.",
+    "Swap the letters in pairs: second first, fourth third, fifth last.",
+)
+METHODS = ("base", "lora", "queryable", "instruct-queryable")
+TARGETS = ["q_proj", "v_proj"]
+PROMPT = 2 + LENGTH  # BOS x1..x5 SEP
+ANSWER = LENGTH + 1  # y1..y5 EOS
+
+
+def answer(task: str, x: np.ndarray) -> np.ndarray:
+    """The answer letters (n, 5) of `task` for letters x (n, 5) in 0..7."""
+    if task == "copy":
+        return x
+    if task == "reverse":
+        return x[:, ::-1]
+    if task == "shift":
+        return (x + 1) % LETTERS
+    if task == "swap":
+        return x[:, [1, 0, 3, 2, 4]]
+    raise ValueError(f"unknown task {task!r}; valid: {SOURCE}, {', '.join(TASKS)}")
+
+
+def sequences(task: str, n: int, seed: int, split: str) -> torch.Tensor:
+    """(n, 13) token ids BOS x SEP y EOS for n fresh letter strings, drawn from numpy's generator seeded by (seed,
+    split, task)."""
+    key = [SOURCE, *TASKS].index(task)
+    rng = np.random.default_rng([seed, {"train": 0, "test": 1}[split], key])
+    x = rng.integers(0, LETTERS, (n, LENGTH))
+    ids = np.concatenate(
+        [np.full((n, 1), BOS), x + FIRST, np.full((n, 1), SEP), answer(task, x) + FIRST, np.full((n, 1), EOS)], 1
+    )
+    return torch.from_numpy(ids).long()
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Everything that fixes a record's numbers (its hash names the record's folder)."""
+
+    pretrain_samples: int = 2000
+    pretrain_epochs: int = 15
+    train_per_task: int = 300
+    test_per_task: int = 100
+    epochs: int = 20
+    batch_size: int = 32
+    lr: float = 3e-3
+    r: int = 8
+    n_atoms: int = 8
+    top_k: int = 2
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+    def __post_init__(self):
+        check_positive_int(self, "pretrain_samples", "pretrain_epochs", "train_per_task", "test_per_task", "epochs",
+                           "batch_size", "r", "n_atoms", "top_k")  # fmt: skip
+        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be integers >= 0, got {self.seeds!r}")
+
+    def key(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "seeds"}
+
+    def hash(self) -> str:
+        return store.stable_hash(self.key())
+
+
+def decoder(seed: int) -> nn.Module:
+    """The tiny Llama-style decoder, initialised from torch's generator seeded by `seed`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    c = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, vocab_size=FIRST + LETTERS, max_position_embeddings=16, bos_token_id=BOS,
+                    eos_token_id=EOS, pad_token_id=PAD)  # fmt: skip
+    return LlamaForCausalLM(c)
+
+
+class LMStack(nn.Module):
+    """A causal LM as a stack of one member for engine.fit: x (1, n, 13) token ids, `instruction` (T, d_c) the
+    tasks' embeddings (None: the model routes on none), task (1, n); returns sqrt(answer CE + 1e-12) (1, n) (the
+    module docstring says why)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, instruction=None, task=None) -> torch.Tensor:
+        ids = x[0]  # (n, 13)
+        kw = {} if instruction is None else {"instruction": instruction[task[0]]}
+        logits = self.model(input_ids=ids, use_cache=False, **kw).logits[:, PROMPT - 1 : -1]  # (n, 6, V): answers
+        ce = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, PROMPT:], reduction="none").mean(1)  # (n,)
+        return (ce + 1e-12).sqrt().unsqueeze(0)
+
+
+def fit(model: nn.Module, ids: torch.Tensor, task: torch.Tensor, e, phase: engine.Phase, seed: int, progress) -> None:
+    """Train `model`'s trainable parameters on the sequences ids (n, 13) of tasks `task` (n,) through engine.fit."""
+    x, y, t = ids.unsqueeze(0), torch.zeros(1, len(ids)), task.unsqueeze(0)
+    data = engine.StackedData(x, y, x[:, :1], y[:, :1], t, t[:, :1])  # evaluation: the engine's, on one sample
+    optimizer = lambda: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=phase.lr,
+                                          weight_decay=phase.weight_decay)  # fmt: skip
+    stage = engine.Stage(data, phase, optimizer, [torch.Generator().manual_seed(seed)], eval_every=phase.epochs)
+    engine.fit(LMStack(model), [stage], instruction=e, progress=progress)
+
+
+def pretrained(config: LMConfig, seed: int, progress) -> nn.Module:
+    """The decoder of `seed`, pretrained on the source task (every weight trains); trained once per (pretraining
+    settings, seed) in a process, a fresh copy of it for each method."""
+    key = (config.pretrain_samples, config.pretrain_epochs, config.batch_size, seed)
+    if key not in _PRETRAINED:
+        model = decoder(seed).train()
+        ids = sequences(SOURCE, config.pretrain_samples, seed, "train")
+        phase = engine.Phase(config.pretrain_epochs, 3e-3, config.batch_size)
+        fit(model, ids, torch.zeros(len(ids), dtype=torch.long), None, phase, seed, progress)
+        _PRETRAINED[key] = {k: v.clone() for k, v in model.state_dict().items()}
+    elif progress is not None:
+        progress(engine.steps(engine.Phase(config.pretrain_epochs, 3e-3, config.batch_size), config.pretrain_samples))
+    model = decoder(seed)
+    model.load_state_dict(_PRETRAINED[key])
+    return model.train()
+
+
+_PRETRAINED: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def adapted(method: str, base: nn.Module, config: LMConfig) -> nn.Module:
+    """The method's adapter on `base` (peft; `base`: no adapter, nothing trains)."""
+    import peft
+
+    from qlbench.hf import InstructQueryableLoraConfig, QueryableLoraConfig
+
+    if method == "base":
+        return base.requires_grad_(False)
+    sizes = dict(r=config.r, n_atoms=config.n_atoms, top_k=config.top_k, n_blocks=2, task_type="CAUSAL_LM")
+    if method == "lora":
+        c = peft.LoraConfig(r=config.r, lora_alpha=2 * config.r, target_modules=TARGETS, task_type="CAUSAL_LM")
+    elif method == "queryable":
+        c = QueryableLoraConfig(target_modules=TARGETS, **sizes)
+    elif method == "instruct-queryable":
+        c = InstructQueryableLoraConfig(target_modules=TARGETS, **sizes)
+    else:
+        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    return peft.get_peft_model(base, c)
+
+
+@torch.no_grad()
+def scores(model: nn.Module, e: torch.Tensor | None, config: LMConfig, seed: int) -> dict:
+    """Per task: exact match of the greedy answer (KV cache on) and the answer tokens' cross-entropy."""
+    model.eval()
+    out = {}
+    for k, task in enumerate(TASKS):
+        ids = sequences(task, config.test_per_task, seed, "test")
+        kw = {} if e is None else {"instruction": e[k].expand(len(ids), -1)}
+        prompt = ids[:, :PROMPT]
+        gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=ANSWER,
+                             do_sample=False, pad_token_id=PAD, use_cache=True, **kw)  # fmt: skip
+        got = nn.functional.pad(gen[:, PROMPT:], (0, ANSWER - (gen.shape[1] - PROMPT)), value=PAD)  # stopped at EOS
+        exact = (got == ids[:, PROMPT:]).all(1).float().mean().item()
+        ce = LMStack(model)(ids.unsqueeze(0), e, torch.full((1, len(ids)), k)).pow(2).mean().item()
+        out[task] = {"exact_match": exact, "answer_ce": ce}
+    model.train()
+    return out
+
+
+def train_one(method: str, config: LMConfig, seed: int, e: torch.Tensor, progress: Callable[[int], None]) -> dict:
+    """Pretrain the seed's decoder, adapt it with `method` on the three tasks, score it: its per-seed entry."""
+    t0 = time.perf_counter()
+    model = adapted(method, pretrained(config, seed, progress), config)
+    routed = e if method == "instruct-queryable" else None  # (T, 384): each sample its task's instruction
+    if method != "base":
+        ids = torch.cat([sequences(t, config.train_per_task, seed, "train") for t in TASKS])
+        task = torch.arange(len(TASKS)).repeat_interleave(config.train_per_task)
+        phase = engine.Phase(config.epochs, config.lr, config.batch_size)
+        fit(model, ids, task, routed, phase, seed, progress)
+    per_task = scores(model, routed, config, seed)
+    finite = all(np.isfinite(v["answer_ce"]) for v in per_task.values())
+    return {
+        "seed": seed,
+        "status": "ok" if finite else "diverged",
+        "exact_match": float(np.mean([v["exact_match"] for v in per_task.values()])),
+        "answer_ce": float(np.mean([v["answer_ce"] for v in per_task.values()])),
+        "per_task": per_task,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "wall_time_s": time.perf_counter() - t0,
+    }
+
+
+def steps(config: LMConfig, method: str) -> int:
+    """Optimizer steps of one (method, seed), pretraining included, for progress bars."""
+    pre = engine.steps(engine.Phase(config.pretrain_epochs, 3e-3, config.batch_size), config.pretrain_samples)
+    adapt = engine.steps(engine.Phase(config.epochs, config.lr, config.batch_size), config.train_per_task * len(TASKS))
+    return pre + (adapt if method != "base" else 0)
+
+
+def record_path(out: Path, config: LMConfig, method: str) -> Path:
+    return Path(out) / "real-lm" / config.hash() / f"{method}.json"
+
+
+def check_record(rec, path: Path) -> dict:
+    """A record, checked by content: store.DamagedFile (one line) unless it holds its config hash and per-seed
+    entries with an integer seed, a status, the per-task scores of every task and a parameter count."""
+    entries = rec.get("per_seed") if isinstance(rec, dict) else None
+    if not isinstance(rec, dict) or not isinstance(rec.get("config_hash"), str) or not isinstance(entries, list):
+        raise store.DamagedFile(f"{path} is damaged (not a real-lm record: no config_hash and per_seed list)")
+    for s in entries:
+        tasks = s.get("per_task") if isinstance(s, dict) else None
+        ok = isinstance(tasks, dict) and all(isinstance(tasks.get(t), dict) for t in TASKS)
+        if not ok or not isinstance(s.get("seed"), int) or s.get("status") not in ("ok", "diverged"):
+            raise store.DamagedFile(f"{path} is damaged (a per-seed entry without seed, status or every task)")
+    return rec
+
+
+@dataclass
+class LMPlan:
+    """The experiment as a runner workload (qlbench.runner): a unit is a method, its record one file under the
+    config's hash, finished when it holds every seed of the config."""
+
+    methods: list[str]
+    config: LMConfig
+    out_dir: Path
+    force: bool = False
+    noun = "method"
+
+    def units(self) -> list[str]:
+        return list(self.methods)
+
+    def unit_path(self, method: str) -> Path:
+        return record_path(self.out_dir, self.config, method)
+
+    def unit_config(self, method: str) -> dict:
+        return self.config.key()
+
+    def read(self, path: Path) -> runner.Found:
+        rec = check_record(store.read_json(path), path)
+        complete = set(self.config.seeds) <= {s["seed"] for s in rec["per_seed"]}
+        return runner.Found(rec["config_hash"], "ok" if complete else "incomplete", rec)
+
+    def intact(self, record: Path, rec: dict, log) -> bool:
+        return True
+
+    def train(self, methods: list[str], progress, log) -> None:
+        """Train every (method, seed) not yet in its record, writing the record after each seed."""
+        progress = progress if callable(progress) else lambda n: None
+        e = instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
+        for m in methods:
+            path = self.unit_path(m)
+            done = {}
+            if path.exists() and not self.force:
+                try:
+                    done = {s["seed"]: s for s in self.read(path).rec["per_seed"]}
+                except store.DamagedFile as err:
+                    log(f"{err}; {store.set_aside(path)}, recomputing")
+            for seed in self.config.seeds:
+                if seed not in done:
+                    log(f"{m} seed {seed}")
+                    done[seed] = train_one(m, self.config, seed, e, progress)
+                    record = {"method": m, "config": asdict(self.config) | {"seeds": sorted(done)},
+                              "config_hash": self.config.hash(), "per_seed": [done[s] for s in sorted(done)],
+                              "git": results.git_info(),
+                              "settings": results.settings(device="cpu", compile=False, dtype="float32")}  # fmt: skip
+                    store.write_json(record, path)
+
+
+def plan(methods: list[str], config: LMConfig, out: Path) -> LMPlan:
+    """The experiment's workload (ValueError naming the valid methods or a method listed twice)."""
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"method listed twice in {','.join(methods)}")
+    return LMPlan(list(methods), config, Path(out))
+
+
+def provenance(paths: list[Path]) -> str:
+    """The records' commits and tree state (results.provenance)."""
+    rows = [{"record": str(p)} | results.git_fields(store.read_json(p).get("git")) for p in paths]
+    return results.provenance(pd.DataFrame(rows))
+
+
+def table(paths: list[Path]) -> tuple[pd.DataFrame, str]:
+    """One row per method: exact match per task and its mean (mean ± std over seeds), answer cross-entropy,
+    trainable parameters and the mean exact match paired with LoRA by seed (Holm over the table's comparisons);
+    and the legend."""
+    recs = {store.read_json(p)["method"]: store.read_json(p) for p in paths}
+    seeds = lambda m: {s["seed"]: s for s in recs[m]["per_seed"]}
+    rows, tests = [], {}
+    for m in [m for m in METHODS if m in recs]:
+        entries = list(seeds(m).values())
+        cell = lambda v: text.mean_std(float(np.mean(v)), float(np.std(v, ddof=1)) if len(v) > 1 else float("nan"),
+                                       len(v))  # fmt: skip
+        row = {"method": m, "trainable": f"{entries[0]['trainable_params']:,}"}
+        row |= {t: cell([s["per_task"][t]["exact_match"] for s in entries]) for t in TASKS}
+        row |= {"exact match": cell([s["exact_match"] for s in entries]),
+                "answer CE": cell([s["answer_ce"] for s in entries])}  # fmt: skip
+        if m != "lora" and "lora" in recs:
+            common = sorted(set(seeds(m)) & set(seeds("lora")))
+            # higher exact match is better: paired_test's "win" is a lower score, so compare the error rates
+            err = lambda who, common=common: [1 - seeds(who)[s]["exact_match"] for s in common]
+            tests[m] = stats.paired_test(err(m), err("lora"))
+        rows.append(row)
+    holm = dict(zip(tests, stats.holm(np.array([t["p"] for t in tests.values()], float)))) if tests else {}
+    for row in rows:
+        t = tests.get(row["method"])
+        outcome = t["outcome"] if t and holm[row["method"]] < stats.ALPHA else "tie"
+        row["vs LoRA"] = (
+            "-" if t is None else f"{outcome} (p {text.p_value(t['p'])}, Holm {text.p_value(holm[row['method']])})"
+        )
+    legend = (
+        "Exact match of the greedy answer (KV cache on) on 100 fresh inputs per task, mean ± sample std over seeds; "
+        "answer CE: the answer tokens' cross-entropy; vs LoRA: the mean exact match paired with LoRA by seed (paired "
+        "t-test on the error rates), raw p and Holm-adjusted over the table's comparisons with LoRA; win / loss when "
+        "the Holm p < 0.05 with at least 3 pairs. The inputs hold the letters only: the tasks differ in the "
+        "instruction alone, which only instruct-queryable reads (qlbench/real_lm.py)."
+    )
+    return pd.DataFrame(rows), legend
