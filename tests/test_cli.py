@@ -46,6 +46,13 @@ from helpers import one_line_error
         (["sweep", "--executor", "ray", "--ray-retries", "-1"], ["--ray-retries must be >= 0"]),
         (["run", "--function", "dropwave", "--executor", "ray"], ["unrecognized arguments: --executor ray"]),
         (["run", "--function", "dropwave", "--noise", "loud"], ["unknown label noise 'loud'", "relative, absolute"]),
+        *(
+            (argv + ["--out", ""], ["--out", "empty path"])
+            for argv in (["run", "--function", "matyas"], ["suite", "--suite", "zoo-4"],
+                         ["pareto", "--function", "matyas"], ["ablate", "--function", "matyas"], ["real"], ["real-lm"],
+                         ["signal", "--function", "matyas"], ["diagnose", "results", "--function", "matyas"],
+                         ["report", "results"], ["bench"])
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, expect):

@@ -323,3 +323,14 @@ def test_source_mse_after_adaptation_is_measured_on_the_final_model(tmp_path):
         atol=0,
     )
     assert results.load(tmp_path)["source_test_mse_after"].notna().all()
+
+
+def test_a_reference_row_with_non_finite_scores_is_reported_diverged():
+    """`frozen` trains nothing; a member whose backbone gives non-finite predictions is a divergence at epoch 0
+    (reported, never an `ok` seed with null metrics), the other member unaffected."""
+    smoke = engine.budget("smoke", "deep-narrow")
+    pre = engine.pretrain(engine.Backbones("deep-narrow", smoke.pretrain), [("matyas", 0), ("matyas", 1)], device="cpu")
+    name = next(k for k in pre.state if k.endswith("weight"))
+    pre.state[name][0] = float("nan")
+    res = engine.adapt(pre, "frozen", adapters.get("frozen").make_config(), smoke, device="cpu")
+    assert res.curves.diverged_epoch == [0, None]

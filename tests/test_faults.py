@@ -273,14 +273,33 @@ def test_an_adapter_file_with_wrong_contents_is_set_aside_and_recomputed(folder,
 
 
 @pytest.mark.faults  # slow: run by `make test-faults` (CI)
-@pytest.mark.parametrize("how", ["empty dict", "deep-narrow weights cut", "no source MSEs"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "empty dict",
+        "deep-narrow weights cut",
+        "no source MSEs",
+        "another member's file",
+        "NaN weights",
+        "no member key",
+    ],
+)
 def test_a_backbone_file_with_wrong_contents_is_set_aside_and_retrained(folder, capsys, how):
-    backbone = sorted(Store(folder).backbone_dir.glob("*.pt"))[0]
+    """Damage found by content, shape or identity: a file copied over another member's (same shapes) is found by
+    the member key it holds, NaN weights by their values."""
+    backbone, other = sorted(Store(folder).backbone_dir.glob("*.pt"))[:2]
     saved = torch.load(backbone)
     if how == "empty dict":
         saved = {}
     elif how == "deep-narrow weights cut":
         saved["state"] = dict(list(saved["state"].items())[:-1])
+    elif how == "another member's file":
+        saved = torch.load(other)
+    elif how == "NaN weights":
+        name = next(iter(saved["state"]))
+        saved["state"][name] = torch.full_like(saved["state"][name], float("nan"))
+    elif how == "no member key":
+        del saved["key"]
     else:
         del saved["source_test_mse"]
     torch.save(saved, backbone)

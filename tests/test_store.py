@@ -111,7 +111,7 @@ def test_out_that_cannot_hold_results_fails_before_any_work(tmp_path, capsys):
     afile.write_text("x")
     assert "is a file" in one_line_error(capsys, ["run", *SMOKE, "--budget", "smoke", "--out", str(afile)])
     assert "cannot create" in one_line_error(capsys, ["run", *SMOKE, "--budget", "smoke", "--out", str(afile / "sub")])
-    assert "--out is empty" in one_line_error(capsys, ["run", *SMOKE, "--out", ""])
+    assert "--out: empty path" in one_line_error(capsys, ["run", *SMOKE, "--out", ""])
     assert "--methods is empty" in one_line_error(capsys, ["run", *SMOKE, "--methods", " , "])
 
 

@@ -47,6 +47,14 @@ def check_out_file(path) -> None:
     check_out(path.parent, "folder of the report")
 
 
+def path_arg(text: str) -> Path:
+    """argparse type of every path option and argument: the path, refused when empty (Path("") would be the current
+    folder: an empty --out wrote into it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path; give a folder or file")
+    return Path(text)
+
+
 def split_list(text: str) -> list[str]:
     """'a, b,,c' -> ['a', 'b', 'c']."""
     return [v.strip() for v in text.split(",") if v.strip()]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from qlbench import adapters, bench, engine
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
 from qlbench.store import Store, write_json, write_text
 
 
@@ -20,7 +18,7 @@ def register(subparsers) -> None:
     p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
     p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
     options.add_training_options(p, "device", "threads")
-    p.add_argument("--out", type=Path, help="folder for bench.json and bench.md (default results/bench)")
+    p.add_argument("--out", type=path_arg, help="folder for bench.json and bench.md (default results/bench)")
     options.add_output_options(p, "no-progress")
     p.set_defaults(func=run)
 

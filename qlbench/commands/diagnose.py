@@ -14,7 +14,7 @@ from pathlib import Path
 
 from qlbench import diagnostics, results, store, text, zoo
 from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS
-from qlbench.commands import UsageError, check_out, options, usage_errors
+from qlbench.commands import UsageError, check_out, options, path_arg, usage_errors
 
 
 def register(subparsers) -> None:
@@ -25,7 +25,7 @@ def register(subparsers) -> None:
         "set and over a grid of the input plane (route maps), and the gradient concentration of LoRA, queryable "
         "and instruct-queryable on the same function.",
     )
-    p.add_argument("folder", type=Path, metavar="RESULTS", help="a results folder (as given to run/sweep --out)")
+    p.add_argument("folder", type=path_arg, metavar="RESULTS", help="a results folder (as given to run/sweep --out)")
     p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
     p.add_argument("--method", default="queryable", help=f"one of: {', '.join(diagnostics.ROUTED)} (default queryable)")
     p.add_argument("--arch", help=f"one of: {', '.join(ARCHS)} (default: the only one with a matching record)")
@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--backbone-init", help=f"one of: {', '.join(INITS)} (default: the only one with a record)")
     p.add_argument("--seed", type=int, help="the seed whose route maps are drawn (default: the cell's first)")
     p.add_argument("--grid", type=int, default=101, help="grid points per axis of the route maps (default 101)")
-    p.add_argument("--out", type=Path, help="folder for the figures (default <RESULTS>/diagnose/...)")
+    p.add_argument("--out", type=path_arg, help="folder for the figures (default <RESULTS>/diagnose/...)")
     options.add_training_options(p, "device")
     p.set_defaults(func=run)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from qlbench import engine, experiment, planning, zoo
 from qlbench.backbones import INITS
-from qlbench.commands import UsageError, parse_overrides, usage_errors
+from qlbench.commands import parse_overrides, path_arg, usage_errors
 
 DEFAULTS = {name: p.default for name, p in inspect.signature(experiment.plan).parameters.items()}
 
@@ -116,7 +116,10 @@ TRAINING: dict[str, tuple[str, dict]] = {
     ),
 }
 OUTPUT: dict[str, tuple[str | None, dict]] = {
-    "--out": ("out_dir", dict(default=DEFAULTS["out_dir"], help=f"results folder (default ./{DEFAULTS['out_dir']})")),
+    "--out": (
+        "out_dir",
+        dict(default=DEFAULTS["out_dir"], type=path_arg, help=f"results folder (default ./{DEFAULTS['out_dir']})"),
+    ),
     "--no-progress": (None, dict(action="store_true", help="no progress bar")),  # the commands read it
 }
 
@@ -150,13 +153,11 @@ def attribute(flag: str) -> str:
 
 def plan_kwargs(args, *, check_threads: bool = True) -> dict:
     """The library's keyword arguments from the shared options `args` holds (the others left out), checked where
-    the library would only find out late: --hp's syntax, an empty --out and (unless the command's executor checks
-    it elsewhere) --threads against the cores present. UsageError (one line) on bad input."""
+    the library would only find out late: --hp's syntax and (unless the command's executor checks it elsewhere)
+    --threads against the cores present (an empty --out is refused by argparse: `path_arg`). UsageError (one line)
+    on bad input."""
     parsed = vars(args)
     out = {}
-    if "out" in parsed:
-        if not str(args.out).strip():
-            raise UsageError("--out is empty; give a results folder")
     if check_threads and "threads" in parsed:
         with usage_errors():
             engine.check_threads(args.threads)

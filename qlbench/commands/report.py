@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qlbench import results, stats, store, suite_stats, text
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, check_out, usage_errors
+from qlbench.commands import UsageError, check_out, path_arg, usage_errors
 
 
 def register(subparsers) -> None:
@@ -22,7 +22,7 @@ def register(subparsers) -> None:
         "mean ± std, best marked, significance against LoRA), paired statistics "
         "and figures, for every (arch, budget) in a results folder.",
     )
-    p.add_argument("folder", type=Path, metavar="RESULTS", help="a results folder (as given to run/sweep --out)")
+    p.add_argument("folder", type=path_arg, metavar="RESULTS", help="a results folder (as given to run/sweep --out)")
     p.add_argument("--arch", help="only this arch (default: every arch in the folder)")
     p.add_argument("--budget", help="only this budget (default: every budget in the folder)")
     p.add_argument(
@@ -35,7 +35,7 @@ def register(subparsers) -> None:
         "train table always shows best-train)",
     )
     p.add_argument("--format", default=",".join(text.FORMATS), help=f"comma-separated from: {', '.join(text.FORMATS)}")
-    p.add_argument("--out", type=Path, help="folder for the tables and figures (default <RESULTS>/report)")
+    p.add_argument("--out", type=path_arg, help="folder for the tables and figures (default <RESULTS>/report)")
     p.add_argument("--no-figures", action="store_true", help="tables only")
     p.set_defaults(func=run)
 

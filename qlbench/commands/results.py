@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from qlbench import results, suite_stats, text
-from qlbench.commands import UsageError
+from qlbench.commands import UsageError, path_arg
 
 
 def register(subparsers) -> None:
@@ -16,7 +15,7 @@ def register(subparsers) -> None:
         description="List the records of a results folder: arch, function, method, budget, "
         "config hash, status, seeds, diverged seeds, whether the model is saved; and the suite records.",
     )
-    p.add_argument("folder", type=Path, metavar="RESULTS", help="a results folder (as given to run --out)")
+    p.add_argument("folder", type=path_arg, metavar="RESULTS", help="a results folder (as given to run --out)")
     p.set_defaults(func=run)
 
 

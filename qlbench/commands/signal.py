@@ -8,11 +8,10 @@ cached when missing), the same files `qlbench run --backbone-init` uses.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from qlbench import diagnostics, engine, progress, store, text, zoo
 from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS, check_init
-from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
 
 
 def register(subparsers) -> None:
@@ -31,7 +30,9 @@ def register(subparsers) -> None:
         help=f"comma-separated, from: {', '.join(INITS)} (default: {DEFAULT_INIT})",
     )
     p.add_argument("--no-pretrain", action="store_true", help="at initialisation only")
-    p.add_argument("--figure", type=Path, help="the figure (PNG; default <out>/signal/<arch>-<function>-<budget>.png)")
+    p.add_argument(
+        "--figure", type=path_arg, help="the figure (PNG; default <out>/signal/<arch>-<function>-<budget>.png)"
+    )
     options.add_training_options(p, "budget", "seeds", "device", "threads")
     options.add_output_options(p)
     p.set_defaults(func=run)

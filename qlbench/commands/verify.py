@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from uuid import uuid4
 
-from qlbench.commands import UsageError, check_out_file, options, usage_errors
+from qlbench.commands import UsageError, check_out_file, options, path_arg, usage_errors
 
 
 def register(subparsers) -> None:
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--results",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="results folder holding records/<arch>/<function>/<method>/ (default: train a smoke "
         "cell into --out's folder, or a new temp folder)",
@@ -49,12 +49,12 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--peft",
-        type=Path,
+        type=path_arg,
         metavar="FOLDER",
         help="instead of a cell: a saved queryable_lora peft adapter (e.g. qlbench real's results/real/<hash>/"
         "adapters/queryable-seed0), checked on its base model over the real experiment's sentences (hf extra)",
     )
-    p.add_argument("--out", type=Path, metavar="PATH", help="JSON report (default <results>/verify.json)")
+    p.add_argument("--out", type=path_arg, metavar="PATH", help="JSON report (default <results>/verify.json)")
     options.add_training_options(p, "device")
     options.add_output_options(p, "no-progress")
     p.set_defaults(func=run)

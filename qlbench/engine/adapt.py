@@ -83,7 +83,8 @@ def adapt(
     else:
         tr = evaluate(model, data.x_train, data.y_train).cpu()
         te = evaluate(model, data.x_test, data.y_test).cpu()
-        curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None] * len(pretrained.members))
+        finite = (torch.isfinite(tr) & torch.isfinite(te)).tolist()  # a non-finite score is a divergence, reported
+        curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None if ok else 0 for ok in finite])
     wall_time_s = time.perf_counter() - t0
     # how much of the source task the adaptation kept: the final model on the source test set (not timed)
     source = StackedData.build(pretrained.members, "source", device=device, dtype=dtype, noise=noise)

@@ -88,14 +88,16 @@ class Backbones:
         keys); a suite's backbone is keyed as one."""
         if store is None:
             return [None] * len(members)
+        return [store.backbone_path(self.arch, f, s, k) for (f, s), k in zip(members, self.keys(members))]
+
+    def keys(self, members: list[Member]) -> list[str]:
+        """Each member's cache key: the hash of everything its weights depend on (it names the file, and the file
+        holds it, so a file copied over another member's is found out)."""
         extra = {} if self.init == DEFAULT_INIT else {"init": self.init}
         extra |= {} if self.noise == zoo.LEGACY_NOISE else {"noise": self.noise}
         extra |= {"suite_source": True} if self.source == "suite" else {}
         key = dict(arch=self.arch, phase=asdict(self.phase), dtype=str(self.dtype))
-        return [
-            store.backbone_path(self.arch, f, s, stable_hash(dict(arch=self.arch, function=f, seed=s) | key | extra))
-            for f, s in members
-        ]
+        return [stable_hash(dict(arch=self.arch, function=f, seed=s) | key | extra) for f, s in members]
 
     def needed(self, members: list[Member], store: Store | None) -> bool:
         """Whether `pretrain` will train anything (some member is not in the cache)."""
@@ -118,19 +120,25 @@ def _member_shapes(arch: str) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape[1:]) for k, v in meta.items()}
 
 
-def _read_backbone(path: Path, arch: str) -> dict:
-    """A cached member, checked by content: DamagedFile (one line) unless it holds a state with exactly the
-    backbone's weight names and per-member shapes (from a shapes-only build on the meta device) and its two source
-    MSEs as numbers."""
+def _read_backbone(path: Path, arch: str, key: str) -> dict:
+    """A cached member, checked by content: DamagedFile (one line) unless it holds this member's cache key (a file
+    without one, written before files held it, is retrained once), a state with exactly the backbone's weight names
+    and per-member shapes (from a shapes-only build on the meta device), finite weights, and its two source MSEs as
+    numbers."""
     saved = load_torch(path)
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise DamagedFile(f"{path} is damaged (not a backbone file: no state)")
+    if saved.get("key") != key:
+        what = "no member key: written by an older qlbench" if "key" not in saved else "another member's weights"
+        raise DamagedFile(f"{path} is damaged ({what})")
     want = _member_shapes(arch)
     got = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in saved["state"].items()}
     if wrong := sorted(set(want) ^ set(got)) or [k for k in want if got[k] != want[k]]:
         raise DamagedFile(f"{path} is damaged ({wrong[0]}: not the {arch} backbone's weights)")
     if not all(isinstance(saved.get(k), float) for k in ("source_train_mse", "source_test_mse")):
         raise DamagedFile(f"{path} is damaged (no source MSEs)")
+    if bad := [k for k, v in saved["state"].items() if v.is_floating_point() and not torch.isfinite(v).all()]:
+        raise DamagedFile(f"{path} is damaged (non-finite weights in {bad[0]})")
     return saved
 
 
@@ -151,12 +159,12 @@ def pretrain(
     them. A damaged cache file is reported through `log`, set aside and retrained. `compile`, `capture`: how the
     training step runs (engine.fit)."""
     arch, phase, dtype = spec.arch, spec.phase, spec.dtype
-    paths = spec.paths(members, store)
+    paths, keys = spec.paths(members, store), spec.keys(members)
     cached = {}
     for i, path in enumerate(paths):
         if path is not None and path.exists():
             try:
-                cached[i] = _read_backbone(path, arch)
+                cached[i] = _read_backbone(path, arch, keys[i])
             except DamagedFile as err:
                 log(f"{err}; {set_aside(path)}, retraining that backbone")
     todo = [i for i in range(len(members)) if i not in cached]
@@ -171,6 +179,7 @@ def pretrain(
         state = model.state_dict()
         for j, i in enumerate(todo):
             cached[i] = dict(
+                key=keys[i],
                 state={k: v[j].detach().cpu().clone() for k, v in state.items()},
                 source_train_mse=curves.train_mse[j, -1].item(),
                 source_test_mse=curves.test_mse[j, -1].item(),
