@@ -276,9 +276,9 @@ def train_one(
     return {
         "seed": seed,
         "status": "ok" if finite else "diverged",
-        "test_mse": float(np.mean(test_tasks)),
-        "test_mse_per_task": dict(zip(TASKS, test_tasks)),
-        "train_mse": float(np.mean(train_tasks)),
+        "test_mse": store.finite(float(np.mean(test_tasks))),  # JSON has no NaN: a diverged seed's are null
+        "test_mse_per_task": {t: store.finite(v) for t, v in zip(TASKS, test_tasks)},
+        "train_mse": store.finite(float(np.mean(train_tasks))),
         "trainable_params": trainable(model),
         "wall_time_s": time.perf_counter() - t0,
     }
@@ -363,14 +363,36 @@ def steps(config: RealConfig) -> int:
 
 
 def check_record(rec, path: Path) -> dict:
-    """A real record, checked by content: store.DamagedFile (one line) unless it holds its config hash and a list of
-    per-seed entries, each with an integer seed."""
+    """A real record, checked by content: store.DamagedFile (one line) unless it holds its method, config hash and
+    a list of per-seed entries, each with an integer seed, a status (ok or diverged), its test MSE and every task's
+    (numbers; null only for a diverged seed) and its trainable-parameter count."""
     entries = rec.get("per_seed") if isinstance(rec, dict) else None
     if not isinstance(rec, dict) or not isinstance(rec.get("config_hash"), str) or not isinstance(entries, list):
         raise store.DamagedFile(f"{path} is damaged (not a real record: no config_hash and per_seed list)")
-    if not all(isinstance(s, dict) and isinstance(s.get("seed"), int) for s in entries):
-        raise store.DamagedFile(f"{path} is damaged (a per-seed entry without an integer seed)")
+    if rec.get("method") not in METHODS:
+        raise store.DamagedFile(f"{path} is damaged (method {rec.get('method')!r} is not one of {', '.join(METHODS)})")
+    for i, s in enumerate(entries):
+        if problem := _seed_problem(s):
+            raise store.DamagedFile(f"{path} is damaged (per_seed[{i}]: {problem})")
     return rec
+
+
+def _seed_problem(s) -> str | None:
+    number = lambda v: isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v)
+    if not isinstance(s, dict) or not isinstance(s.get("seed"), int) or isinstance(s.get("seed"), bool):
+        return "no integer seed"
+    if s.get("status") not in ("ok", "diverged"):
+        return f"status {s.get('status')!r} is not ok or diverged"
+    tasks = s.get("test_mse_per_task")
+    if not isinstance(tasks, dict) or set(tasks) != set(TASKS):
+        return f"test_mse_per_task does not hold the tasks {', '.join(TASKS)}"
+    finished = s["status"] == "ok"
+    for name, v in [("test_mse", s.get("test_mse")), *((f"test_mse_per_task.{t}", tasks[t]) for t in TASKS)]:
+        if not (number(v) or (v is None and not finished)):  # a diverged seed's non-finite scores are null
+            return f"{name} = {v!r} is not a number"
+    if not isinstance(s.get("trainable_params"), int):
+        return "no trainable_params count"
+    return None
 
 
 @dataclass

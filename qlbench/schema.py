@@ -66,7 +66,25 @@ CELL_CONFIG = {
     "seeds": _list(_int),
     "dtype": _str,
 }
-SUITE_CONFIG = {"suite": _str, "schedule": _str, "arch": _str, "row": _str, "method": _str, "seeds": _list(_int)}
+SUITE_CONFIG = {
+    "suite": _str,
+    "suite_card": {"tasks": lambda v: isinstance(v, list) and len(v) > 0 and all(_named(t) for t in v)},
+    "schedule": lambda v: v in SUITE_STAGES,
+    "arch": _str,
+    "row": _str,
+    "method": _str,
+    "budget": {"name": _str},
+    "backbone_init": _str,
+    "seeds": _list(_int),
+}
+
+
+def _named(task) -> bool:
+    return isinstance(task, dict) and isinstance(task.get("name"), str)
+
+
+# stages a suite record holds, per schedule, for T tasks (multitask.stages)
+SUITE_STAGES = {"joint": lambda T: 1, "sequential": lambda T: T, "held-out": lambda T: 1}
 TRAIN_INFO = {
     "status": _one_of(STATUSES),
     "message": _str,
@@ -95,7 +113,9 @@ SUITE_SEED = {
     "seed": _int,
     "status": _one_of(SEED_STATUSES),
     "diverged_stage": _opt(_int),
-    "stage_task_mse": _list(_list(_opt(_num))),
+    "stage_task_mse": _list(_list(_opt(_num))),  # (stages, T)
+    "initial_task_mse": _list(_opt(_num)),  # (T,)
+    "usage": (_opt(_list(_list(_list(_opt(_num))))), "optional"),  # (stages, T, M): routed rows only
 }
 
 
@@ -125,6 +145,24 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _suite_seed_problem(s: dict, config: dict, where: str) -> str | None:
+    """A suite seed's matrices against its card and schedule: stage_task_mse (stages, T) with the schedule's stage
+    count, initial_task_mse (T,), usage (stages, T, M) when present; a finished seed's final stage all numbers."""
+    T = len(config["suite_card"]["tasks"])
+    S = SUITE_STAGES[config["schedule"]](T)
+    R = s["stage_task_mse"]
+    if len(R) != S or any(len(row) != T for row in R):
+        return f"{where}.stage_task_mse is not {S} stage(s) x {T} task(s)"
+    if len(s["initial_task_mse"]) != T:
+        return f"{where}.initial_task_mse does not hold {T} task(s)"
+    usage = s.get("usage")
+    if usage is not None and (len(usage) != S or any(len(u) != T for u in usage)):
+        return f"{where}.usage is not {S} stage(s) x {T} task(s)"
+    if s["status"] == "ok" and any(v is None for v in R[-1]):
+        return f"{where} finished but its last stage has no MSE for every task"
+    return None
+
+
 def problem(rec: dict, expected_hash: str | None = None) -> str | None:
     """The first thing wrong with a record of the current schema, as a phrase, or None. `expected_hash`: the hash
     its file name carries (a record stored under another config's name is wrong)."""
@@ -150,6 +188,8 @@ def problem(rec: dict, expected_hash: str | None = None) -> str | None:
     seed_spec = SUITE_SEED if suite else CELL_SEED
     for i, s in enumerate(train["per_seed"]):
         if found := _check(s, seed_spec, f"train_info.per_seed[{i}]"):
+            return found
+        if suite and (found := _suite_seed_problem(s, run["config"], f"train_info.per_seed[{i}]")):
             return found
         if not suite and s["status"] == "ok":
             if missing := [k for k in OK_SEED_METRICS if s[k] is None]:

@@ -10,7 +10,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from qlbench import adapters, results, stats, store, text
-from qlbench.real import METHODS, TASKS
+from qlbench.real import METHODS, TASKS, check_record
 from qlbench.report.write import _save_figure
 
 
@@ -34,7 +34,7 @@ def frame(paths: list[Path], on_damaged=None) -> pd.DataFrame:
     rows = []
     for path in sorted(paths, key=lambda p: METHODS.index(p.stem) if p.stem in METHODS else len(METHODS)):
         try:
-            rec = store.read_json(path)
+            rec = check_record(store.read_json(path), path)  # a record of another shape is damaged, not read
             per_seed = [(s, s["test_mse_per_task"]) for s in rec["per_seed"]]
         except (store.DamagedFile, KeyError, TypeError) as err:
             if on_damaged is None:
