@@ -159,7 +159,9 @@ def plan(
         zoo.card(f)  # raises with the valid names
     if len(set(functions)) != len(functions):
         raise ValueError(f"function listed twice in {','.join(functions)}")
-    methods = list(methods or adapters.DEFAULT_METHODS)
+    methods = list(adapters.DEFAULT_METHODS if methods is None else methods)
+    if not methods:
+        raise ValueError(f"no method given; valid: {', '.join(adapters.names())}")
     for m in methods:
         adapters.get(m)
     if len(set(methods)) != len(methods):

@@ -180,6 +180,7 @@ class SuitePlan:
         )
 
 
+SUITE_SOURCES = ("card", "random")  # the instruction sources a suite row takes (instruction_table)
 SUITE_COMPILE = ("auto", "off")  # experiment.plan's compile settings a suite honours: its steps run eager
 
 
@@ -222,7 +223,9 @@ def plan(
             f"label noise {noise!r} is not available on a suite (labels standardised per task, noise std "
             f"{zoo.NOISE_FRACTION:g} after that); valid: {zoo.DEFAULT_NOISE}"
         )
-    chosen = list(methods or DEFAULT_ROWS)
+    chosen = list(DEFAULT_ROWS if methods is None else methods)
+    if not chosen:
+        raise ValueError(f"no method given; valid: {', '.join(DEFAULT_ROWS)} (and the registry's methods)")
     for r in chosen:
         method_of(r)
     if len(set(chosen)) != len(chosen):
@@ -239,6 +242,12 @@ def plan(
             configs[r] = adapters.get(name).make_config(**settings)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{r}: {err}") from None
+        source = getattr(configs[r], "instruction_source", None)
+        if source not in (None, *SUITE_SOURCES):  # checked before any work (instruction_table would, after it)
+            raise ValueError(
+                f"{r}: instruction_source {source!r} is not available on a suite (each task reads its own sentence, "
+                f"or a task code); valid: {', '.join(SUITE_SOURCES)}"
+            )
         sizes[r] = planning.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
     dev = engine.resolve_device(device)
     planning.check_memory(sizes, n_seeds, dtype, dev, tasks=len(s.tasks))  # one member per seed, T tasks' data

@@ -60,17 +60,23 @@ def split_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+HP_VALUE_LENGTH = 200  # characters of one --hp value: every setting's value is a number, a word or a short tuple
+
+
 def parse_overrides(items: list[str]) -> dict:
     """['top_k=3', 'tau_lang=0.5'] -> {'top_k': 3, 'tau_lang': 0.5}; values are Python literals (inf and nan
-    included, as floats) or else strings; the method's config then says which values it accepts."""
+    included, as floats) or else strings; the method's config then says which values it accepts. A value longer
+    than HP_VALUE_LENGTH is refused before it is parsed (a literal nested thousands deep exhausts the parser)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--hp expects key=value, got {item!r}")
         value = value.strip()
+        if len(value) > HP_VALUE_LENGTH:
+            raise UsageError(f"--hp {key.strip()}: a value of {len(value):,} characters; at most {HP_VALUE_LENGTH}")
         try:
             out[key.strip()] = float(value) if value.lower() in ("inf", "-inf", "nan") else ast.literal_eval(value)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
             out[key.strip()] = value
     return out

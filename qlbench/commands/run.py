@@ -124,6 +124,10 @@ def run(args, functions: list[str]) -> int:
     if instruction is not None:
         if not instruction.strip():
             raise UsageError("--instruction is empty; give a sentence, or leave it out for the function card's")
+        try:
+            instruction.encode("utf-8")  # undecodable bytes arrive as lone surrogates, which nothing downstream encodes
+        except UnicodeEncodeError:
+            raise UsageError("--instruction is not valid UTF-8 text; give the sentence in UTF-8") from None
         if args.methods is not None and "instruct-queryable" not in split_list(args.methods):
             raise UsageError("--instruction only changes instruct-queryable, which is not in --methods")
         shared["overrides"]["instruction"] = instruction

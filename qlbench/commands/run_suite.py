@@ -41,7 +41,7 @@ def run(args) -> int:
             suite=args.suite,
             schedule=args.schedule,
             arch=args.arch,
-            methods=split_list(args.methods) if args.methods else None,
+            methods=split_list(args.methods) if args.methods is not None else None,  # '' is refused, not the default
             **shared,
         )
     for caveat in planning.caveats(p):
