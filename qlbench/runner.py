@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from qlbench import results
-from qlbench.store import DamagedFile, claim, clean_temps, set_aside, stable_hash
+from qlbench.store import DamagedFile, claim, clean_locks, clean_temps, set_aside, stable_hash
 
 Log = Callable[[str], None]
 T = TypeVar("T")
@@ -97,9 +97,12 @@ def pending(w: Workload, log: Log) -> list:
 
 
 def remove_stale_temps(folder: Path, log: Log) -> None:
-    """Remove the temp files that killed writers left in a results folder (`store.clean_temps`), and say how many."""
+    """Remove the temp and lock files that killed writers left in a results folder (`store.clean_temps`,
+    `store.clean_locks`), and say how many."""
     if stale := clean_temps(folder):
         log(f"removed {len(stale)} temporary file(s) left by killed writers in {folder}")
+    if stale := clean_locks(folder):
+        log(f"removed {len(stale)} lock file(s) left by killed writers in {folder}")
 
 
 @contextlib.contextmanager

@@ -159,6 +159,19 @@ def _unlock(path: Path, fd: int) -> None:
     os.close(fd)
 
 
+def clean_locks(root: Path) -> list[Path]:
+    """Remove the lock files of writers killed while they held them (kill -9 skips `claim`'s clean-up): a lock no
+    process holds is taken and released, which removes it (`_lock` checks the file is still the one it locked, so a
+    writer that locks it at the same moment keeps a lock of its own). Returns the record paths whose locks went."""
+    removed = []
+    for lock in Path(root).rglob(".*.json.lock"):
+        path = lock.with_name(lock.name[1 : -len(".lock")])
+        if (fd := _lock(path)) is not None:
+            _unlock(path, fd)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def claim(paths: list[Path]) -> Iterator[set[Path]]:
     """Lock each record path for this process while it trains that cell; yields the paths it holds. A path that

@@ -143,15 +143,26 @@ def _fail(name: str, where: str, message: str):
     raise ValueError(f"suite {name!r}: {where}: {message}")
 
 
+# qlbench interpretation of a card's limits: the zoo's boxes span tens of units and its shifts a few; coordinates
+# past MAX_COORDINATE overflow the functions' arithmetic (a card with bounds near 1e300 printed NaN tables), and a
+# card of more than MAX_TASKS tasks is beyond any suite here (one of 10,000 ran for minutes with no estimate)
+MAX_COORDINATE = 1e3
+MAX_TASKS = 256
+
+
 def _text(name: str, where: str, value) -> str:
     if not isinstance(value, str) or not value.strip():
         _fail(name, where, f"must be a non-empty sentence, got {value!r}")
+    if not value.isprintable():  # control characters would reach the terminal raw
+        _fail(name, where, f"must be one line of printable text, got {value!r}")
     return value
 
 
 def _number(name: str, where: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         _fail(name, where, f"must be a finite number, got {value!r}")
+    if abs(value) > MAX_COORDINATE:
+        _fail(name, where, f"must lie within +-{MAX_COORDINATE:g}, got {value!r}")
     return float(value)
 
 
@@ -184,8 +195,8 @@ def _task(name: str, where: str, d: dict, *, source: bool = False) -> SuiteTask:
             _fail(name, f"{where}.paraphrases", f"needs at least {MIN_PARAPHRASES} sentences, got {paraphrases!r}")
         paraphrases = [_text(name, f"{where}.paraphrases", p) for p in paraphrases]
     task_name = d.get("name", "source")
-    if not isinstance(task_name, str) or not task_name.strip() or "/" in task_name:
-        _fail(name, f"{where}.name", f"must be a non-empty name without '/', got {task_name!r}")
+    if not isinstance(task_name, str) or not task_name.strip() or "/" in task_name or not task_name.isprintable():
+        _fail(name, f"{where}.name", f"must be a non-empty printable name without '/', got {task_name!r}")
     return SuiteTask(
         name=task_name,
         function=function,
@@ -216,9 +227,11 @@ def parse(name: str, text: str) -> Suite:
     if any(lo >= hi for lo, hi in bounds):
         _fail(name, "bounds", f"each lower bound must be below its upper bound, got {bounds}")
     tasks = d["task"]
-    if not isinstance(tasks, list) or len(tasks) < 2:
+    if not isinstance(tasks, list) or not 2 <= len(tasks) <= MAX_TASKS:
         _fail(
-            name, "task", f"needs at least two [[task]] tables, got {0 if not isinstance(tasks, list) else len(tasks)}"
+            name,
+            "task",
+            f"needs from 2 to {MAX_TASKS} [[task]] tables, got {0 if not isinstance(tasks, list) else len(tasks)}",
         )
     parsed = tuple(_task(name, f"task[{i}]", t) for i, t in enumerate(tasks))
     names = [t.name for t in parsed]

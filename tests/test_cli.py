@@ -46,12 +46,26 @@ from helpers import one_line_error
         (["sweep", "--executor", "ray", "--ray-retries", "-1"], ["--ray-retries must be >= 0"]),
         (["run", "--function", "dropwave", "--executor", "ray"], ["unrecognized arguments: --executor ray"]),
         (["run", "--function", "dropwave", "--noise", "loud"], ["unknown label noise 'loud'", "relative, absolute"]),
+        (["run", "--function", "matyas", "--hp", "r=" + "-" * 5000 + "1"], ["--hp r", "at most 200"]),
+        (["pareto", "--function", "matyas", "--schedule", "sequential"], ["--schedule applies to --suite only"]),
+        (["suites", "--card", ""], ["--card", "empty path"]),
+        (["suite", "--suite", "zoo-4", "--methods", ""], ["no method given"]),
+        (["suite", "--suite", "zoo-4", "--hp", "instruction_source=generic"], ["'generic'", "valid: card, random"]),
+        (["run", "--function", "matyas", "--instruction", "bad \udcff"], ["not valid UTF-8"]),
         *(
             (argv + ["--out", ""], ["--out", "empty path"])
-            for argv in (["run", "--function", "matyas"], ["suite", "--suite", "zoo-4"],
-                         ["pareto", "--function", "matyas"], ["ablate", "--function", "matyas"], ["real"], ["real-lm"],
-                         ["signal", "--function", "matyas"], ["diagnose", "results", "--function", "matyas"],
-                         ["report", "results"], ["bench"])
+            for argv in (
+                ["run", "--function", "matyas"],
+                ["suite", "--suite", "zoo-4"],
+                ["pareto", "--function", "matyas"],
+                ["ablate", "--function", "matyas"],
+                ["real"],
+                ["real-lm"],
+                ["signal", "--function", "matyas"],
+                ["diagnose", "results", "--function", "matyas"],
+                ["report", "results"],
+                ["bench"],
+            )
         ),  # fmt: skip
     ],
 )

@@ -135,3 +135,18 @@ def test_a_blow_up_without_nan_is_diverged_and_every_seed_is_named(tmp_path, cap
     info = results.read_record(record)["train_info"]
     assert info["status"] == "diverged" and all(s["status"] == "diverged" for s in info["per_seed"])
     assert "every seed diverged" in err and "other seeds completed" not in err
+
+
+def test_a_killed_writers_lock_file_is_removed_and_a_held_one_kept(tmp_path):
+    """kill -9 skips claim's clean-up and leaves `.<record>.lock`; the next run's clean-up removes a lock nobody
+    holds, never one a live process holds (here: this process, through another descriptor)."""
+    from qlbench import store
+
+    stale, live = tmp_path / "a.json", tmp_path / "b.json"
+    stale.with_name(".a.json.lock").write_text("")  # what a killed writer leaves
+    with store.claim([live]) as held:
+        assert held == {live}
+        assert store.clean_locks(tmp_path) == [stale]
+        assert not stale.with_name(".a.json.lock").exists() and live.with_name(".b.json.lock").exists()
+        with store.claim([live]) as again:
+            assert again == set()  # still held: cleaning did not steal it

@@ -132,7 +132,26 @@ def test_a_good_card_parses():
         (lambda t: t.replace('name = "a"\n', 'name = "a"\nscale = 2\n'), "task[0].scale", "unknown field"),
         (lambda t: t.replace('name = "a"\n', 'name = "a"\noffset = [1]\n'), "task[0].offset", "two numbers"),
         (lambda t: t.replace('name = "a"\n', 'name = "a"\ncoefficients = "other"\n'), "task[0].coefficients", "source"),
-        (lambda t: t.split('[[task]]\nname = "b"')[0], "task", "at least two"),
+        (lambda t: t.split('[[task]]\nname = "b"')[0], "task", "from 2 to 256"),
+        (lambda t: t.replace('name = "b"', 'name = "b\\u001b[2J"'), "task[1].name", "printable"),
+        (
+            lambda t: t.replace('instruction = "Ridges."', 'instruction = "Ridges.\\u0007"'),
+            "task[1].instruction",
+            "printable",
+        ),  # fmt: skip
+        (lambda t: t.replace("[[-1.0, 1.0], [-1.0, 1.0]]", "[[-1e300, 1.0], [-1.0, 1.0]]"), "bounds", "within +-1000"),
+        (lambda t: t.replace('name = "a"\n', 'name = "a"\noffset = [1e300, 0]\n'), "task[0].offset", "within"),
+        (
+            lambda t: (
+                t
+                + "".join(
+                    f'[[task]]\nname = "t{i}"\nfunction = "matyas"\ninstruction = "A."\nparaphrases = ["B.", "C."]\n'
+                    for i in range(300)
+                )
+            ),
+            "task",
+            "from 2 to 256",
+        ),
         (lambda t: t + "oops = [", "TOML", ""),
     ],
 )

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--function", metavar="NAME", help="a function of the zoo (qlbench functions lists them)")
     target.add_argument("--suite", metavar="NAME", help="a multi-task suite (qlbench suites lists them)")
-    p.add_argument("--schedule", default="joint", metavar="S", help=f"with --suite: {', '.join(multitask.SCHEDULES)}")
+    p.add_argument("--schedule", metavar="S", help=f"with --suite: {', '.join(multitask.SCHEDULES)} (default joint)")
     p.add_argument(
         "--methods",
         default="queryable",
@@ -59,6 +59,9 @@ def run(args) -> int:
     methods = split_list(args.methods)
     if not methods:
         raise UsageError(f"--methods is empty; valid: {', '.join(pareto.GRID_AXES)}")
+    if args.schedule is not None and args.function:
+        raise UsageError("--schedule applies to --suite only; valid with --function: leave it out")
+    args.schedule = args.schedule or "joint"
     common = dict(arch=args.arch, **options.plan_kwargs(args))
     overrides = common.pop("overrides")
     with usage_errors():

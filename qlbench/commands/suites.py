@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qlbench import instructions, suites, text
-from qlbench.commands import UsageError, usage_errors
+from qlbench.commands import UsageError, path_arg, usage_errors
 from qlbench.text import Column
 
 
@@ -18,7 +18,10 @@ def register(subparsers) -> None:
     )
     p.add_argument("name", nargs="?", help="a suite to show in full")
     p.add_argument(
-        "--card", metavar="FILE", help="check a suite card file and show it (one line naming the field if it is wrong)"
+        "--card",
+        type=path_arg,
+        metavar="FILE",
+        help="check a suite card file and show it (one line naming the field if it is wrong)",
     )
     p.set_defaults(func=run)
 
