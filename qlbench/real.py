@@ -58,6 +58,9 @@ QUERYABLE = ("queryable", "instruct-queryable")  # the rows whose trained adapte
 TARGETS = ["query", "value"]
 
 
+MAX_PER_TASK = 10_000  # sentences per task and split: 12 x 12 x 12 slot words, a few thousand distinct sentences
+
+
 @dataclass(frozen=True)
 class RealConfig:
     """Everything that fixes a record's numbers (its hash names the record's folder)."""
@@ -78,6 +81,9 @@ class RealConfig:
         check_positive_int(
             self, "train_per_task", "test_per_task", "epochs", "batch_size", "r", "n_atoms", "top_k", "n_blocks"
         )
+        for name in ("train_per_task", "test_per_task"):  # qlbench interpretation: sentences the generator can vary
+            if getattr(self, name) > MAX_PER_TASK:
+                raise ValueError(f"{name} must be at most {MAX_PER_TASK:,}, got {getattr(self, name):,}")
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
             raise ValueError(f"seeds must be integers >= 0, got {self.seeds!r}")
 
@@ -464,4 +470,6 @@ def plan(methods: list[str], config: RealConfig, out: Path, device: str = "cpu")
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"method listed twice in {','.join(methods)}")
     return RealPlan(list(methods), config, Path(out), device=engine.resolve_device(device))

@@ -55,7 +55,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
     for argv, words in [
         (["real", "--methods", "moe"], "valid: head-only, lora, lora-matched, queryable, instruct-queryable"),
         (["real", "--threads", "999"], "threads must be an integer from 1 to"),
-        (["real", "--seeds", "0"], "--seeds must be an integer >= 1"),
+        (["real", "--seeds", "0"], "--seeds must be an integer from 1 to 100"),
         (["real", "--epochs", "0"], "epochs must be an integer >= 1"),
     ]:
         assert cli.main(argv) == 2

@@ -38,8 +38,8 @@ def run(args) -> int:
     if not methods or (bad := [m for m in methods if m not in real.METHODS]):
         raise UsageError(f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real.METHODS)}")
     out = options.plan_kwargs(args)["out_dir"]  # --threads checked against the cores present
-    if args.seeds is None or args.seeds < 1:
-        raise UsageError(f"--seeds must be an integer >= 1, got {args.seeds}")
+    if args.seeds is None or not 1 <= args.seeds <= 100:  # before range(seeds) is built
+        raise UsageError(f"--seeds must be an integer from 1 to 100, got {args.seeds}")
     try:
         import peft  # noqa: F401
     except ImportError as err:
