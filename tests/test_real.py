@@ -122,7 +122,8 @@ def test_the_runner_completes_a_record_keeps_its_seeds_and_leaves_a_locked_metho
 
     def fake(method, config, seed, *args):
         trained.append((method, seed))
-        return {"seed": seed, "status": "ok", "test_mse": float(seed)}
+        return {"seed": seed, "status": "ok", "test_mse": float(seed), "trainable_params": 1,
+                "test_mse_per_task": dict.fromkeys(real.TASKS, float(seed))}  # fmt: skip
 
     monkeypatch.setattr(real, "train_one", fake)
     one, three = real.RealConfig(epochs=1, seeds=(0,)), real.RealConfig(epochs=1, seeds=(0, 1, 2))
