@@ -322,9 +322,16 @@ def verify_adapter(folder: Path, n: int = 60) -> dict:
     folder = Path(folder)
     if not (folder / "adapter_config.json").is_file():
         raise ValueError(f"{folder} is not a peft adapter folder (no adapter_config.json)")
-    config = peft.PeftConfig.from_pretrained(str(folder))
-    if config.peft_type != peft_type():
-        raise ValueError(f"{folder} holds a {config.peft_type} adapter; verify checks queryable_lora adapters")
+    saved = store.read_json(folder / "adapter_config.json")  # DamagedFile (a ValueError) if it is not JSON
+    if not isinstance(saved, dict) or saved.get("peft_type") != peft_type().value:
+        kind = saved.get("peft_type") if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"{folder} holds a {kind!r} adapter config; verify checks queryable_lora adapters")
+    if not (folder / "adapter_model.safetensors").is_file():  # else peft would look for it on the hub
+        raise ValueError(f"{folder} has no adapter_model.safetensors (the adapter's weights)")
+    try:
+        config = peft.PeftConfig.from_pretrained(str(folder))
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"{folder}: its adapter_config.json does not make a config ({_first_line(err)})") from None
     base_path = config.base_model_name_or_path
     if not base_path or not Path(base_path).is_dir():
         raise ValueError(f"the adapter's base model {base_path!r} is not a local folder (nothing is downloaded)")
@@ -337,7 +344,10 @@ def verify_adapter(folder: Path, n: int = 60) -> dict:
             f"{kind} model: call qlbench.hf.verify.check(model, x, e, call=...) in Python instead"
         )
     transformers_quiet()
-    model = peft.PeftModel.from_pretrained(AutoModel.from_pretrained(base_path), str(folder)).eval()
+    try:
+        model = peft.PeftModel.from_pretrained(AutoModel.from_pretrained(base_path), str(folder)).eval()
+    except Exception as err:  # a truncated, random or mismatched weights file: safetensors' and torch's own errors
+        raise ValueError(f"{folder}: the adapter cannot be loaded ({_first_line(err)})") from None
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     texts = sentences(n, 0, "test")[0][:n]  # task 0's sentences
     enc = tokenizer(texts, padding=True, return_tensors="pt")
@@ -361,6 +371,11 @@ def verify_adapter(folder: Path, n: int = 60) -> dict:
         "statements": rows,
         "violated": sum(r["status"] == "VIOLATED" for r in rows),
     }
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def steps(config: RealConfig) -> int:

@@ -3,7 +3,9 @@ through the CLI (records, resume, report). Skipped without the hf extra."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import pytest
 
@@ -63,6 +65,38 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
         assert words in err and len(err.splitlines()) == 1, err
 
 
+DAMAGED_ADAPTER = {  # how -> what the one line says
+    "truncated weights": "cannot be loaded",
+    "random weights": "cannot be loaded",
+    "empty weights": "cannot be loaded",
+    "no weights": "no adapter_model.safetensors",
+    "unknown peft_type": "'NOPE' adapter config",
+    "config a list": "is damaged (a JSON list",
+    "edited r": "cannot be loaded",
+}
+
+
+def damage_adapter(folder, how: str) -> None:
+    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    if how == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif how == "random weights":
+        weights.write_bytes(bytes(range(256)) * 8)
+    elif how == "empty weights":
+        weights.write_bytes(b"")
+    elif how == "no weights":
+        weights.unlink()
+    else:
+        saved = json.loads(config.read_text())
+        if how == "unknown peft_type":
+            saved["peft_type"] = "NOPE"
+        elif how == "config a list":
+            saved = [saved]
+        else:
+            saved["r"] = 2 * saved["r"]  # the weights' shapes no longer match
+        config.write_text(json.dumps(saved))
+
+
 def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("QLBENCH_CACHE", str(tmp_path / "cache"))  # the instructions' embeddings, not in ~/.cache
     argv = ["real", "--methods", "lora,instruct-queryable", "--seeds", "1", "--epochs", "1", "--train-per-task", "4"]
@@ -93,6 +127,13 @@ def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeyp
     assert store.read_json(adapter / "verify.json")["violated"] == 0
     assert cli.main(["verify", "--peft", str(tmp_path)]) == 2
     assert "not a peft adapter folder" in capsys.readouterr().err
+    for how, words in DAMAGED_ADAPTER.items():  # each one line and exit 2, never a traceback nor the hub
+        broken = tmp_path / f"broken-{how.replace(' ', '-')}"
+        shutil.copytree(adapter, broken)
+        damage_adapter(broken, how)
+        assert cli.main(["verify", "--peft", str(broken)]) == 2, how
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (how, err)
 
     # qlbench report has a section for them; a damaged record is said and skipped, never a traceback
     (folder / "queryable.json").write_text("{not json")
