@@ -90,6 +90,7 @@ LAYERS = [
         "qlbench.suite_stats",
         "qlbench.hf",
         "qlbench.real",
+        "qlbench.real_lm",
     ],
     ["qlbench.diagnostics", "qlbench.ablation", "qlbench.pareto"],
     ["qlbench.report"],

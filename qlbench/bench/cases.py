@@ -4,7 +4,7 @@ profile of one step; torch.compile against eager; inference; full-soap's optimiz
 against a single-task one; and `run`, which takes them in order (`tasks`) and adds the peak and the paper-table
 estimate.
 
-About 600 lines: one function per measured case, kept together so that `tasks` reads as the benchmark's contents.
+Over 500 lines: one function per measured case, kept together so that `tasks` reads as the benchmark's contents.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from qlbench import adapters, engine, multitask, results, suites, zoo
 from qlbench.bench.estimate import paper_estimate
-from qlbench.bench.models import batches, lora_floor_step, plain_deep_narrow_lora, plain_step, stacked_model
+from qlbench.bench.models import (
+    batches,
+    hf_step,
+    lora_floor_step,
+    plain_deep_narrow_lora,
+    plain_step,
+    stacked_model,
+)
 from qlbench.bench.parallel import side_by_side
 from qlbench.bench.timing import (
     BATCH,
@@ -207,31 +214,16 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
 
 def hf_rows(s: Settings, device) -> list[dict]:
     """The peft tuner (qlbench.hf) against peft's LoRA on the same model: the causal-LM experiment's decoder
-    (qlbench/real_lm.py, 2 layers, width 64) with each adapter on q_proj and v_proj, one training step (forward,
-    next-token loss, backward, AdamW) on a batch of 32 sequences of 13 tokens, alternating; ms per step and the ratio
-    to LoRA's. None without the hf extra."""
+    (qlbench/real_lm.py, 2 layers, width 64) with each adapter on q_proj and v_proj, one training step
+    (`models.hf_step`) on a batch of 32 sequences of 13 tokens, alternating; ms per step and the ratio to LoRA's.
+    None without the hf extra."""
     try:
         import peft  # noqa: F401
     except ImportError:
         return []
-    from qlbench import instructions, real_lm
-
-    ids = real_lm.sequences("reverse", 32, 0, "train").to(device)
-    e = instructions.embed(list(real_lm.INSTRUCTIONS[:1])).to(device).expand(len(ids), -1)  # (32, 384)
-    steps = {}
-    for m in ("lora", "queryable", "instruct-queryable"):
-        model = real_lm.adapted(m, real_lm.decoder(0), real_lm.LMConfig()).to(device).train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        kw = {"instruction": e} if m == "instruct-queryable" else {}
-
-        def step(model=model, opt=opt, kw=kw):
-            model(input_ids=ids, labels=ids, use_cache=False, **kw).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        steps[m] = step
-        for _ in range(2):
-            step()  # warm-up
+    steps = {m: hf_step(m, device) for m in ("lora", "queryable", "instruct-queryable")}
+    for step in steps.values():
+        step(), step()  # warm-up
     n = max(2, s.steps["deep-narrow"] // 2)
     r = alternate({m: (lambda fn=fn: [fn() for _ in range(n)], n) for m, fn in steps.items()}, s.rounds, device)
     return [

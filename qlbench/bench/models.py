@@ -128,3 +128,23 @@ def lora_floor_step(model: nn.Module, opt: torch.optim.Optimizer, *, compile: bo
         )  # fmt: skip
 
     return step
+
+
+def hf_step(method: str, device):
+    """One training step of the causal-LM experiment's decoder (qlbench/real_lm.py) with `method`'s peft adapter
+    (lora, queryable, instruct-queryable): forward with the labels (transformers' next-token loss), backward, AdamW,
+    on a fixed batch of 32 sequences of 13 tokens; the loop a peft user writes, as the plain PyTorch loop above is."""
+    from qlbench import instructions, real_lm
+
+    ids = real_lm.sequences("reverse", 32, 0, "train").to(device)
+    model = real_lm.adapted(method, real_lm.decoder(0), real_lm.LMConfig()).to(device).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    e = instructions.embed(list(real_lm.INSTRUCTIONS[:1])).to(device).expand(len(ids), -1)  # (32, 384)
+    kw = {"instruction": e} if method == "instruct-queryable" else {}
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids, use_cache=False, **kw).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
