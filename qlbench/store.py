@@ -16,6 +16,7 @@ in qlbench builds these paths.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -119,6 +120,8 @@ def check_writable(folder: Path, what: str = "results folder") -> None:
     folder = Path(folder)
     if not str(folder).strip():
         raise ValueError(f"the {what} is empty; give a path")
+    if folder.is_symlink() and not folder.exists():
+        raise ValueError(f"{what} {folder} is a symbolic link to nothing (broken, or a loop)")
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{what} {folder} is a file, not a folder")
     base = next((a for a in (folder, *folder.absolute().parents) if a.exists()), None)
@@ -131,6 +134,11 @@ def check_writable(folder: Path, what: str = "results folder") -> None:
             tempfile.TemporaryFile(dir=folder).close()
         except OSError as err:
             raise ValueError(f"cannot write to {what} {folder}: {err.strerror or err}") from None
+        # every folder already inside it may receive records, backbones or suite rows: a read-only one would fail
+        # only after the training (records/) or the pretraining (backbones/)
+        for inner, _, _ in os.walk(folder):
+            if not os.access(inner, os.W_OK | os.X_OK):
+                raise ValueError(f"cannot write to {what} {folder}: {inner} is not writable")
 
 
 def _lock(path: Path) -> int | None:
@@ -226,13 +234,27 @@ def set_aside(path: Path) -> str:
         return f"moved to {aside.name}"
 
 
+def _not_a_file(path: Path, err: OSError) -> DamagedFile | None:
+    """DamagedFile for what stands where a file should (a folder, a symbolic-link loop), else None."""
+    if isinstance(err, IsADirectoryError):
+        return DamagedFile(f"{path} is damaged (a folder, not a file)")
+    if err.errno == errno.ELOOP:
+        return DamagedFile(f"{path} is damaged (a symbolic-link loop, not a file)")
+    return None
+
+
 def read_json(path: Path) -> dict:
-    """A JSON object from `path`; DamagedFile (one line) if it is empty, truncated or not an object."""
+    """A JSON object from `path`; DamagedFile (one line) if it is empty, truncated or not an object, or a folder or
+    a symbolic-link loop stands in its place."""
     try:
         with open(path) as f:
             obj = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DamagedFile(f"{path} is damaged ({err.__class__.__name__}: {err})") from None
+    except OSError as err:
+        if (damaged := _not_a_file(path, err)) is not None:
+            raise damaged from None
+        raise
     if not isinstance(obj, dict):
         raise DamagedFile(f"{path} is damaged (a JSON {type(obj).__name__}, not an object)")
     return obj
@@ -240,14 +262,20 @@ def read_json(path: Path) -> dict:
 
 def load_torch(path: Path, map_location="cpu"):
     """torch.load, with DamagedFile (one line) for an empty, truncated or garbled file: whatever the reader raises
-    on bad bytes (a truncated zip gives OSError EINVAL, garbage an unpickling or a lookup error). A missing or
-    unreadable file, or no memory, is not damage and propagates."""
+    on bad bytes (a truncated zip gives OSError EINVAL, garbage an unpickling or a lookup error), and for a folder
+    or a symbolic-link loop in its place. A missing or unreadable file, or no memory, is not damage and propagates."""
     try:
         return torch.load(path, map_location=map_location)
-    except (FileNotFoundError, PermissionError, IsADirectoryError, MemoryError):
+    except OSError as err:
+        if (damaged := _not_a_file(path, err)) is not None:
+            raise damaged from None
+        if isinstance(err, FileNotFoundError | PermissionError):
+            raise
+        message = str(err).splitlines()[0] if str(err) else ""
+        raise DamagedFile(f"{path} is damaged ({err.__class__.__name__}: {message})") from None
+    except MemoryError:
         raise
     except (
-        OSError,
         RuntimeError,
         EOFError,
         pickle.UnpicklingError,

@@ -309,6 +309,27 @@ def test_a_backbone_file_with_wrong_contents_is_set_aside_and_retrained(folder, 
     assert len(asides(backbone)) == 1 and "state" in torch.load(backbone)
 
 
+@pytest.mark.faults  # slow: run by `make test-faults` (CI)
+@pytest.mark.parametrize("kind", ["a folder", "a symbolic-link loop"])
+def test_a_record_or_backbone_that_is_not_a_file_is_reported_and_recomputed(folder, capsys, kind):
+    """A folder or a link loop where a record or a backbone file should be: `results` and `report` say so in one
+    line each, `run` sets it aside (or replaces the link) and recomputes; never a traceback."""
+    rec, backbone = record(folder), sorted(Store(folder).backbone_dir.glob("*.pt"))[0]
+    for path in (rec, backbone):
+        path.unlink()
+        path.mkdir() if kind == "a folder" else path.symlink_to(path)
+    capsys.readouterr()
+    cli.main(["results", str(folder)])
+    cli.main(["report", str(folder), "--no-figures"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and ("is damaged" in err or kind != "a folder"), err
+    assert run(folder, "--methods", "lora") == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert rec.is_file() and backbone.is_file()  # recomputed in place
+    assert results.read_record(rec)["train_info"]["status"] == "ok"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 5. No debris, no races.
 

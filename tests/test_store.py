@@ -150,3 +150,35 @@ def test_a_killed_writers_lock_file_is_removed_and_a_held_one_kept(tmp_path):
         assert not stale.with_name(".a.json.lock").exists() and live.with_name(".b.json.lock").exists()
         with store.claim([live]) as again:
             assert again == set()  # still held: cleaning did not steal it
+
+
+def test_a_folder_or_a_link_loop_where_a_file_should_be_is_damage(tmp_path):
+    from qlbench import store
+
+    folder, loop = tmp_path / "rec.json", tmp_path / "loop.json"
+    folder.mkdir()
+    loop.symlink_to(loop)
+    for path, words in ((folder, "a folder, not a file"), (loop, "symbolic-link loop")):
+        with pytest.raises(store.DamagedFile, match=words):
+            store.read_json(path)
+        with pytest.raises(store.DamagedFile, match=words):
+            store.load_torch(path)
+    assert store.set_aside(folder) == "moved to rec.json.damaged-1" and not folder.exists()
+    assert (tmp_path / "rec.json.damaged-1").is_dir()
+
+
+def test_an_out_that_is_a_link_loop_or_holds_a_read_only_folder_is_refused(tmp_path, monkeypatch):
+    from qlbench import store
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(ValueError, match="symbolic link to nothing"):
+        store.check_writable(loop)
+    out = tmp_path / "out"
+    (out / "records" / "deep-narrow").mkdir(parents=True)
+    store.check_writable(out)
+    locked = str(out / "records" / "deep-narrow")
+    access = os.access  # as root every folder reads as writable: the read-only one is planted through os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == locked else access(p, mode))
+    with pytest.raises(ValueError, match=f"{locked} is not writable"):
+        store.check_writable(out)
