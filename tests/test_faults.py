@@ -538,3 +538,66 @@ def test_random_damage_never_gives_a_traceback_or_loses_a_finished_record(
             experiment.read_model(m, results.read_record(rec))
     if asides(path):
         assert path.exists()  # set aside and recomputed
+
+
+REAL = ["real", "--methods", "lora", "--seeds", "1", "--epochs", "1", "--train-per-task", "4", "--no-progress"]
+SUITE_RUN = ["suite", "--suite", "zoo-4", "--methods", "lora", "--budget", "smoke", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def finished_rows(tmp_path_factory) -> Path:
+    """A results folder with a finished smoke suite row (lora on zoo-4, joint) and a tiny real-model record."""
+    pytest.importorskip("peft")
+    out = tmp_path_factory.mktemp("rows")
+    assert cli.main([*SUITE_RUN, "--out", str(out)]) == 0
+    assert cli.main([*REAL, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.faults
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,
+)
+@given(
+    target=st.sampled_from(["suite record", "real record", "backbone swap"]),
+    kind=st.sampled_from(["truncate", "junk", "overwrite"]),
+    where=st.integers(0, 100).map(lambda p: p / 100),
+    junk=st.binary(min_size=1, max_size=64) | st.sampled_from([b"{}", b"[]", b"null", b'{"per_seed": 1}']),
+)
+def test_random_damage_of_suite_rows_real_records_and_backbones_is_found(
+    finished_rows, tmp_path, target, kind, where, junk
+):
+    """The same promise for the other record kinds, and for a backbone file copied over another member's (same
+    shapes, other weights): `results` and `report` never raise, `suite` and `real` recompute what was damaged."""
+    out = Path(tempfile.mkdtemp(dir=tmp_path))
+    shutil.copytree(finished_rows, out, dirs_exist_ok=True)
+    (suite_rec,) = Store(out).suite_records()
+    (real_rec,) = (out / "real").rglob("lora.json")
+    backbones = sorted(Store(out).backbone_dir.rglob("*.pt"))
+    if target == "backbone swap":
+        path = backbones[0]
+        path.write_bytes(backbones[1].read_bytes())
+    else:
+        path = suite_rec if target == "suite record" else real_rec
+        path.write_bytes(_mutate(path.read_bytes(), kind, where, junk))
+    force = ["--force"] if target == "backbone swap" else []  # a finished row reads no backbone: train it again
+    for argv in (
+        ["results", str(out)],
+        ["report", str(out), "--out", str(out / "rep"), "--format", "md", "--no-figures"],
+        [*SUITE_RUN, "--out", str(out), *force],
+        [*REAL, "--out", str(out)],
+    ):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            code = cli.main(argv)
+        assert code in (0, 1, 2), (argv, code)
+        if argv[0] in ("suite", "real"):
+            assert code == 0, (argv, err.getvalue()[-500:])  # recomputed whatever was damaged
+    results.read_record(suite_rec)
+    from qlbench import real
+
+    real.check_record(store.read_json(real_rec), real_rec)
+    if target == "backbone swap":
+        assert asides(path), "a backbone copied over another member's was used"
