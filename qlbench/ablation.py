@@ -138,7 +138,7 @@ def table(records: dict[str, Path]) -> pd.DataFrame:
         row["eval s"] = f"{seconds:.3f}"
         row["µs / sample"] = f"{1e6 * latency:.2f}"
         row[f"diff vs {REFERENCE} [95% CI], p"] = row["Holm p"] = "-"
-        if name != REFERENCE:
+        if name != REFERENCE and len(reference):  # no reference record (another process has it): no comparison
             mine = by_seed(g, column)
             test = tests[name] = stats.paired_test(mine.to_numpy(), reference.to_numpy())
             row[f"diff vs {REFERENCE} [95% CI], p"] = (

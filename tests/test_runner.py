@@ -131,3 +131,17 @@ def test_attempt_records_a_failure_and_goes_on_and_cost_is_an_extra():
     assert runner.cost("lora", boom, said.append) is None
     assert said[-1] == "lora: cost not measured: RuntimeError: planted"
     assert runner.cost("lora", lambda: {"bytes": 1}, said.append) == {"bytes": 1}
+
+
+def test_ablate_tabulates_its_variants_when_the_reference_is_left_to_another_process(tmp_path, capsys, monkeypatch):
+    """Only the card's variant is held elsewhere: the others train and are tabulated without a comparison."""
+    from qlbench import ablation, cli
+
+    plans = ablation.plans(function="matyas", arch="deep-narrow", budget="smoke", out_dir=tmp_path)
+    held = {plans[ablation.REFERENCE].unit_path(u) for u in plans[ablation.REFERENCE].units()}
+    real_claim = store.claim
+    monkeypatch.setattr(runner, "claim", lambda paths: real_claim([p for p in paths if p not in held]))
+    argv = ["ablate", "--function", "matyas", "--budget", "smoke", "--out", str(tmp_path), "--no-progress"]
+    assert cli.main([*argv, "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "left to it" in err and "generic" in out
