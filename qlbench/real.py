@@ -31,7 +31,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +62,7 @@ MAX_PER_TASK = 10_000  # sentences per task and split: 12 x 12 x 12 slot words, 
 
 
 @dataclass(frozen=True)
-class RealConfig:
+class RealConfig(runner.SeedsConfig):
     """Everything that fixes a record's numbers (its hash names the record's folder)."""
 
     train_per_task: int = 100
@@ -84,15 +84,7 @@ class RealConfig:
         for name in ("train_per_task", "test_per_task"):  # qlbench interpretation: sentences the generator can vary
             if getattr(self, name) > MAX_PER_TASK:
                 raise ValueError(f"{name} must be at most {MAX_PER_TASK:,}, got {getattr(self, name):,}")
-        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise ValueError(f"seeds must be integers >= 0, got {self.seeds!r}")
-
-    def key(self) -> dict:
-        """What a record's numbers depend on beyond its seeds (a record adds seeds of the same key)."""
-        return {k: v for k, v in asdict(self).items() if k != "seeds"}
-
-    def hash(self) -> str:
-        return store.stable_hash(self.key())
+        self.check_seeds()
 
     @property
     def phase(self) -> engine.Phase:
@@ -417,64 +409,31 @@ def _seed_problem(s) -> str | None:
 
 
 @dataclass
-class RealPlan:
-    """The real-model experiment as a workload of the runner (qlbench.runner): a unit is a method, its record one file
-    per method under the config's hash, finished when it holds every seed of the config."""
+class RealPlan(runner.MethodSeeds):
+    """The real-model experiment as a workload of the runner (runner.MethodSeeds): a unit is a method, its record one
+    file per method under the config's hash, finished when it holds every seed of the config; each seed trains on
+    `device`, and a queryable method's adapter is saved beside the record (for `qlbench verify --peft`)."""
 
-    methods: list[str]
-    config: RealConfig
-    out_dir: Path
-    force: bool = False
     device: torch.device = torch.device("cpu")
-    noun = "method"
 
-    def units(self) -> list[str]:
-        return list(self.methods)
-
-    def unit_path(self, method: str) -> Path:
+    def record_path(self, method: str) -> Path:
         return record_path(self.out_dir, self.config, method)
 
-    def unit_config(self, method: str) -> dict:
-        return self.config.key()
+    def check_record(self, rec, path: Path) -> dict:
+        return check_record(rec, path)
 
-    def read(self, path: Path) -> runner.Found:
-        """The record's config hash and state: "ok" once it holds every seed of the config, else "incomplete"
-        (the missing seeds are trained and added)."""
-        rec = check_record(store.read_json(path), path)
-        complete = set(self.config.seeds) <= {s["seed"] for s in rec["per_seed"]}
-        return runner.Found(rec["config_hash"], "ok" if complete else "incomplete", rec)
-
-    def intact(self, record: Path, rec: dict, log) -> bool:
-        return True  # the saved adapters are for `qlbench verify --peft`, not needed to reuse the record
-
-    def train(self, methods: list[str], progress, log) -> None:
-        """Train every (method, seed) of the given methods not yet in its record, writing the record after each seed
-        (the seeds it held before are kept). `progress`: a callback taking the steps done, or a flag (no bar here)."""
+    def prepare(self):
         from transformers import AutoTokenizer
 
-        progress = progress if callable(progress) else lambda n: None
+        return AutoTokenizer.from_pretrained(model_path()), instructions.embed(list(INSTRUCTIONS))  # e: (T, 384)
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path())
-        e = instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
-        for m in methods:
-            path = self.unit_path(m)
-            done = {}
-            if path.exists() and not self.force:
-                try:
-                    done = {s["seed"]: s for s in self.read(path).rec["per_seed"]}
-                except store.DamagedFile as err:
-                    log(f"{err}; {store.set_aside(path)}, recomputing")
-            for seed in self.config.seeds:
-                if seed in done:
-                    continue
-                log(f"{m} seed {seed}")
-                folder = adapter_dir(self.out_dir, self.config, m, seed)
-                done[seed] = train_one(m, self.config, seed, tokenizer, e, progress, folder, self.device)
-                record = {"method": m, "config": asdict(self.config) | {"seeds": sorted(done)},
-                          "config_hash": self.config.hash(), "per_seed": [done[s] for s in sorted(done)],
-                          "git": results.git_info(),  # where the code came from, and every setting beyond the config
-                          "settings": results.settings(device=self.device, compile=False, dtype="float32")}  # fmt: skip
-                store.write_json(record, path)
+    def train_seed(self, method: str, seed: int, shared, progress) -> dict:
+        tokenizer, e = shared
+        folder = adapter_dir(self.out_dir, self.config, method, seed)
+        return train_one(method, self.config, seed, tokenizer, e, progress, folder, self.device)
+
+    def settings(self) -> dict:
+        return results.settings(device=self.device, compile=False, dtype="float32")
 
 
 def plan(methods: list[str], config: RealConfig, out: Path, device: str = "cpu") -> RealPlan:

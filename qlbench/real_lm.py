@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +81,7 @@ def sequences(task: str, n: int, seed: int, split: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class LMConfig:
+class LMConfig(runner.SeedsConfig):
     """Everything that fixes a record's numbers (its hash names the record's folder)."""
 
     pretrain_samples: int = 2000
@@ -99,14 +99,7 @@ class LMConfig:
     def __post_init__(self):
         check_positive_int(self, "pretrain_samples", "pretrain_epochs", "train_per_task", "test_per_task", "epochs",
                            "batch_size", "r", "n_atoms", "top_k")  # fmt: skip
-        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise ValueError(f"seeds must be integers >= 0, got {self.seeds!r}")
-
-    def key(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "seeds"}
-
-    def hash(self) -> str:
-        return store.stable_hash(self.key())
+        self.check_seeds()
 
 
 def decoder(seed: int) -> nn.Module:
@@ -255,54 +248,21 @@ def check_record(rec, path: Path) -> dict:
 
 
 @dataclass
-class LMPlan:
-    """The experiment as a runner workload (qlbench.runner): a unit is a method, its record one file under the
-    config's hash, finished when it holds every seed of the config."""
+class LMPlan(runner.MethodSeeds):
+    """The experiment as a workload of the runner (runner.MethodSeeds): a unit is a method, its record one file under
+    the config's hash, finished when it holds every seed of the config."""
 
-    methods: list[str]
-    config: LMConfig
-    out_dir: Path
-    force: bool = False
-    noun = "method"
-
-    def units(self) -> list[str]:
-        return list(self.methods)
-
-    def unit_path(self, method: str) -> Path:
+    def record_path(self, method: str) -> Path:
         return record_path(self.out_dir, self.config, method)
 
-    def unit_config(self, method: str) -> dict:
-        return self.config.key()
+    def check_record(self, rec, path: Path) -> dict:
+        return check_record(rec, path)
 
-    def read(self, path: Path) -> runner.Found:
-        rec = check_record(store.read_json(path), path)
-        complete = set(self.config.seeds) <= {s["seed"] for s in rec["per_seed"]}
-        return runner.Found(rec["config_hash"], "ok" if complete else "incomplete", rec)
+    def prepare(self):
+        return instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
 
-    def intact(self, record: Path, rec: dict, log) -> bool:
-        return True
-
-    def train(self, methods: list[str], progress, log) -> None:
-        """Train every (method, seed) not yet in its record, writing the record after each seed."""
-        progress = progress if callable(progress) else lambda n: None
-        e = instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
-        for m in methods:
-            path = self.unit_path(m)
-            done = {}
-            if path.exists() and not self.force:
-                try:
-                    done = {s["seed"]: s for s in self.read(path).rec["per_seed"]}
-                except store.DamagedFile as err:
-                    log(f"{err}; {store.set_aside(path)}, recomputing")
-            for seed in self.config.seeds:
-                if seed not in done:
-                    log(f"{m} seed {seed}")
-                    done[seed] = train_one(m, self.config, seed, e, progress)
-                    record = {"method": m, "config": asdict(self.config) | {"seeds": sorted(done)},
-                              "config_hash": self.config.hash(), "per_seed": [done[s] for s in sorted(done)],
-                              "git": results.git_info(),
-                              "settings": results.settings(device="cpu", compile=False, dtype="float32")}  # fmt: skip
-                    store.write_json(record, path)
+    def train_seed(self, method: str, seed: int, shared, progress) -> dict:
+        return train_one(method, self.config, seed, shared, progress)
 
 
 def plan(methods: list[str], config: LMConfig, out: Path) -> LMPlan:

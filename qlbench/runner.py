@@ -1,12 +1,13 @@
 """The one runner: which units of a workload are finished, which this process may train, and the run itself.
 
 A workload is any experiment whose results are one record per unit: `experiment.Plan` (a unit is a (method, function)
-cell of a single-task sweep), `multitask.SuitePlan` (a row of a suite schedule) and `real.RealPlan` (a method of the
-real-model experiment). It names its units, where each unit's record lives, the config that record must hold and
-how to read it, and trains a list of units: it builds their stages, trains them with `engine.fit` and writes their
-records, through `attempt` (a failure is a failed record, and the other units go on) and `cost` (a cost that cannot
-be measured is left out). The runner is the one place that decides whether a unit is finished and intact
-(`finished`), and it plans, claims and resumes for every workload:
+cell of a single-task sweep), `multitask.SuitePlan` (a row of a suite schedule), and `real.RealPlan` and
+`real_lm.LMPlan` (a method of the real-model experiments: `MethodSeeds`, one record of seeds per method). It names
+its units, where each unit's record lives, the config that record must hold and how to read it, and trains a list of
+units: it builds their stages, trains them with `engine.fit` and writes their records, through `attempt` (a failure
+is a failed record, and the other units go on) and `cost` (a cost that cannot be measured is left out). The runner is
+the one place that decides whether a unit is finished and intact (`finished`), and it plans, claims and resumes for
+every workload:
 
     run(w)      remove the temporaries of killed writers -> pending units -> lock them (a unit another process is
                 training is left to it) -> w.train(the units this process holds) -> every unit's record path
@@ -17,6 +18,7 @@ The Ray executor claims through `claimed` too, and trains the units on its worke
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from qlbench import results
-from qlbench.store import DamagedFile, claim, clean_locks, clean_temps, set_aside, stable_hash
+from qlbench.store import DamagedFile, claim, clean_locks, clean_temps, read_json, set_aside, stable_hash, write_json
 
 Log = Callable[[str], None]
 T = TypeVar("T")
@@ -154,3 +156,92 @@ def cost(label: str, measure: Callable[[], T], log: Log) -> T | None:
     except Exception as err:  # a cost is an extra: the record is written without it
         log(f"{label}: cost not measured: {type(err).__name__}: {err}")
         return None
+
+
+class SeedsConfig:
+    """A frozen dataclass config with a `seeds` tuple whose other fields fix a record's numbers (qlbench real's,
+    real-lm's): `key` and its `hash` name the record's folder; `check_seeds` refuses anything but integers >= 0."""
+
+    def check_seeds(self) -> None:
+        seeds = self.seeds
+        if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+            raise ValueError(f"seeds must be integers >= 0, got {seeds!r}")
+
+    def key(self) -> dict:
+        """What a record's numbers depend on beyond its seeds (a record adds seeds of the same key)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "seeds"}
+
+    def hash(self) -> str:
+        return stable_hash(self.key())
+
+
+@dataclass
+class MethodSeeds:
+    """A workload whose unit is a method and whose record (one file per method under its config's hash) holds one
+    entry per seed: finished when it holds every seed of the config; the missing seeds are trained and added, the
+    record written after each (the seeds it held before kept). `qlbench real` and `qlbench real-lm` are ones; a
+    subclass gives `record_path`, `check_record`, `prepare` (what every seed shares) and `train_seed`."""
+
+    methods: list[str]
+    config: SeedsConfig
+    out_dir: Path
+    force: bool = False
+    noun = "method"
+
+    def record_path(self, method: str) -> Path:
+        raise NotImplementedError
+
+    def check_record(self, rec, path: Path) -> dict:
+        """The record, or DamagedFile (one line) naming what is wrong with it."""
+        raise NotImplementedError
+
+    def prepare(self):
+        """What every (method, seed) of a train call shares (a tokenizer, the instructions' embeddings)."""
+        return None
+
+    def train_seed(self, method: str, seed: int, shared, progress: Callable[[int], None]) -> dict:
+        """One (method, seed): its per-seed record entry."""
+        raise NotImplementedError
+
+    def settings(self) -> dict:
+        """Every setting beyond the config that can change a number (results.settings)."""
+        return results.settings(device="cpu", compile=False, dtype="float32")
+
+    def units(self) -> list[str]:
+        return list(self.methods)
+
+    def unit_path(self, method: str) -> Path:
+        return self.record_path(method)
+
+    def unit_config(self, method: str) -> dict:
+        return self.config.key()
+
+    def read(self, path: Path) -> Found:
+        """The record's config hash and state: "ok" once it holds every seed of the config, else "incomplete"."""
+        rec = self.check_record(read_json(path), path)
+        complete = set(self.config.seeds) <= {s["seed"] for s in rec["per_seed"]}
+        return Found(rec["config_hash"], "ok" if complete else "incomplete", rec)
+
+    def intact(self, record: Path, rec: dict, log: Log) -> bool:
+        return True  # the record is all a later run needs
+
+    def train(self, methods: list[str], progress, log: Log) -> None:
+        """Train every (method, seed) of the given methods not yet in its record. `progress`: a callback taking the
+        steps done, or a flag (no bar here)."""
+        progress = progress if callable(progress) else lambda n: None
+        shared = self.prepare()
+        for m in methods:
+            path, done = self.unit_path(m), {}
+            if path.exists() and not self.force:
+                try:
+                    done = {s["seed"]: s for s in self.read(path).rec["per_seed"]}
+                except DamagedFile as err:
+                    log(f"{err}; {set_aside(path)}, recomputing")
+            for seed in self.config.seeds:
+                if seed not in done:
+                    log(f"{m} seed {seed}")
+                    done[seed] = self.train_seed(m, seed, shared, progress)
+                    record = {"method": m, "config": dataclasses.asdict(self.config) | {"seeds": sorted(done)},
+                              "config_hash": self.config.hash(), "per_seed": [done[s] for s in sorted(done)],
+                              "git": results.git_info(), "settings": self.settings()}  # fmt: skip
+                    write_json(record, path)
