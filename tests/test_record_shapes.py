@@ -99,3 +99,15 @@ def test_a_real_record_without_status_or_score_is_damaged(tmp_path):
             real.check_record(rec | {"per_seed": [broken]}, path)
     diverged = good | {"status": "diverged", "test_mse": None, "test_mse_per_task": dict.fromkeys(real.TASKS)}
     assert real.check_record(rec | {"per_seed": [diverged]}, path)  # a diverged seed's scores may be null
+
+
+def test_report_of_a_folder_whose_every_record_is_damaged_says_so(finished, tmp_path, capsys):
+    out = tmp_path / "r"
+    shutil.copytree(finished, out)
+    for path in Store(out).suite_records():
+        path.write_text(json.dumps(damage(json.loads(path.read_text()), "junk usage")))
+    capsys.readouterr()
+    assert cli.main(["report", str(out), "--no-figures"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("no readable records: the 2 found are damaged (a run recomputes them)"), err
+    assert sum("is damaged" in line for line in err) == 2

@@ -55,12 +55,20 @@ def run(args) -> int:
     if not args.folder.is_dir():
         raise UsageError(f"results folder {args.folder} " + ("is a file" if args.folder.exists() else "does not exist"))
     check_out(args.out or args.folder / "report", "report folder")
+    damaged = []
     log = lambda message: print(f"qlbench report: {message}", file=sys.stderr)
-    frame = results.load(args.folder, on_damaged=log)
-    suite_frame = suite_stats.load(args.folder, on_damaged=log)
+
+    def on_damaged(message: str) -> None:
+        damaged.append(message)
+        log(message)
+
+    frame = results.load(args.folder, on_damaged=on_damaged)
+    suite_frame = suite_stats.load(args.folder, on_damaged=on_damaged)
     real_dir = store.Store(args.folder).real_dir
     real_runs = sorted(p for p in real_dir.glob("*") if p.is_dir() and any(p.glob("*.json")))
     if frame.empty and suite_frame.empty and not real_runs:
+        if damaged:  # said above, one line each
+            raise UsageError(f"no readable records: the {len(damaged)} found are damaged (a run recomputes them)")
         raise UsageError(
             f"no records under {args.folder / 'records'}, {args.folder / 'suites'} or {real_dir}; "
             f"`qlbench sweep --out {args.folder}`, `qlbench suite` or `qlbench real` writes some"
