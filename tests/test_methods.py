@@ -241,6 +241,8 @@ FORMULAS = {
     "lily": lambda arch, s: sum(
         L * 13 * d_in + 2 * 13 * d_out + L * 13 * 2 for (_, d_in, d_out), (L, _) in keys(s).items()
     ),
+    # share A: one r x d_in per (role, shape) group of layers, every layer its own B (d_out x r)
+    "share-lora": lambda arch, s: sum(R * d_in for (_, d_in, _d_out) in keys(s)) + sum(R * d_out for *_, d_out, _ in s),
     "queryable": lambda arch, s: queryable_count(s),
     "instruct-queryable": lambda arch, s: queryable_count(s) + 2 * D_K * 384,  # Q_ctx, R_ctx on MiniLM's 384-d e(c)
     "lora-matched": lambda arch, s: matched_count(s),

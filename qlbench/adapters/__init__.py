@@ -26,6 +26,7 @@ from qlbench.adapters import (
     queryable,
     reference,
     replora,
+    share_lora,
     task_lora,
     vblora,
 )
@@ -65,6 +66,7 @@ for _method in (
     replora.METHOD,
     doran.METHOD,
     vblora.METHOD,
+    share_lora.METHOD,
     lora_per_task.METHOD,
     task_lora.METHOD,
     moe_lora.METHOD,
@@ -81,7 +83,7 @@ BASELINE = lora.METHOD.name
 
 # Baselines that are not in the paper's comparison: they separate sharing from routing (docs/methods.md) and run
 # when named (`--methods vb-lora`).
-EXTRA_BASELINES = (vblora.NAME, moe_lora.NAME, lily.NAME)
+EXTRA_BASELINES = (vblora.NAME, share_lora.NAME, moe_lora.NAME, lily.NAME)
 
 # `qlbench run` default: the paper's comparison (SOAP is its full fine-tuning) plus the honest reference rows; the
 # task-conditioned methods only mean something in a multi-task suite (`qlbench suite`).
