@@ -14,7 +14,9 @@ def test_kinds_as_the_paper_groups_the_methods():
     # Written out here on purpose: a method registered under the wrong kind would silently move between a
     # table's groups (a routed adapter ranked as a static baseline, a reference row ranked at all).
     assert adapters.of_kind("full") == ("full-soap", "full-adamw")
-    assert adapters.of_kind("static") == ("lora", "lora-matched", "dora", "hyra", "replora", "doran", "vb-lora")
+    assert adapters.of_kind("static") == (
+        "lora", "lora-matched", "dora", "hyra", "replora", "doran", "vb-lora", "share-lora"
+    )  # fmt: skip
     assert adapters.of_kind("task") == ("lora-per-task", "task-lora")
     assert adapters.of_kind("routed") == ("moe-lora", "lily", "queryable", "instruct-queryable")
     assert adapters.of_kind("reference") == ("frozen", "mean")
@@ -39,7 +41,7 @@ def test_groups_elsewhere_derive_from_the_kinds():
     assert stats.TASK == adapters.of_kind("task")
     # a single-task run's default: the paper's comparison and the reference rows (not full AdamW, not the
     # task-conditioned methods, which mean something in suites only, not qlbench's extra baselines)
-    assert adapters.EXTRA_BASELINES == ("vb-lora", "moe-lora", "lily")
+    assert adapters.EXTRA_BASELINES == ("vb-lora", "share-lora", "moe-lora", "lily")
     assert adapters.DEFAULT_METHODS == tuple(
         m
         for m in adapters.names()
