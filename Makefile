@@ -148,6 +148,7 @@ real-lm-snapshot: check-clean setup-dev
 	rm -rf docs/results/real-lm && mkdir -p docs/results/real-lm
 	cp $$($(BIN)/python -c "from qlbench import real_lm; \
 	  print(real_lm.record_path('real-results', real_lm.LMConfig(), '').parent)")/real-lm.md docs/results/real-lm/
+	sed -i 's|^Provenance: every record from commit [0-9a-f]* (clean tree)\.$$|Provenance: every record from one commit of a clean tree; a 2-layer decoder pretrained here, adapted through peft, 3 seeds; reproduce with `make real-lm-snapshot`.|' docs/results/real-lm/real-lm.md
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley

@@ -273,8 +273,6 @@ def load_torch(path: Path, map_location="cpu"):
             raise
         message = str(err).splitlines()[0] if str(err) else ""
         raise DamagedFile(f"{path} is damaged ({err.__class__.__name__}: {message})") from None
-    except MemoryError:
-        raise
     except (
         RuntimeError,
         EOFError,

@@ -95,3 +95,32 @@ def trainable_ratio_to_lora(name: str, arch: str) -> float:
         model = method.build(backbones.build_backbone(arch, [0]), method.make_config(), [torch.Generator()], None)
         counts.append(adapters.trainable_parameter_count(model))
     return counts[0] / counts[1]
+
+
+def peft_decoder(kind: str = "gpt2", *, causal=None, task_type="CAUSAL_LM"):
+    """A tiny GPT-2 (target c_attn) or Llama (q_proj, v_proj) LM with an instruct-queryable adapter (d_c = 8, r = 4,
+    4 atoms, top-2, 2 blocks) that does something: its B and memory drawn at 0.3, not B = 0. Needs the hf extra."""
+    import peft
+    import transformers
+
+    from qlbench.hf import InstructQueryableLoraConfig
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        c = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+        model, targets = transformers.GPT2LMHeadModel(c), ["c_attn"]
+    else:
+        c = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=100, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        model, targets = transformers.LlamaForCausalLM(c), ["q_proj", "v_proj"]
+    config = InstructQueryableLoraConfig(target_modules=targets, r=4, n_atoms=4, top_k=2, n_blocks=2,
+                                         instruction_dim=8, task_type=task_type, causal=causal)  # fmt: skip
+    model = peft.get_peft_model(model, config).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "queryable_B" in n or "queryable_memory" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model

@@ -15,38 +15,12 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from qlbench.hf import InstructQueryableLoraConfig, QueryableLoraConfig  # noqa: E402
+from qlbench.hf import QueryableLoraConfig  # noqa: E402
+
+from helpers import peft_decoder as wrapped  # noqa: E402
 
 IDS = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(1))
 E = torch.randn(2, 8, generator=torch.Generator().manual_seed(5))  # one instruction per row
-
-
-def base(kind: str):
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        c = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
-        return transformers.GPT2LMHeadModel(c), ["c_attn"]
-    c = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=100, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(c), ["q_proj", "v_proj"]
-
-
-def wrapped(kind: str, causal=None, instruct: bool = True, task_type="CAUSAL_LM"):
-    """A tiny decoder with a non-trivial adapter (B and the memory drawn at 0.3, not B = 0)."""
-    model, targets = base(kind)
-    cls = InstructQueryableLoraConfig if instruct else QueryableLoraConfig
-    extra = dict(instruction_dim=8) if instruct else {}
-    config = cls(target_modules=targets, r=4, n_atoms=4, top_k=2, n_blocks=2, task_type=task_type, causal=causal,
-                 **extra)  # fmt: skip
-    model = peft.get_peft_model(model, config).eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "queryable_B" in n or "queryable_memory" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
 
 
 def set_causal(model, causal: bool) -> None:

@@ -10,23 +10,10 @@ transformers = pytest.importorskip("transformers")
 
 from qlbench.hf import InstructQueryableLoraConfig  # noqa: E402
 
+from helpers import peft_decoder as wrapped  # noqa: E402
+
 IDS = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(1))
 GEN = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-
-
-def wrapped(task_type=None):
-    torch.manual_seed(0)
-    c = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
-    config = InstructQueryableLoraConfig(
-        target_modules=["c_attn"], r=4, n_atoms=4, top_k=2, n_blocks=2, instruction_dim=8, task_type=task_type
-    )
-    model = peft.get_peft_model(transformers.GPT2LMHeadModel(c), config).eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "queryable_B" in n or "queryable_memory" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
 
 
 def scores(out) -> torch.Tensor:
@@ -35,7 +22,7 @@ def scores(out) -> torch.Tensor:
 
 @pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
 def test_generate_routes_on_the_instruction_keyword(task_type):
-    model = wrapped(task_type)
+    model = wrapped(task_type=task_type)
     e, other = torch.randn(2, 8, generator=torch.Generator().manual_seed(5))
     given = model.generate(input_ids=IDS, instruction=e, **GEN)
     model.base_model.set_instruction(e)
@@ -49,7 +36,7 @@ def test_generate_routes_on_the_instruction_keyword(task_type):
 
 
 def test_generate_repeats_a_per_row_instruction_for_beams():
-    model = wrapped()
+    model = wrapped(task_type=None)
     E = torch.randn(2, 8, generator=torch.Generator().manual_seed(5))
     beams = dict(max_new_tokens=3, do_sample=False, num_beams=2, pad_token_id=0)
     both = model.generate(input_ids=IDS, instruction=E, **beams)
