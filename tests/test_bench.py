@@ -61,7 +61,7 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
         assert r["alone_ms"] > 0 and r["padded_ms"] > 0 and 0 < r["cost"] < math.inf
     assert "Stack independence: a one-member cell" in (tmp_path / "bench.md").read_text()
     suite = {r["method"]: r for r in report["suite"]}  # the task controls always; the others when selected
-    assert set(suite) == {"lora", "lora-per-task", "task-lora", "queryable", "instruct-queryable"}
+    assert set(suite) == {"lora", *adapters.of_kind("task"), "queryable", "instruct-queryable"}
     for r in suite.values():  # a batch of four tasks against one (its ratio, as above, not asserted)
         assert r["tasks"] == 4 and r["single_ms"] > 0 and r["suite_ms"] > 0 and 0 < r["cost"] < math.inf
     assert "Multi-task suites: a suite stage's training step" in (tmp_path / "bench.md").read_text()

@@ -56,7 +56,8 @@ def build(name: str, bb: torch.nn.Module, members, targets=None, tag: str = "ini
         overrides["targets"] = targets
     config = method.make_config(**overrides)
     model = method.build(bb, config, gens(tag, members=members), torch.zeros(len(members), 1, dtype=F64))
-    if getattr(config, "lambda_ctx", 0) or getattr(config, "tau_lang", 0):  # a seeded instruction per member
+    reads = getattr(config, "lambda_ctx", 0) or getattr(config, "tau_lang", 0) or name == "text-lora"
+    if reads:  # a seeded instruction per member
         e = torch.stack(
             [torch.randn(config.instruction_dim, generator=g, dtype=F64) for g in gens("e", members=members)]
         )
@@ -218,6 +219,14 @@ def hyra_count(s):
     )
 
 
+def text_lora_count(s):
+    # the task encoder P (32 x 384) and p, layer and role embeddings (16 wide), the trunk W1 (32 x 64) and b1, and per
+    # layer shape a head pair W_A, b_A, W_B, b_B: (32 + 1) r (d_in + d_out)
+    n_layers, roles, shapes = max(layer for _, layer, *_ in s) + 1, {t[0] for t in s}, {(t[2], t[3]) for t in s}
+    trunk = 32 * (384 + 1) + (n_layers + len(roles)) * 16 + 32 * (32 + 2 * 16 + 1)
+    return trunk + sum((32 + 1) * R * (d_in + d_out) for d_in, d_out in shapes)
+
+
 def queryable_count(s):
     gates = len(s)
     return lora_count(s) + gates + M * R * R + M * D_K + N_BLOCKS * D_K + 3 * D_K * R + D_K * D_K
@@ -233,6 +242,9 @@ FORMULAS = {
     "doran": lambda arch, s: replora_count(s) + sum(d_out + 1 for *_, d_out, _ in s),
     "lora-per-task": lambda arch, s: lora_count(s),  # one task in a single-task run: LoRA's count
     "task-lora": lambda arch, s: lora_count(s) + len(s) * 8 * 8,  # plus one r x r core per layer and task
+    "text-lora": lambda arch, s: text_lora_count(s),
+    # 4 skills of rank 8 per layer and one task's row of 4 allocation logits (one split)
+    "poly": lambda arch, s: sum(4 * R * (d_in + d_out) + 4 for _, _, d_in, d_out, _ in s),
     # the bank (16 vectors of length 8) + every layer's logits for r = 4 (d_in + d_out) / 8 tiles over 16 vectors
     "vb-lora": lambda arch, s: 16 * 8 + sum(4 * 16 * (d_in + d_out) // 8 for _, _, d_in, d_out, _ in s),
     # 3 experts of rank 2 and a 3 x d_in gate per layer

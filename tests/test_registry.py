@@ -17,7 +17,7 @@ def test_kinds_as_the_paper_groups_the_methods():
     assert adapters.of_kind("static") == (
         "lora", "lora-matched", "dora", "hyra", "replora", "doran", "vb-lora", "share-lora"
     )  # fmt: skip
-    assert adapters.of_kind("task") == ("lora-per-task", "task-lora")
+    assert adapters.of_kind("task") == ("lora-per-task", "task-lora", "poly", "text-lora")
     assert adapters.of_kind("routed") == ("moe-lora", "lily", "queryable", "instruct-queryable")
     assert adapters.of_kind("reference") == ("frozen", "mean")
     assert all(not adapters.get(m).trains for m in adapters.of_kind("reference"))

@@ -23,11 +23,13 @@ from qlbench.adapters import (
     lora_matched,
     lora_per_task,
     moe_lora,
+    poly,
     queryable,
     reference,
     replora,
     share_lora,
     task_lora,
+    text_lora,
     vblora,
 )
 from qlbench.adapters.base import (
@@ -69,6 +71,8 @@ for _method in (
     share_lora.METHOD,
     lora_per_task.METHOD,
     task_lora.METHOD,
+    poly.METHOD,
+    text_lora.METHOD,
     moe_lora.METHOD,
     lily.METHOD,
     queryable.METHOD,
