@@ -20,6 +20,8 @@
 #   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 5 seeds; records in
 #                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
 #                          sequential, shifts-ackley held-out, every default row and the same-instruction control
+#   make language-snapshot the held-out experiment on the parametric suites (docs/results/language-report.md; records
+#                          in $(LANGUAGE), resumed; two processes of one thread)
 #   Every snapshot target first runs check-clean: it refuses a tree with uncommitted changes to tracked files
 #   (untracked files do not count), so that every record it writes names one commit and its report says so.
 #   ALLOW_DIRTY=1 (make results-snapshot ALLOW_DIRTY=1) skips the check; the report then warns on every table.
@@ -30,7 +32,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
-	suites-snapshot matched-snapshot mechanism-snapshot check-clean clean
+	suites-snapshot language-snapshot matched-snapshot mechanism-snapshot check-clean clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -186,6 +188,30 @@ suites-snapshot: check-clean setup
 	cd results/suite-report && find suites -name '*.md' -o -name '*.csv' -o -name '*.png' | \
 	  xargs -I{} install -D {} $(CURDIR)/docs/results/{}
 	cp results/suite-report/report.md docs/results/suites-report.md
+
+# the held-out experiment of issue "does the instruction work through its meaning?" (docs/results/language-report.md):
+# the parametric suites (qlbench suites param-sin-cos-16), live deep-narrow, quick, 5 seeds; the first command trains
+# the backbone the three sizes share, then two streams of one thread each (records resume: only missing rows train)
+LANGUAGE ?= docs/results/language-records
+LANGUAGE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --seeds 5 \
+	--out $(LANGUAGE) --no-progress
+P := param-sin-cos
+language-snapshot: check-clean setup
+	$(LANGUAGE_RUN) --suite $(P)-4 --schedule held-out --methods frozen,mean
+	( $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods instruct-queryable,lora,poly,frozen,mean,text-lora-code && \
+	  for T in 4 16; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods instruct-queryable,lora || exit 1; done && \
+	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods instruct-queryable,lora,frozen ) & a=$$!; \
+	( $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods text-lora,task-code && \
+	  for T in 4 16; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods text-lora,task-code,frozen,mean || exit 1; done && \
+	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods text-lora,task-code ) & b=$$!; \
+	wait $$a; ra=$$?; wait $$b; rb=$$?; [ $$ra = 0 ] && [ $$rb = 0 ]
+	$(BIN)/qlbench report $(LANGUAGE) --format md,csv --out results/language-report
+	rm -rf docs/results/language && mkdir -p docs/results/language
+	cd results/language-report && find suites heldout -name '*.md' -o -name '*.csv' -o -name '*.png' | \
+	  xargs -I{} install -D {} $(CURDIR)/docs/results/language/{}
+	sed 's#](suites/#](language/suites/#g; s#](heldout/#](language/heldout/#g' results/language-report/report.md \
+	  > docs/results/language-report.md
+
 
 clean:
 	rm -rf $(VENV) results pareto-results matched-results mechanism-results real-results .pytest_cache .hypothesis

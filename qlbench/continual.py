@@ -18,6 +18,11 @@ Forgetting of task j (Chaudhry et al. 2018, on MSE): how far its final MSE is ab
 earlier stage after it was trained, R[T-1, j] - min_{j <= l < T-1} R[l, j] (>= 0 up to its sign convention: a
 later stage that lowers task j's error gives a negative value); defined for j < T-1.
 
+With stages of several tasks (a parametric suite's sequential schedule), `stage_of` (T,) gives the stage that trains
+each task (-1: never trained, a held-out task); the same definitions then read s_j for j: forgetting and BWT over
+the tasks trained before the last stage, R[S-1, j] - min_{s_j <= l < S-1} R[l, j] and R[s_j, j] - R[S-1, j]; FWT
+over the tasks trained after the first, initial[j] - R[s_j - 1, j]. With s_j = j they are the formulas above.
+
 Usage comparisons (the paper's continual-routing section names them without formulas; qlbench interpretation):
 distributions are smoothed towards uniform by SMOOTHING before any logarithm, p' = (1 - SMOOTHING) p + SMOOTHING / M,
 because top-k routing leaves atoms exactly unused and a KL of an exact zero is infinite;
@@ -46,8 +51,15 @@ def _stages(R) -> np.ndarray:
     return R
 
 
-def _sequential(R: np.ndarray) -> bool:
-    return R.shape[0] == R.shape[1] and R.shape[1] >= 2
+def _stage_of(R: np.ndarray, stage_of) -> np.ndarray | None:
+    """Each task's training stage: `stage_of` as given, or task j at stage j for a square R (S = T >= 2); None
+    for a run that is not sequential (one stage)."""
+    if stage_of is None:
+        return np.arange(R.shape[1]) if R.shape[0] == R.shape[1] and R.shape[1] >= 2 else None
+    s = np.asarray(stage_of, dtype=int)
+    if s.shape != (R.shape[1],) or s.max() >= R.shape[0]:
+        raise ValueError(f"stage_of must give one stage below {R.shape[0]} per task, got {s.tolist()}")
+    return s if R.shape[0] >= 2 else None
 
 
 def average(R) -> float:
@@ -55,31 +67,34 @@ def average(R) -> float:
     return float(_stages(R)[-1].mean())
 
 
-def forgetting(R) -> np.ndarray:
-    """(T - 1,) forgetting of every task but the last (a sequential run: S = T); NaN for a joint run."""
+def forgetting(R, stage_of=None) -> np.ndarray:
+    """Forgetting of every task trained before the last stage ((T - 1,) with one task per stage); NaN for a joint
+    run."""
     R = _stages(R)
-    T = R.shape[1]
-    if not _sequential(R):
-        return np.full(max(T - 1, 0), math.nan)
-    return np.array([R[-1, j] - R[j:-1, j].min() for j in range(T - 1)])
+    s = _stage_of(R, stage_of)
+    if s is None:
+        return np.full(max(R.shape[1] - 1, 0), math.nan)
+    S = R.shape[0]
+    return np.array([R[-1, j] - R[s[j] : -1, j].min() for j in range(R.shape[1]) if 0 <= s[j] < S - 1])
 
 
-def bwt(R) -> float:
+def bwt(R, stage_of=None) -> float:
     """Backward transfer (GEM, on -MSE): < 0 when later stages raised earlier tasks' error; NaN for a joint run."""
     R = _stages(R)
-    if not _sequential(R):
+    s = _stage_of(R, stage_of)
+    if s is None:
         return math.nan
-    T = R.shape[1]
-    return float(np.mean([R[j, j] - R[-1, j] for j in range(T - 1)]))
+    S = R.shape[0]
+    return float(np.mean([R[s[j], j] - R[-1, j] for j in range(R.shape[1]) if 0 <= s[j] < S - 1]))
 
 
-def fwt(R, initial) -> float:
+def fwt(R, initial, stage_of=None) -> float:
     """Forward transfer (GEM, on -MSE): > 0 when earlier stages lowered a task's error before it was trained."""
     R, b = _stages(R), np.asarray(initial, dtype=float)
-    if not _sequential(R):
+    s = _stage_of(R, stage_of)
+    if s is None:
         return math.nan
-    T = R.shape[1]
-    return float(np.mean([b[j] - R[j - 1, j] for j in range(1, T)]))
+    return float(np.mean([b[j] - R[s[j] - 1, j] for j in range(R.shape[1]) if s[j] >= 1]))
 
 
 def smooth(p) -> np.ndarray:

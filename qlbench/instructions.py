@@ -103,9 +103,10 @@ def default_cache_dir() -> Path:
 
 def shipped_texts() -> list[str]:
     """The sentences the shipped table must hold: every card's instruction and adversarial instruction (the
-    ablation), then GENERIC_INSTRUCTION, then every suite's instructions and paraphrases (suites.py)."""
+    ablation), then GENERIC_INSTRUCTION, then every suite card's instructions and paraphrases (suites.py; the
+    parametric suites' hundreds of generated sentences go through the encoder and the cache)."""
     cards = [zoo.card(n) for n in zoo.names()]
-    tasks = [t for n in suites.names() for t in suites.get(n).tasks]
+    tasks = [t for n in suites.card_names() for t in suites.get(n).tasks]
     return list(
         dict.fromkeys(
             [

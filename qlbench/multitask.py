@@ -23,8 +23,9 @@ across tasks (task t given task t + 1's); routed methods record their block-aver
 
 Rows are registered methods, plus VARIANTS: a method with a setting. `task-code` is instruct-queryable with each
 task's sentence replaced by a fixed seeded random vector of the sentence embedding's norm (identity without
-language); `no-instruction`, `no-language-prior` and `instruction-only` are the instruction ablation's structural
-variants (ablation.py). The same-instruction control is a suite of its own (`<suite>-same-instruction`, suites.py).
+language), `text-lora-code` the same for text-lora; `no-instruction`, `no-language-prior` and `instruction-only`
+are the instruction ablation's structural variants (ablation.py). The same-instruction control is a suite of its
+own (`<suite>-same-instruction`, suites.py).
 
 Over 500 lines: one workload (plan, data and instructions, evaluation per stage, records) whose parts all read the
 SuitePlan; the generic parts live in runner.py and engine/.
@@ -59,6 +60,7 @@ STRUCTURAL_VARIANTS = {
 }
 VARIANTS = {  # row -> (registered method, its fixed settings)
     "task-code": ("instruct-queryable", {"instruction_source": "random"}),
+    "text-lora-code": ("text-lora", {"instruction_source": "random"}),  # text-lora's identity control
     **{name: ("instruct-queryable", settings) for name, settings in STRUCTURAL_VARIANTS.items()},
 }
 DEFAULT_ROWS = (
@@ -90,7 +92,9 @@ def method_of(row: str) -> tuple[str, dict]:
 
 
 def reads_instruction(config) -> bool:
-    return isinstance(config, queryable.QueryableConfig) and config.instruction_dim is not None
+    """True for a config that conditions on the instruction embedding (an `instruction_dim` and an
+    `instruction_source`: instruct-queryable and its variants, text-lora)."""
+    return getattr(config, "instruction_dim", None) is not None and hasattr(config, "instruction_source")
 
 
 @dataclass(kw_only=True)
@@ -140,7 +144,7 @@ class SuitePlan:
     @property
     def members(self) -> list[engine.Member]:
         """(suite card, seed): the card, since a control suite shares its card's backbone and data."""
-        return [(suites.base_name(self.suite.name), s) for s in self.seeds]
+        return [(suites.data_name(self.suite.name), s) for s in self.seeds]
 
     def cell_config(self, row: str) -> dict:
         """The row's fully resolved config. A task-owned row on a schedule with stages that leave tasks out carries
@@ -150,7 +154,7 @@ class SuitePlan:
         isolated = adapters.get(method).kind == "task" and self.schedule != "joint"
         return ({"task_decay": "own-stages"} if isolated else {}) | {
             "suite": self.suite.name,
-            "suite_card": dataclasses.asdict(self.suite),
+            "suite_card": suites.card_config(self.suite),
             "schedule": self.schedule,
             "arch": self.arch,
             "row": row,
@@ -300,7 +304,7 @@ def instruction_table(suite: suites.Suite, config, texts: list[str] | None = Non
     if config.instruction_source == "random":
         codes = torch.stack(
             [
-                torch.randn(raw.shape[1], generator=generator("task-code", suites.base_name(suite.name), t.name)).to(
+                torch.randn(raw.shape[1], generator=generator("task-code", suites.data_name(suite.name), t.name)).to(
                     torch.float64
                 )
                 for t in suite.tasks
@@ -315,8 +319,12 @@ def instruction_table(suite: suites.Suite, config, texts: list[str] | None = Non
 
 
 def bind(model, table: torch.Tensor, members: int) -> None:
-    """Every member routes each sample with its task's row of `table` (T, d_c)."""
-    model.shared[queryable.NAME].bind_instruction(table.expand(members, -1, -1))
+    """Every member conditions each sample on its task's row of `table` (T, d_c): the method's shared module that
+    keeps the instruction (queryable's memory, text-lora's hypernetwork) binds it as (E, T, d_c)."""
+    keepers = [m for m in model.shared.values() if hasattr(m, "bind_instruction")]
+    if len(keepers) != 1:
+        raise ValueError(f"expected one shared module that binds an instruction, found {len(keepers)}")
+    keepers[0].bind_instruction(table.expand(members, -1, -1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -352,11 +360,13 @@ def usage(model, data: engine.StackedData, tasks: int) -> torch.Tensor:
 
 
 def stages(p: SuitePlan) -> list[list[int]]:
-    """The tasks each stage trains on."""
-    T = len(p.suite.tasks)
-    return {"joint": [list(range(T))], "sequential": [[t] for t in range(T)], "held-out": [list(range(T - 1))]}[
-        p.schedule
-    ]
+    """The tasks each stage trains on (suites.Suite.schedule_stages)."""
+    return p.suite.schedule_stages(p.schedule)
+
+
+def trained_tasks(p: SuitePlan) -> list[int]:
+    """The tasks some stage trains on: a held-out task's labels reach no row (not even mean's constant)."""
+    return sorted({t for group in stages(p) for t in group})
 
 
 def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:
@@ -372,7 +382,7 @@ def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:
             ) as bar:
                 pre = p.pretrain(progress=bar.update, log=log)
             trained = [r for r in todo if adapters.get(method_of(r)[0]).trains]
-            per_row = sum(engine.steps(p.budget.adapt, zoo.TARGET_TRAIN * len(s)) for s in stages(p))  # one row's
+            per_row = sum(engine.steps(p.budget.adapt, p.suite.train_per_task * len(s)) for s in stages(p))  # a row's
             with progress_bar(total=per_row * len(trained), desc="adapt", unit="step", disable=not progress) as bar:
                 for r in todo:
                     bar.set_description(f"{p.suite.name} {p.schedule} {r} x{len(p.seeds)}")
@@ -391,7 +401,8 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     seeds = [s for _, s in pre.members]
     everything = task_data(p.suite, seeds, list(range(T)), dtype=dtype, device=p.device)
     init = [generator("init", name, p.arch, "suite", p.suite.name, s) for s in seeds]
-    model = method.build(pre.model(device=p.device, dtype=dtype), config, init, everything.y_train)
+    labels = task_data(p.suite, seeds, trained_tasks(p), dtype=dtype, device=p.device).y_train  # mean's: trained only
+    model = method.build(pre.model(device=p.device, dtype=dtype), config, init, labels)
     routes = isinstance(config, queryable.QueryableConfig)
     base = instruction_table(p.suite, config) if reads_instruction(config) else None  # (T, d_c): the tasks' own
     if base is not None:
@@ -459,7 +470,8 @@ def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | 
         seed = one.members[0][1]
         data = task_data(p.suite, [seed], list(range(len(p.suite.tasks))), dtype=dtype, device=p.device)
         init = [generator("init", name, p.arch, "suite", p.suite.name, seed)]
-        model = method.build(one.model(device=p.device, dtype=dtype), config, init, data.y_train)
+        labels = task_data(p.suite, [seed], trained_tasks(p), dtype=dtype, device=p.device).y_train
+        model = method.build(one.model(device=p.device, dtype=dtype), config, init, labels)
         if reads_instruction(config):
             bind(model, instruction_table(p.suite, config), 1)
         frozen = one.model(device=p.device, dtype=dtype)

@@ -83,8 +83,9 @@ def _named(task) -> bool:
     return isinstance(task, dict) and isinstance(task.get("name"), str)
 
 
-# stages a suite record holds, per schedule, for T tasks (multitask.stages)
-SUITE_STAGES = {"joint": lambda T: 1, "sequential": lambda T: T, "held-out": lambda T: 1}
+# stages a suite record holds, per schedule, for T tasks and the card's sequential `stages` (None: one per task;
+# suites.Suite.schedule_stages)
+SUITE_STAGES = {"joint": lambda T, n: 1, "sequential": lambda T, n: n or T, "held-out": lambda T, n: 1}
 TRAIN_INFO = {
     "status": _one_of(STATUSES),
     "message": _str,
@@ -149,7 +150,7 @@ def _suite_seed_problem(s: dict, config: dict, where: str) -> str | None:
     """A suite seed's matrices against its card and schedule: stage_task_mse (stages, T) with the schedule's stage
     count, initial_task_mse (T,), usage (stages, T, M) when present; a finished seed's final stage all numbers."""
     T = len(config["suite_card"]["tasks"])
-    S = SUITE_STAGES[config["schedule"]](T)
+    S = SUITE_STAGES[config["schedule"]](T, config["suite_card"].get("stages"))
     R = s["stage_task_mse"]
     if len(R) != S or any(len(row) != T for row in R):
         return f"{where}.stage_task_mse is not {S} stage(s) x {T} task(s)"

@@ -6,11 +6,14 @@ metrics of `qlbench.continual` computed from that seed's stage x task matrix, an
 for the figures. A diverged seed scores inf in every metric (as in `qlbench.stats`: equally worst, never dropped
 from a test); a failed row has one row per seed with status "failed" and no metrics.
 
-    average      final test MSE averaged over the tasks trained on (all T, or the first T - 1 under held-out)
+    average      final test MSE averaged over the tasks the schedule trains (suites.schedule_stages: all T under
+                 joint and a card's sequential; all but the held-out tasks under held-out and a parametric card's
+                 sequential)
     paraphrased  the same average with every task's paraphrases in place of its sentence (instruction methods)
     shuffled     the same average with task t given task t + 1's instruction (instruction methods)
-    held-out     the untrained last task's test MSE (schedule held-out)
-    forgetting   mean over every task but the last of continual.forgetting (schedule sequential)
+    held-out     the never-trained tasks' mean test MSE (schedule held-out: the last task, or a parametric card's
+                 interpolation and extrapolation tasks; a parametric card's sequential schedule too)
+    forgetting   mean over the tasks trained before the last stage of continual.forgetting (schedule sequential)
     bwt, fwt     GEM's backward and forward transfer on -MSE (schedule sequential)
     usage-kl     mean over task pairs of the final symmetric KL between the tasks' atom usage (routed rows)
     route-drift  mean over stages and tasks of the stagewise route drift (routed rows, schedule sequential)
@@ -37,6 +40,7 @@ SLICE = ["arch", "suite", "schedule", "budget", "backbone_init"]
 METRICS = ("average", "paraphrased", "shuffled", "held-out", "forgetting", "bwt", "fwt", "usage-kl", "route-drift")
 LOWER_IS_BETTER = {"average", "paraphrased", "shuffled", "held-out", "forgetting"}
 CONTROL = "same-instruction"  # instruct-queryable on a suite's -same-instruction control
+MAX_TASK_COLUMNS = 8  # a suite of more tasks has no per-task columns (the held-out section summarises them)
 
 
 def row_name(suite: str, row: str) -> str:
@@ -53,23 +57,32 @@ def _array(v) -> np.ndarray:
     return np.array(v, dtype=float) if v is not None else None
 
 
-def _seed_metrics(schedule: str, s: dict) -> dict:
+def stage_of(config: dict) -> np.ndarray:
+    """(T,) the stage that trains each task of a suite record (-1: never trained)."""
+    out = np.full(len(config["suite_card"]["tasks"]), -1)
+    for k, group in enumerate(suites.record_stages(config)):
+        out[group] = k
+    return out
+
+
+def _seed_metrics(config: dict, s: dict) -> dict:
+    schedule = config["schedule"]
     R = np.nan_to_num(_array(s["stage_task_mse"]), nan=math.inf)  # (S, T)
-    T = R.shape[1]
-    trained = T - 1 if schedule == "held-out" else T
+    stage = stage_of(config)
+    trained, never = stage >= 0, stage < 0
     out = {
-        "average": continual.average(R[:, :trained]),  # held-out: over the trained tasks only
-        "held-out": float(R[-1, -1]) if schedule == "held-out" else math.nan,
+        "average": continual.average(R[:, trained]),  # over the tasks the schedule trains
+        "held-out": float(R[-1, never].mean()) if never.any() else math.nan,
     }
     for key, name in (("paraphrase_task_mse", "paraphrased"), ("shuffled_task_mse", "shuffled")):
-        out[name] = float(np.nan_to_num(_array(s[key]), nan=math.inf)[:trained].mean()) if key in s else math.nan
+        out[name] = float(np.nan_to_num(_array(s[key]), nan=math.inf)[trained].mean()) if key in s else math.nan
     if schedule == "sequential":
         initial = np.nan_to_num(_array(s["initial_task_mse"]), nan=math.inf)
         with np.errstate(invalid="ignore"):
             out |= {
-                "forgetting": float(continual.forgetting(R).mean()),
-                "bwt": continual.bwt(R),
-                "fwt": continual.fwt(R, initial),
+                "forgetting": float(continual.forgetting(R, stage).mean()),
+                "bwt": continual.bwt(R, stage),
+                "fwt": continual.fwt(R, initial, stage),
             }
     else:
         out |= {"forgetting": math.nan, "bwt": math.nan, "fwt": math.nan}
@@ -119,8 +132,10 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
                 "R": _array(s["stage_task_mse"]),
                 "initial": _array(s["initial_task_mse"]),
                 "usage": _array(s.get("usage")),
+                "paraphrase": _array(s.get("paraphrase_task_mse")),  # (T,) after the last stage
+                "shuffled_R": _array(s.get("shuffled_task_mse")),  # (T,)
             }
-            rows.append(key | {"seed": s["seed"], "status": s["status"]} | _seed_metrics(cfg["schedule"], s) | arrays)
+            rows.append(key | {"seed": s["seed"], "status": s["status"]} | _seed_metrics(cfg, s) | arrays)
     return pd.DataFrame(rows)
 
 
@@ -164,7 +179,8 @@ def cell(values: pd.Series, status: pd.Series) -> str:
 
 def summary(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (slice, method) in the tables' method order: n seeds, trainable parameters, every metric as
-    "mean ± std" text (columns METRICS, and one column per task with its final MSE), and the paired test of the
+    "mean ± std" text (columns METRICS, and for a suite of at most MAX_TASK_COLUMNS tasks one column per task with
+    its final MSE), and the paired test of the
     average against LoRA over the common seeds (p raw, p_holm Holm-adjusted over the slice's table; vs-lora: the
     mean difference, p and Holm p as text; outcome win | tie | loss, decided on p_holm)."""
     out = []
@@ -184,7 +200,7 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
                 continue
             for metric in METRICS:
                 row[metric] = cell(m[metric], m["status"])
-            for t, name in enumerate(tasks):
+            for t, name in enumerate(tasks if len(tasks) <= MAX_TASK_COLUMNS else ()):
                 finals = m["R"].map(
                     lambda R, t=t: math.inf if R is None else float(np.nan_to_num(R[-1, t], nan=math.inf))
                 )
@@ -218,7 +234,7 @@ def mean_over_seeds(frame: pd.DataFrame, column: str, of=lambda a: a) -> np.ndar
 COLUMN_NOTES = {
     "paraphrased": "the average with every task's paraphrases in place of its sentence",
     "shuffled": "the average with task t given task t + 1's instruction",
-    "held-out": "the untrained last task, zero-shot",
+    "held-out": "the never-trained tasks (held-out), zero-shot",
     "forgetting": "final minus best earlier MSE after training, mean over every task but the last",
     "bwt": "GEM backward transfer on -MSE (< 0: later stages hurt earlier tasks)",
     "fwt": "GEM forward transfer on -MSE (> 0: earlier stages helped)",

@@ -3,12 +3,21 @@
 A suite card (`functions/suites/<name>.toml`, shipped as package data `qlbench.functions.suites`) names the
 backbone's source task and T target tasks. Every task is a zoo function on the suite's common input box:
 
-    task_t(x) = sign_t * f_t( R(phi_t) (m_t(x) - centre_t) + centre_t - offset_t * width_t )
+    task_t(x) = sign_t * f_t( k_t R(phi_t) (m_t(x) - centre_t - shift_t) + centre_t - offset_t * width_t )
 
 where m_t maps the common box affinely onto the function's own card box (the identity when they coincide),
 centre_t and width_t are that box's centre and side lengths, offset_t is a fraction of the box (so the surface's
 features move by offset_t * width_t) and sign_t = -1 turns the surface upside down. f_t uses the card's source
-coefficients unless the task asks for its target ones.
+coefficients unless the task asks for its target ones. Two more fields serve the parametric suites (parametric.py)
+and default to no change: shift_t, in the function's own units, moves the surface's features by exactly shift_t
+(before the rotation and the steepness, so the words "shifted 1.5 units right" stay true of any rotated task), and
+k_t > 0 makes the surface k_t times as steep (its features k_t times closer together about the moved centre). A
+task's `split` ("train", "interpolation" or "extrapolation") marks the tasks a card holds out (`held_out`).
+
+A card may also set how much data each task gets (`train_per_task`, `test_per_task`; default the zoo's 400 and 800)
+and how many stages the sequential schedule has (`stages`: the trained tasks split into that many consecutive
+groups; default one task per stage). Cards come from TOML files or from a generator (parametric.py) through the
+same checks (`from_dict`).
 
 qlbench interpretation (the paper does not say how its tasks were scaled): every task's labels, and the source's,
 are standardised by the clean function's own mean and std over a SPREAD_GRID x SPREAD_GRID grid of the common box
@@ -22,6 +31,7 @@ SAME_INSTRUCTION, so that what an instruction adds can be told apart from what t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -31,7 +41,7 @@ from importlib.resources import files
 import torch
 from torch import Tensor
 
-from qlbench import zoo
+from qlbench import parametric, zoo
 from qlbench.seeding import generator
 
 if sys.version_info >= (3, 11):
@@ -43,8 +53,13 @@ CONTROL_SUFFIX = "-same-instruction"
 SAME_INSTRUCTION = "One of several related regression tasks on the same two-dimensional input."
 MIN_PARAPHRASES = 2
 COEFFICIENT_SETS = ("source", "target")
-TASK_FIELDS = {"name", "function", "coefficients", "rotation_deg", "offset", "flip", "instruction", "paraphrases"}
-CARD_FIELDS = {"description", "bounds", "source", "task"}
+TASK_FIELDS = {
+    "name", "function", "coefficients", "rotation_deg", "offset", "flip", "instruction", "paraphrases", "shift",
+    "steepness", "split",
+}  # fmt: skip
+CARD_FIELDS = {"description", "bounds", "source", "task", "train_per_task", "test_per_task", "stages"}
+SPLITS = ("", "train", "interpolation", "extrapolation")  # "": a card that holds out nothing by itself
+HELD_OUT_SPLITS = ("interpolation", "extrapolation")
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,9 @@ class SuiteTask:
     flip: bool  # upside down (sign -1)
     instruction: str
     paraphrases: tuple[str, ...]  # other words for the same task: used only at evaluation
+    shift: tuple[float, float] = (0.0, 0.0)  # function units the features move by (before rotation and steepness)
+    steepness: float = 1.0  # k: features k times closer together
+    split: str = ""  # one of SPLITS: a parametric card's training or held-out region
 
     def clean(self, x: Tensor, bounds: Tensor) -> Tensor:
         """The noiseless raw task function at x (..., 2) on the common box `bounds` (2, 2) -> (...), float64 math
@@ -68,7 +86,8 @@ class SuiteTask:
         lo, hi = bounds.to(x)
         z = own[0] + (x - lo) / (hi - lo) * (own[1] - own[0])  # onto the function's own box
         centre, width = own.mean(0), own[1] - own[0]
-        z = (z - centre) @ zoo.rotation(self.rotation_deg).to(x).T + centre - torch.tensor(self.offset).to(x) * width
+        turned = (z - centre - torch.tensor(self.shift).to(x)) @ zoo.rotation(self.rotation_deg).to(x).T
+        z = self.steepness * turned + centre - torch.tensor(self.offset).to(x) * width
         coefficients = c.target_coefficients if self.coefficients == "target" else {}
         y = zoo.function(self.function, **coefficients)(z)
         return -y if self.flip else y
@@ -83,6 +102,9 @@ class Suite:
     bounds: tuple[tuple[float, float], tuple[float, float]]
     source: SuiteTask  # what the backbone is pretrained on (its instruction is not used)
     tasks: tuple[SuiteTask, ...]
+    train_per_task: int = zoo.TARGET_TRAIN  # training samples drawn for each task
+    test_per_task: int = zoo.TARGET_SIZE - zoo.TARGET_TRAIN  # test samples drawn for each task
+    stages: int | None = None  # sequential stages over the trained tasks; None: one task per stage
 
     @property
     def box(self) -> Tensor:
@@ -95,6 +117,15 @@ class Suite:
 
     def instructions(self) -> list[str]:
         return [t.instruction for t in self.tasks]
+
+    @property
+    def held_out(self) -> tuple[int, ...]:
+        """The tasks the held-out schedule never trains on (`held_out`)."""
+        return held_out([t.split for t in self.tasks])
+
+    def schedule_stages(self, schedule: str) -> list[list[int]]:
+        """The tasks each stage of `schedule` trains on (`schedule_stages`)."""
+        return schedule_stages(schedule, [t.split for t in self.tasks], self.stages)
 
     def standardisation(self, task: SuiteTask) -> tuple[float, float]:
         """(mean, std) of the clean task function over the grid of the common box (float64)."""
@@ -110,13 +141,14 @@ class Suite:
         return self._sample(self.source, "source", seed, zoo.SOURCE_SIZE, zoo.SOURCE_TRAIN, dtype, device)
 
     def task_data(self, t: int, seed: int, dtype=torch.float32, device="cpu") -> zoo.Split:
-        """zoo.TARGET_SIZE noisy standardised samples of task t, split zoo.TARGET_TRAIN / rest."""
-        return self._sample(self.tasks[t], "target", seed, zoo.TARGET_SIZE, zoo.TARGET_TRAIN, dtype, device)
+        """train_per_task + test_per_task noisy standardised samples of task t, split in that order."""
+        n = self.train_per_task + self.test_per_task
+        return self._sample(self.tasks[t], "target", seed, n, self.train_per_task, dtype, device)
 
     def _sample(self, task: SuiteTask, stream: str, seed: int, n: int, n_train: int, dtype, device) -> zoo.Split:
         # drawn in float64 on the CPU from a generator named by (suite, task, stream, seed): the same tensors for
         # every dtype and device; the control suite draws exactly its card's data (it keys on the card's name)
-        g = generator("suite-data", base_name(self.name), task.name, stream, seed)
+        g = generator("suite-data", data_name(self.name), task.name, stream, seed)
         lo, hi = self.box
         x = lo + (hi - lo) * torch.rand(n, 2, generator=g, dtype=torch.float64)  # (n, 2)
         y = self.labels(task, x) + zoo.NOISE_FRACTION * torch.randn(n, generator=g, dtype=torch.float64)  # (n,)
@@ -124,10 +156,57 @@ class Suite:
         return zoo.Split(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
 
 
+# the fields added for the parametric suites, at the values that change nothing (card_config leaves them out there)
+TASK_DEFAULTS = {"shift": (0.0, 0.0), "steepness": 1.0, "split": ""}
+CARD_DEFAULTS = {
+    "train_per_task": zoo.TARGET_TRAIN,
+    "test_per_task": zoo.TARGET_SIZE - zoo.TARGET_TRAIN,
+    "stages": None,
+}
+
+
+def held_out(splits: list[str]) -> tuple[int, ...]:
+    """The tasks a card holds out, from its tasks' splits: those marked interpolation or extrapolation, or the last
+    task of a card that marks none."""
+    return tuple(i for i, s in enumerate(splits) if s in HELD_OUT_SPLITS) or (len(splits) - 1,)
+
+
+def schedule_stages(schedule: str, splits: list[str], stages: int | None) -> list[list[int]]:
+    """The tasks each stage of `schedule` trains on, for a card whose tasks have `splits` and whose sequential
+    schedule has `stages` stages: joint, every task at once; held-out, every task but the held-out ones at once;
+    sequential, one task per stage (stages None), or the tasks the card does not hold out in `stages` consecutive
+    groups of (nearly) equal size."""
+    T, kept = len(splits), held_out(splits)
+    trained = [t for t in range(T) if t not in kept]
+    if schedule == "joint":
+        return [list(range(T))]
+    if schedule == "held-out":
+        return [trained]
+    if schedule != "sequential":
+        raise ValueError(f"unknown schedule {schedule!r}; valid: joint, sequential, held-out")
+    if stages is None:
+        return [[t] for t in range(T)]
+    bounds = [round(i * len(trained) / stages) for i in range(stages + 1)]
+    return [trained[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def record_stages(config: dict) -> list[list[int]]:
+    """schedule_stages of a suite record's config (its card as card_config wrote it)."""
+    card = config["suite_card"]
+    return schedule_stages(config["schedule"], [t.get("split", "") for t in card["tasks"]], card.get("stages"))
+
+
 @functools.cache
 def _standardisation(suite: Suite, task: SuiteTask) -> tuple[float, float]:
     y = task.clean(zoo.grid(suite.box), suite.box)  # (SPREAD_GRID^2,)
     return y.mean().item(), y.std().item()
+
+
+def data_name(name: str) -> str:
+    """The suite whose name keys a suite's data draws, task codes and backbone: its card (base_name), or for every
+    parametric suite the family's smallest (parametric.data_name), so that the suites of one family, whatever their
+    T, share a backbone and each task's samples."""
+    return parametric.data_name(name) if name in parametric.names() else base_name(name)
 
 
 def base_name(name: str) -> str:
@@ -148,6 +227,7 @@ def _fail(name: str, where: str, message: str):
 # card of more than MAX_TASKS tasks is beyond any suite here (one of 10,000 ran for minutes with no estimate)
 MAX_COORDINATE = 1e3
 MAX_TASKS = 256
+MAX_SAMPLES = 100_000  # per task and split
 
 
 def _text(name: str, where: str, value) -> str:
@@ -194,6 +274,13 @@ def _task(name: str, where: str, d: dict, *, source: bool = False) -> SuiteTask:
         if not isinstance(paraphrases, list) or len(paraphrases) < MIN_PARAPHRASES:
             _fail(name, f"{where}.paraphrases", f"needs at least {MIN_PARAPHRASES} sentences, got {paraphrases!r}")
         paraphrases = [_text(name, f"{where}.paraphrases", p) for p in paraphrases]
+    steepness = _number(name, f"{where}.steepness", d.get("steepness", 1.0))
+    if steepness <= 0:
+        _fail(name, f"{where}.steepness", f"must be a positive number, got {steepness!r}")
+    split = d.get("split", "")
+    if split not in SPLITS or (source and split):
+        valid = "leave it out (the source is never a task)" if source else ", ".join(repr(v) for v in SPLITS)
+        _fail(name, f"{where}.split", f"must be one of {valid}, got {split!r}")
     task_name = d.get("name", "source")
     if not isinstance(task_name, str) or not task_name.strip() or "/" in task_name or not task_name.isprintable():
         _fail(name, f"{where}.name", f"must be a non-empty printable name without '/', got {task_name!r}")
@@ -206,7 +293,18 @@ def _task(name: str, where: str, d: dict, *, source: bool = False) -> SuiteTask:
         flip=flip,
         instruction="" if source else _text(name, f"{where}.instruction", d["instruction"]),
         paraphrases=tuple(paraphrases),
+        shift=_pair(name, f"{where}.shift", d.get("shift", [0.0, 0.0])),
+        steepness=steepness,
+        split=split,
     )
+
+
+def _count(name: str, where: str, value, default: int | None, top: int) -> int | None:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+        _fail(name, where, f"must be an integer from 1 to {top}, got {value!r}")
+    return value
 
 
 def parse(name: str, text: str) -> Suite:
@@ -215,6 +313,12 @@ def parse(name: str, text: str) -> Suite:
         d = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         _fail(name, "TOML", str(err))
+    return from_dict(name, d)
+
+
+def from_dict(name: str, d: dict) -> Suite:
+    """A card as a table (a parsed TOML file's, or a generated one's) -> Suite, every field checked (ValueError
+    naming the suite and the field)."""
     if unknown := sorted(set(d) - CARD_FIELDS):
         _fail(name, unknown[0], f"unknown field; valid: {', '.join(sorted(CARD_FIELDS))}")
     for key in ("description", "bounds", "source", "task"):
@@ -237,13 +341,43 @@ def parse(name: str, text: str) -> Suite:
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         _fail(name, "task", f"task names must differ, got {names}")
-    return Suite(
+    held = [t for t in parsed if t.split in HELD_OUT_SPLITS]
+    if len(held) == len(parsed):
+        _fail(name, "task", "every task is held out (split interpolation or extrapolation): none is left to train")
+    suite = Suite(
         name=name,
         description=_text(name, "description", d["description"]),
         bounds=bounds,
         source=_task(name, "source", d["source"], source=True),
         tasks=parsed,
+        train_per_task=_count(name, "train_per_task", d.get("train_per_task"), zoo.TARGET_TRAIN, MAX_SAMPLES),
+        test_per_task=_count(
+            name, "test_per_task", d.get("test_per_task"), zoo.TARGET_SIZE - zoo.TARGET_TRAIN, MAX_SAMPLES
+        ),
+        stages=_count(name, "stages", d.get("stages"), None, MAX_TASKS),
     )
+    if suite.stages is not None and suite.stages > len(parsed) - len(suite.held_out):
+        _fail(
+            name,
+            "stages",
+            f"{suite.stages} stages need as many trained tasks; the card trains {len(parsed) - len(suite.held_out)}",
+        )
+    return suite
+
+
+def card_config(suite: Suite) -> dict:
+    """The card as a record's config holds it: every field, except that the fields added for the parametric suites
+    (shift, steepness, split; train_per_task, test_per_task, stages) are left out where they hold their defaults,
+    so that a card without them keeps the config hash its records were written under."""
+    d = dataclasses.asdict(suite)
+    for key, default in CARD_DEFAULTS.items():
+        if d[key] == default:
+            del d[key]
+    for task in (d["source"], *d["tasks"]):
+        for key, default in TASK_DEFAULTS.items():
+            if task[key] == default:
+                del task[key]
+    return d
 
 
 @functools.cache
@@ -262,13 +396,27 @@ def control(suite: Suite) -> Suite:
     return replace(suite, name=suite.name + CONTROL_SUFFIX, tasks=same)
 
 
-def names() -> list[str]:
-    """Every suite: the cards, sorted, each followed by its same-instruction control."""
+def card_names() -> list[str]:
+    """The suites of the card files: each card, sorted, followed by its same-instruction control."""
     return [n for card in sorted(_cards()) for n in (card, card + CONTROL_SUFFIX)]
 
 
+def names() -> list[str]:
+    """Every suite: card_names, then the parametric suites (parametric.py; no same-instruction control: the
+    held-out experiment's controls are its rows' instruction sources, task-code and the shuffled sentences)."""
+    return [*card_names(), *parametric.names()]
+
+
+@functools.cache
+def _parametric(name: str) -> Suite:
+    return from_dict(name, parametric.card(name))
+
+
 def get(name: str) -> Suite:
-    """The suite `name` (a card, or a card's `-same-instruction` control); ValueError listing the valid names."""
+    """The suite `name` (a card, a card's `-same-instruction` control, or a parametric suite); ValueError listing
+    the valid names."""
+    if name in parametric.names():
+        return _parametric(name)
     cards = _cards()
     card = base_name(name)
     if card not in cards:

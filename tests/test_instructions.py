@@ -75,7 +75,7 @@ def test_generic_instruction_equals_live_encoder(live):
 def test_suite_sentences_equal_live_encoder(live):
     """Every suite instruction and paraphrase is shipped, and equals the encoder's embedding of it."""
     shipped = ins._shipped()
-    texts = {s for n in suites.names() for t in suites.get(n).tasks for s in (t.instruction, *t.paraphrases)}
+    texts = {s for n in suites.card_names() for t in suites.get(n).tasks for s in (t.instruction, *t.paraphrases)}
     assert len(texts) > 100 and texts <= set(shipped)
     assert max((shipped[t] - live[t]).abs().max().item() for t in texts) < 1e-5
 

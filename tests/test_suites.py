@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qlbench import suites, zoo
+from qlbench import parametric, suites, zoo
 
 F64 = torch.float64
 
 
 def test_every_suite_loads_with_tasks_paraphrases_and_a_control():
-    names = suites.names()
+    names = suites.card_names()
+    assert suites.names() == [*names, *parametric.names()]
     assert {"zoo-4", "zoo-4-same-instruction"} <= set(names)
     assert {f"shifts-{f}" for f in zoo.names()} <= set(names)
     for name in names:

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 
 from qlbench import continual, results, stats, store, suite_stats, text
 from qlbench.backbones import DEFAULT_INIT
+from qlbench.report.heldout import write_heldout_report
 from qlbench.report.write import _save_figure, _slug
 
 TABLE_NOTE = (
@@ -188,7 +189,7 @@ def write_suite_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FORMA
         if "csv" in formats:
             store.write_text(s.to_csv(index=False), folder / "table.csv")
             files.append(folder / "table.csv")
-        if figures:
+        if figures and len(tasks) <= suite_stats.MAX_TASK_COLUMNS:  # a parametric suite's: the held-out section's
             panels = {}
             for method in stats.method_order(g["method"].unique()):
                 R = suite_stats.mean_over_seeds(g[g["method"] == method], "R")
@@ -202,4 +203,8 @@ def write_suite_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FORMA
             md += "\n\n" + "\n".join(f"![{name}]({folder.relative_to(out_dir).as_posix()}/{name})" for name in shown)
         sections.append(md)
     md = "## Multi-task suites\n\n" + "\n\n".join(sections) + "\n" if sections else ""
+    held = write_heldout_report(frame, out_dir, formats=formats, figures=figures)
+    if held["markdown"]:
+        md += "\n" + held["markdown"]
+        files += held["files"]
     return {"markdown": md, "files": files, "provenance": results.provenance(frame)}
