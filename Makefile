@@ -200,10 +200,10 @@ language-snapshot: check-clean setup
 	$(LANGUAGE_RUN) --suite $(P)-4 --schedule held-out --methods frozen,mean
 	( $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods instruct-queryable,lora,poly,frozen,mean,text-lora-code && \
 	  for T in 4 16; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods instruct-queryable,lora || exit 1; done && \
-	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods instruct-queryable,lora,frozen ) & a=$$!; \
+	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods instruct-queryable,task-code,lora,frozen ) & a=$$!; \
 	( $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods text-lora,task-code && \
 	  for T in 4 16; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods text-lora,task-code,frozen,mean || exit 1; done && \
-	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods text-lora,task-code ) & b=$$!; \
+	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods text-lora ) & b=$$!; \
 	wait $$a; ra=$$?; wait $$b; rb=$$?; [ $$ra = 0 ] && [ $$rb = 0 ]
 	$(BIN)/qlbench report $(LANGUAGE) --format md,csv --out results/language-report
 	rm -rf docs/results/language && mkdir -p docs/results/language

@@ -132,14 +132,23 @@ def two_task_outputs(arch: str, swap: bool = False, layer_shift: int = 0):
     return model(x, task=task), expected
 
 
+@pytest.fixture(params=["masked", "through-hidden"])
+def path(request, monkeypatch):
+    """Both ways a layer computes a many-task batch: generated factors masked per task (few tasks), and from the
+    trunk's output without forming a factor (many tasks: forced here by lowering the threshold)."""
+    if request.param == "through-hidden":
+        monkeypatch.setattr(text_lora, "MASKED_TASKS", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_each_sample_matches_the_lora_of_its_own_task(arch):
+def test_each_sample_matches_the_lora_of_its_own_task(arch, path):
     got, expected = two_task_outputs(arch)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("bug", [dict(swap=True), dict(layer_shift=1)], ids=["swapped-task-rows", "next-layer-emb"])
-def test_a_planted_bug_fails_the_comparison(bug):
+def test_a_planted_bug_fails_the_comparison(bug, path):
     got, expected = two_task_outputs("deep-narrow", **bug)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
@@ -287,3 +296,19 @@ def test_a_context_is_fresh_per_forward():
     assert set(ctx.scratch["text_lora"]) == {"hidden_32x32"}
     assert not torch.allclose(first, second)
     assert torch.equal(copy.deepcopy(model)(x, instruction=instruction(None, seed=1)), first)
+
+
+def test_both_paths_give_the_same_gradients(monkeypatch):
+    """The masked and the through-hidden forms of a two-task batch: the same hypernetwork gradients (float64)."""
+    grads = []
+    for threshold in (text_lora.MASKED_TASKS, 1):
+        monkeypatch.setattr(text_lora, "MASKED_TASKS", threshold)
+        model = build("text-lora", "deep-narrow", tasks=2)
+        randomise(model)
+        model.shared["text_lora"].bind_instruction(instruction(2))
+        model.zero_grad()
+        model(x_of(), task=mixed_tasks()).square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and all(g.abs().max() > 0 for g in grads[0].values())
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-9, atol=1e-12, msg=name)

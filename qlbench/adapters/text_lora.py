@@ -73,6 +73,11 @@ FAMILY = "text_lora"  # parameter prefix and model.shared key (a method name wit
 # the instruction sources that need nothing but a function card (instruct.SOURCES less "text"); a suite row takes
 # "card" or "random" (multitask.SUITE_SOURCES)
 SOURCES = ("card", "generic", "shuffled", "adversarial", "random")
+# up to this many tasks in a forward's table, a layer generates every task's factors and masks a rank-T r product
+# (cheaper for a suite's few tasks); above it, it works from the trunk's output and never forms a factor
+# (`through_hidden`: its cost does not grow with T). Deep-narrow training steps, 5 members, one thread, masked vs
+# through-hidden: 34 vs 45 ms with 20 tasks bound, 66 vs 51 ms with 32, 159 vs 53 ms with 80 (docs/speed.md)
+MASKED_TASKS = 24
 
 
 @dataclass
@@ -176,12 +181,10 @@ class TextLoraHyperNetwork(nn.Module):
             )
         return e.unsqueeze(1) if e.dim() == 2 else e
 
-    def forward(self, key: str, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The factors of the key's L layers for every member and task of `table` (E, T, d_c): A (E, L, T r, d_in)
-        with task t's A_l in rows t r .. (t + 1) r - 1, and B (E, L, d_out, T r) with its B_l in those columns (the
-        layout of one rank-T r LoRA, as lora-per-task's). One trunk and head evaluation over the E T L inputs."""
+    def hidden(self, key: str, table: torch.Tensor) -> torch.Tensor:
+        """The trunk's output h (E, T L, d_h) for every member, task of `table` (E, T, d_c) and layer of the key:
+        row t L + l is task t, layer l."""
         role, name, L = self.keys[key]
-        head, r = self.heads[name], self.r
         E, T = table.shape[:2]
         d_t, d_e = self.task_proj.shape[1], self.layer_emb.shape[2]
         code = F.layer_norm(bmm_add(self.task_bias.unsqueeze(1), table, self.task_proj.transpose(1, 2)), (d_t,))
@@ -195,7 +198,16 @@ class TextLoraHyperNetwork(nn.Module):
             ],
             dim=-1,
         ).reshape(E, T * L, -1)  # row t L + l: task t, layer l
-        h = memberwise(F.silu, bmm_add(self.b1.unsqueeze(1), z, self.W1.transpose(1, 2)))  # (E, T L, d_h)
+        return memberwise(F.silu, bmm_add(self.b1.unsqueeze(1), z, self.W1.transpose(1, 2)))  # (E, T L, d_h)
+
+    def forward(self, key: str, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factors of the key's L layers for every member and task of `table` (E, T, d_c): A (E, L, T r, d_in)
+        with task t's A_l in rows t r .. (t + 1) r - 1, and B (E, L, d_out, T r) with its B_l in those columns (the
+        layout of one rank-T r LoRA, as lora-per-task's). One trunk and head evaluation over the E T L inputs."""
+        _, name, L = self.keys[key]
+        head, r = self.heads[name], self.r
+        E, T = table.shape[:2]
+        h = self.hidden(key, table)  # (E, T L, d_h)
         A = bmm_add(head.A_bias.unsqueeze(1), h, head.A_weight.transpose(1, 2))  # (E, T L, r d_in)
         B = bmm_add(head.B_bias.unsqueeze(1), h, head.B_weight.transpose(1, 2))  # (E, T L, d_out r)
         A = A.view(E, T, L, r, head.d_in).transpose(1, 2).reshape(E, L, T * r, head.d_in)
@@ -221,6 +233,9 @@ class TextLoraLinear(nn.Module):
         return A[self.layer], B[self.layer]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        net = ctx.shared[FAMILY]
+        if net.table(ctx.instruction).shape[1] > MASKED_TASKS:
+            return self.through_hidden(x, ctx)
         A, B = self.factors(ctx.shared, ctx.instruction, ctx.scratch)
         T = A.shape[1] // self.r
         if T == 1:  # one row serves every sample: plain LoRA (merged on the deep-narrow, as lora's)
@@ -235,6 +250,33 @@ class TextLoraLinear(nn.Module):
         if s.dim() == 4:  # the Transformer's tokens share their sequence's task
             mask = mask.unsqueeze(2)
         return low_rank_update(self.base(x), s * mask, B, self.scale)
+
+    def through_hidden(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The same update for a table of many tasks, without generating any factor: with h the sample's trunk
+        output (d_h), A x = reshape(W_A h + b_A) x = sum_k h_k (W_A[.., k] x) + b_A x and B s likewise, so each
+        layer costs 2 N r d_h (d_in + d_out) whatever T (the masked form: T r (d_in + d_out) per row, plus
+        generating every task's factors)."""
+        net = ctx.shared[FAMILY]
+        _, name, L = net.keys[self.key]
+        head, r = net.heads[name], self.r
+        cache = ctx.scratch.setdefault(FAMILY, {})
+        if (self.key, "h") not in cache:
+            table = net.table(ctx.instruction)
+            cache[self.key, "h"] = net.hidden(self.key, table).view(table.shape[0], table.shape[1], L, -1).unbind(2)
+        h_l = cache[self.key, "h"][self.layer]  # (E, T, d_h): this layer's trunk output per task
+        E, d_h = h_l.shape[0], h_l.shape[-1]
+        task = task_index(ctx, x)  # (E, N)
+        h = torch.gather(h_l, 1, task.unsqueeze(-1).expand(-1, -1, d_h))  # (E, N, d_h): each sample its task's
+        flat = x.reshape(E, -1, x.shape[-1])  # (E, N [tokens], d_in)
+        if x.dim() == 4:  # the Transformer's tokens share their sequence's task
+            h = h.unsqueeze(2).expand(-1, -1, x.shape[2], -1).reshape(E, -1, d_h)
+        W_A = head.A_weight.view(E, r, head.d_in, d_h).permute(0, 2, 1, 3).reshape(E, head.d_in, r * d_h)
+        u = torch.bmm(flat, W_A).view(E, -1, r, d_h)  # (E, M, r, d_h): W_A[.., k] x for every k
+        s = (u * h.unsqueeze(2)).sum(-1) + torch.bmm(flat, head.A_bias.view(E, r, head.d_in).transpose(1, 2))
+        outer = (s.unsqueeze(-1) * h.unsqueeze(2)).reshape(E, -1, r * d_h)  # (E, M, r d_h)
+        W_B = head.B_weight.view(E, head.d_out, r * d_h).transpose(1, 2)  # (E, r d_h, d_out)
+        delta = torch.bmm(outer, W_B) + torch.bmm(s, head.B_bias.view(E, head.d_out, r).transpose(1, 2))
+        return self.base(x) + self.scale * delta.view(*x.shape[:-1], head.d_out)
 
 
 class TextLora(AdapterMethod):
