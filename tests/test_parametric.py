@@ -176,7 +176,7 @@ def test_the_held_out_report_reads_the_records(tmp_path, capsys):
         suite=f"{parametric.PREFIX}4",
         schedule="held-out",
         arch="deep-narrow",
-        methods=["lora", "task-code", "text-lora"],
+        methods=["lora", "task-code", "instruct-queryable"],
         out_dir=tmp_path / "r",
         budget="smoke",
         seeds=2,
@@ -187,10 +187,13 @@ def test_the_held_out_report_reads_the_records(tmp_path, capsys):
     folder = tmp_path / "out" / "heldout" / "deep-narrow" / "smoke" / "held-out"
     assert (folder / "distance.png").is_file() and (folder / "table.md").is_file()
     rows = {r["method"]: r for r in pd.read_csv(folder / "table.csv").to_dict("records")}
-    assert set(rows) == {"lora", "task-code", "text-lora"} and rows["task-code"]["vs task-code"] == "-"
+    assert set(rows) == {"lora", "task-code", "instruct-queryable"}
+    assert rows["lora"]["vs code"] == rows["task-code"]["vs lora"] == "-"  # only a language row is tested
     rec = json.loads(p.record_path("lora").read_text())
     split = [t["split"] for t in rec["run_info"]["config"]["suite_card"]["tasks"]]
     per_seed = [np.mean([s["stage_task_mse"][-1][i] for i, v in enumerate(split) if v == "interpolation"])
                 for s in rec["train_info"]["per_seed"]]  # fmt: skip
     assert rows["lora"]["interpolation"].split(" ± ")[0] == text.num(float(np.mean(per_seed)), 3)
-    assert rows["lora"]["outcome"] in ("win", "tie", "loss") and "## Held-out tasks" in capsys.readouterr().out
+    for column in ("vs code", "vs lora"):
+        assert rows["instruct-queryable"][column].split()[-1] in ("win", "tie", "loss")
+    assert "## Held-out tasks" in capsys.readouterr().out

@@ -1,12 +1,14 @@
 """The held-out section of a report: on the parametric suites (qlbench/parametric.py), zero-shot test MSE on the
 tasks no row trained on, inside the training region (interpolation) and past it (extrapolation), per number of
-training tasks T, against the task-code row (the instruction router given a random code per task: it cannot
-transfer by construction), with the paraphrase and shuffled-sentence controls; and two figures.
+training tasks T; each language row tested against its own identity control (the same row given a random code per
+task instead of the sentence: it cannot transfer by construction; instruct-queryable against task-code, text-lora
+against text-lora-code) and against LoRA (one update for every task); with the paraphrase and shuffled-sentence
+controls; and two figures.
 
     <out>/heldout/<arch>[-<init>]/<budget>/<schedule>/
         table.md|csv        per T and row: held-out MSE by split and over both, the trained tasks' average, the
-                            language rows' held-out MSE with paraphrases and with shuffled sentences, and the paired
-                            test of the held-out MSE against task-code (Holm over the rows of one T)
+                            language rows' held-out MSE with paraphrases and with shuffled sentences, and their
+                            paired tests of the held-out MSE against their code row and LoRA (Holm over one T)
         distance.png        each held-out task's MSE (mean over seeds) against its distance in parameter space to
                             the nearest training task, one panel per T
         tasks.png           held-out MSE by split against T
@@ -28,14 +30,16 @@ from qlbench.backbones import DEFAULT_INIT
 from qlbench.report.write import _save_figure, _slug
 from qlbench.text import Column
 
-IDENTITY = "task-code"  # the row that cannot transfer: held-out rows are tested against it
+CODE_OF = {"instruct-queryable": "task-code", "text-lora": "text-lora-code"}  # a language row -> its identity control
+BLIND = "lora"  # one update for every task: what a row that reads no task does
 SPLITS = suites.HELD_OUT_SPLITS
 NOTE = (
     "Test MSE on standardised labels (1 = predicting each task's mean), mean ± std over seeds of the mean over the "
     "held-out tasks of a split (held-out: of both); trained: the average over the tasks trained on; paraphrased / "
     "shuffled: the held-out MSE with each held-out task's paraphrases in place of its sentence / with task t given "
-    f"task t + 1's sentence (instruction rows); vs {IDENTITY}: mean difference of the held-out MSE (both splits)"
-    f" against {IDENTITY}, paired over seeds (raw p and Holm p over the rows of one T; win = significantly lower)."
+    "task t + 1's sentence (instruction rows); vs code / vs lora: a language row's mean difference of the held-out "
+    "MSE (both splits) against its identity control (task-code for instruct-queryable, text-lora-code for text-lora) "
+    "/ against LoRA, paired over seeds, raw p and Holm p over the tests of one T; win = significantly lower."
 )
 
 
@@ -73,11 +77,11 @@ def _per_seed(g: pd.DataFrame, column: str, split: str | None = None) -> pd.Seri
 
 def summary(tasks: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (slice, T, method): n seeds, held-out MSE per split, trained average, paraphrased and shuffled
-    held-out MSE (text), and the paired test against IDENTITY over seeds, Holm-adjusted over the rows of one T."""
+    held-out MSE (text), and each language row's paired tests over seeds against its code row and against BLIND
+    ("vs code", "vs lora"), Holm-adjusted over the tests of one T."""
     out = []
     keys = ["arch", "backbone_init", "budget", "schedule", "T"]
     for key, g in tasks.groupby(keys, sort=True):
-        base = g[g["method"] == IDENTITY]
         tested = []
         for method in stats.method_order(g["method"].unique()):
             m = g[g["method"] == method]
@@ -91,17 +95,36 @@ def summary(tasks: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
             for column in ("paraphrased", "shuffled"):
                 v = _per_seed(m, column)
                 row[column] = text.mean_std(v.mean(), v.std(ddof=1), len(v)) if v.notna().any() else "-"
-            if method != IDENTITY and len(base):
-                pair = pd.concat([_per_seed(m, "mse"), _per_seed(base, "mse")], axis=1, join="inner")
-                tested.append((row, stats.paired_test(pair.iloc[:, 0], pair.iloc[:, 1])))
+            for column, other in (("vs code", CODE_OF.get(method)), ("vs lora", BLIND if method in CODE_OF else None)):
+                base = g[g["method"] == other]
+                if len(base):
+                    pair = pd.concat([_per_seed(m, "mse"), _per_seed(base, "mse")], axis=1, join="inner")
+                    tested.append((row, column, stats.paired_test(pair.iloc[:, 0], pair.iloc[:, 1])))
             out.append(row)
-        adjusted = stats.holm([t["p"] for _, t in tested])
-        for (row, t), p_holm in zip(tested, adjusted):
-            row[f"vs {IDENTITY}"] = (
-                f"{text.num(t['mean_diff'], 2)} (p {text.num(t['p'], 2)}, Holm {text.num(p_holm, 2)})"
+        adjusted = stats.holm([t["p"] for *_, t in tested])
+        for (row, column, t), p_holm in zip(tested, adjusted):
+            outcome = t["outcome"] if p_holm < stats.ALPHA else "tie"
+            row[column] = (
+                f"{text.num(t['mean_diff'], 2)} (p {text.num(t['p'], 2)}, Holm {text.num(p_holm, 2)}) {outcome}"
             )
-            row["outcome"] = t["outcome"] if p_holm < stats.ALPHA else "tie"
-    return pd.DataFrame(out).fillna({f"vs {IDENTITY}": "-", "outcome": "-"})
+    return (
+        pd.DataFrame(out)
+        .reindex(
+            columns=[
+                *keys,
+                "method",
+                "n",
+                *SPLITS,
+                "held-out",
+                "trained",
+                "paraphrased",
+                "shuffled",
+                "vs code",
+                "vs lora",
+            ]
+        )
+        .fillna("-")
+    )
 
 
 def distance_figure(tasks: pd.DataFrame, title: str) -> Figure:
@@ -157,9 +180,9 @@ def write_heldout_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FOR
         folder = folder / _slug(schedule)
         rows = table[(table[["arch", "backbone_init", "budget", "schedule"]] == list(key)).all(axis=1)]
         columns = [Column("T", "T"), Column("row", "method"), Column("n", "n")]
-        shown = (*SPLITS, "held-out", "trained", "paraphrased", "shuffled", f"vs {IDENTITY}", "outcome")
+        shown = (*SPLITS, "held-out", "trained", "paraphrased", "shuffled", "vs code", "vs lora")
         columns += [Column(c, c) for c in shown]
-        columns = [c for c in columns if c.field in rows and rows[c.field].notna().any()]
+        columns = [c for c in columns if c.field in rows and (rows[c.field] != "-").any()]
         records = frame[frame["suite"].isin(parametric.names()) & (frame["schedule"] == schedule)]
         md = f"### Held-out tasks: {label}\n\n{text.table(rows.to_dict('records'), columns)}\n\n{NOTE}\n\n"
         md += results.provenance(records)
