@@ -25,9 +25,9 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from qlbench import parametric, results, stats, store, suite_stats, suites, text
+from qlbench import parametric, results, stats, suite_stats, suites, text
 from qlbench.backbones import DEFAULT_INIT
-from qlbench.report.write import _save_figure, _slug
+from qlbench.report.write import _save_figure, _save_table, _slug
 from qlbench.text import Column
 
 CODE_OF = {"instruct-queryable": "task-code", "text-lora": "text-lora-code"}  # a language row -> its identity control
@@ -186,12 +186,7 @@ def write_heldout_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FOR
         records = frame[frame["suite"].isin(parametric.names()) & (frame["schedule"] == schedule)]
         md = f"### Held-out tasks: {label}\n\n{text.table(rows.to_dict('records'), columns)}\n\n{NOTE}\n\n"
         md += results.provenance(records)
-        if "md" in formats:
-            store.write_text(md + "\n", folder / "table.md")
-            files.append(folder / "table.md")
-        if "csv" in formats:
-            store.write_text(rows.to_csv(index=False), folder / "table.csv")
-            files.append(folder / "table.csv")
+        _save_table(files, folder, md, rows, formats)
         if figures:
             title = f"Zero-shot MSE of held-out tasks: {label}"
             _save_figure(files, distance_figure(g, title), folder / "distance", 100)

@@ -20,10 +20,10 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from qlbench import continual, results, stats, store, suite_stats, text
+from qlbench import continual, results, stats, suite_stats, text
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.report.heldout import write_heldout_report
-from qlbench.report.write import _save_figure, _slug
+from qlbench.report.write import _save_figure, _save_table, _slug
 
 TABLE_NOTE = (
     "Test MSE on standardised labels (1 = predicting each task's mean over the box), mean ± std over seeds; "
@@ -183,12 +183,7 @@ def write_suite_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FORMA
         s = summary[(summary[suite_stats.SLICE] == pd.Series(dict(zip(suite_stats.SLICE, key)))).all(axis=1)]
         prov = results.provenance(g)  # the slice's records (`path`), once each
         md = f"### {label}\n\n{suite_stats.table_text(s.dropna(axis=1, how='all'))}\n\n{TABLE_NOTE}\n\n{prov}"
-        if "md" in formats:
-            store.write_text(md + "\n", folder / "table.md")
-            files.append(folder / "table.md")
-        if "csv" in formats:
-            store.write_text(s.to_csv(index=False), folder / "table.csv")
-            files.append(folder / "table.csv")
+        _save_table(files, folder, md, s, formats)
         if figures and len(tasks) <= suite_stats.MAX_TASK_COLUMNS:  # a parametric suite's: the held-out section's
             panels = {}
             for method in stats.method_order(g["method"].unique()):

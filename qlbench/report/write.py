@@ -101,6 +101,16 @@ def _save_figure(files: list, fig: Figure, stem: Path, dpi: int = 150) -> None:
         files.append(stem.with_suffix(f".{ext}"))
 
 
+def _save_table(files: list, folder: Path, md: str, frame: pd.DataFrame, formats) -> None:
+    """A section's table as folder/table.md (its Markdown `md`) and folder/table.csv (`frame`), as `formats` ask."""
+    if "md" in formats:
+        store.write_text(md + "\n", folder / "table.md")
+        files.append(folder / "table.md")
+    if "csv" in formats:
+        store.write_text(frame.to_csv(index=False), folder / "table.csv")
+        files.append(folder / "table.csv")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The report: every table, statistic and figure of a results frame, one set per (arch, budget).
 
