@@ -235,7 +235,7 @@ COLUMN_NOTES = {
     "paraphrased": "the average with every task's paraphrases in place of its sentence",
     "shuffled": "the average with task t given task t + 1's instruction",
     "held-out": "the never-trained tasks (held-out), zero-shot",
-    "forgetting": "final minus best earlier MSE after training, mean over every task but the last",
+    "forgetting": "final minus best earlier MSE after training, mean over the tasks trained before the last stage",
     "bwt": "GEM backward transfer on -MSE (< 0: later stages hurt earlier tasks)",
     "fwt": "GEM forward transfer on -MSE (> 0: earlier stages helped)",
     "usage-kl": "final symmetric KL between the tasks' atom usage, mean over task pairs (nats)",

@@ -138,11 +138,14 @@ def distance_figure(tasks: pd.DataFrame, title: str) -> Figure:
         sns.scatterplot(
             data=mean[mean["T"] == T], x="distance", y="mse", hue="method", hue_order=order, style="split", ax=ax
         )
-        ax.set(title=f"T = {T} training tasks", xlabel="distance to the nearest training task (training ranges)")
+        ax.set(title=f"T = {T} training tasks", xlabel="")
         ax.set_yscale("log")
         if ax is not axes[-1] and ax.get_legend():
             ax.get_legend().remove()
+    if axes[-1].get_legend():
+        sns.move_legend(axes[-1], "upper left", bbox_to_anchor=(1.02, 1))  # beside the panels, over no point
     axes[0].set_ylabel("held-out test MSE (mean over seeds)")
+    fig.supxlabel("distance to the nearest training task (in training ranges)")
     fig.suptitle(title)
     return fig
 
@@ -159,9 +162,14 @@ def tasks_figure(tasks: pd.DataFrame, title: str) -> Figure:
             errorbar="sd", ax=ax,
         )  # fmt: skip
         ax.set(title=split, xscale="log", xlabel="training tasks T", ylabel="held-out test MSE")
+        Ts = sorted(per_seed["T"].unique())
+        ax.set_xticks(Ts, [str(t) for t in Ts], minor=False)
+        ax.set_xticks([], minor=True)
         ax.set_yscale("log")
         if ax is not axes[-1] and ax.get_legend():
             ax.get_legend().remove()
+    if axes[-1].get_legend():
+        sns.move_legend(axes[-1], "upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(title)
     return fig
 
