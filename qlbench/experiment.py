@@ -15,7 +15,7 @@ import torch
 
 from qlbench import adapters, cost, engine, results, runner, zoo
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
-from qlbench.planning import DTYPES, check_memory, check_overrides, check_settings, dry_build, seed_count
+from qlbench.planning import DTYPES, cells_per_stack, check_overrides, check_settings, dry_build, seed_count
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.store import DamagedFile, Store, check_writable, load_torch, save_torch, set_aside, stable_hash, write_json
 
@@ -40,6 +40,7 @@ class Plan:
     backbone_init: str = DEFAULT_INIT  # backbones.INITS; hashed only when not the default (see cell_config)
     eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
     noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
+    stack_functions: int | None = None  # functions per stack where all do not fit the memory (None: all; not hashed)
 
     noun = "cell"  # runner.Workload: a unit is a (method, function) cell
 
@@ -68,8 +69,14 @@ class Plan:
         method."""
         todo = by_method(self, units)
         functions = [f for f in self.functions if any(f in fs for fs in todo.values())]
-        with engine.num_threads(threads(self, len(functions) * len(self.seeds))):
-            _run(self, todo, functions, DTYPES[self.dtype], progress, log)
+        width = self.stack_functions or len(functions) or 1
+        for i in range(0, len(functions), width):  # one group unless the plan is wider than the memory
+            group = functions[i : i + width]
+            if width < len(functions):
+                log(f"stack {i // width + 1} of {-(-len(functions) // width)}: {', '.join(group)} (memory)")
+            part = {m: [f for f in fs if f in group] for m, fs in todo.items()}
+            with engine.num_threads(threads(self, len(group) * len(self.seeds))):
+                _run(self, part, group, DTYPES[self.dtype], progress, log)
 
     def record_path(self, function: str, method: str) -> Path:
         """Where the cell's record lives: keyed by budget and config hash, so other configs never collide."""
@@ -179,8 +186,9 @@ def plan(
     if compile not in ("auto", "on", "off"):
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
     dev = engine.resolve_device(device, cuda)
+    width = None
     if cuda is None:  # trains on this machine (a Ray plan's workers are elsewhere)
-        check_memory(sizes, len(set(functions)) * n_seeds, dtype, dev)
+        width = cells_per_stack(sizes, n_seeds, len(set(functions)), dtype, dev)
     check_writable(Path(out_dir))
     use_compile = compile == "on" or (compile == "auto" and engine.compile_by_default(dev, b.name))
     use_capture = engine.use_capture(capture, dev)
@@ -201,6 +209,7 @@ def plan(
         backbone_init=backbone_init,
         eps=float(eps),
         noise=noise,
+        stack_functions=width if width is not None and width < len(set(functions)) else None,
     )
 
 

@@ -120,6 +120,20 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
+def cells_per_stack(
+    sizes: dict[str, tuple[int, int]], per_cell: int, cells: int, dtype: str, device: torch.device
+) -> int:
+    """How many cells of `per_cell` members (a function's seeds) one stack may hold on this machine: all `cells` when
+    they fit its memory (or it cannot be read), else as many as fit, so a plan wider than the memory trains in
+    narrower stacks (a stack equals separate runs: the numbers do not change). ValueError (one line, the estimate
+    and the limit) when not even one cell fits: refused before anything is allocated."""
+    have = available_bytes(device)
+    if have is None or plan_bytes(sizes, per_cell * cells, dtype) <= have:
+        return cells
+    check_memory(sizes, per_cell, dtype, device)  # one cell must fit
+    return max(1, min(cells, have // plan_bytes(sizes, per_cell, dtype)))
+
+
 def check_memory(
     sizes: dict[str, tuple[int, int]], members: int, dtype: str, device: torch.device, tasks: int = 1
 ) -> None:

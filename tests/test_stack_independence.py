@@ -143,3 +143,29 @@ def test_adamw_gives_a_member_the_same_update_at_any_width():
     # planted bug: PyTorch's fused CPU kernel, which adamw() avoids off CUDA
     fused = lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01, fused=True)
     assert not torch.equal(adam_trajectory(2, fused), adam_trajectory(80, fused))
+
+
+def test_a_plan_wider_than_the_memory_trains_in_narrower_stacks_with_the_same_numbers(tmp_path, monkeypatch):
+    """With memory for two functions' stacks of three, a sweep trains a stack of two functions, then one: every
+    cell's per-seed numbers equal those of the one-stack sweep, bit for bit; with memory for less than one
+    function's seeds the plan is refused in one line."""
+    from qlbench import experiment, planning, runner
+
+    kw = dict(functions=["matyas", "levy", "dropwave"], arch="deep-narrow", methods=["lora"], budget="smoke", seeds=2)
+    whole = experiment.plan(**kw, threads=1, out_dir=tmp_path / "whole")
+    assert whole.stack_functions is None
+    runner.run(whole, progress=False, log=lambda m: None)
+    one = planning.plan_bytes(planning.dry_build("deep-narrow", whole.configs), 2, "float32")  # one function's seeds
+    monkeypatch.setattr(planning, "available_bytes", lambda device: 2 * one + one // 2)
+    split = experiment.plan(**kw, threads=1, out_dir=tmp_path / "split")
+    assert split.stack_functions == 2
+    said = []
+    runner.run(split, progress=False, log=said.append)
+    assert any(m.startswith("stack 2 of 2: dropwave") for m in said), said
+    for f in kw["functions"]:
+        a, b = (results.read_record(p.record_path(f, "lora"))["train_info"] for p in (whole, split))
+        assert a["per_seed"] == b["per_seed"], f
+        assert (a["stacked_members"], b["stacked_members"]) == (6, 2 if f == "dropwave" else 4)
+    monkeypatch.setattr(planning, "available_bytes", lambda device: one - 1)
+    with pytest.raises(ValueError, match="needs at least"):
+        experiment.plan(**kw, out_dir=tmp_path / "none")
