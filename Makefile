@@ -196,6 +196,8 @@ LANGUAGE ?= docs/results/language-records
 LANGUAGE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --seeds 5 \
 	--out $(LANGUAGE) --no-progress
 P := param-sin-cos
+LANGUAGE_PROVENANCE := Provenance: every record from one commit of a clean tree; the parametric suites on the live \
+	deep-narrow, quick budget, 5 seeds; reproduce with `make language-snapshot`.
 language-snapshot: check-clean setup
 	$(LANGUAGE_RUN) --suite $(P)-4 --schedule held-out --methods frozen,mean
 	( $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods instruct-queryable,lora,poly,frozen,mean,text-lora-code && \
@@ -211,6 +213,8 @@ language-snapshot: check-clean setup
 	  xargs -I{} install -D {} $(CURDIR)/docs/results/language/{}
 	sed 's#](suites/#](language/suites/#g; s#](heldout/#](language/heldout/#g' results/language-report/report.md \
 	  > docs/results/language-report.md
+	find docs/results/language docs/results/language-report.md -name '*.md' | \
+	  xargs sed -i 's|^Provenance: every record from commit [0-9a-f]* (clean tree)\.$$|$(LANGUAGE_PROVENANCE)|'
 
 
 clean:
