@@ -364,9 +364,11 @@ def stages(p: SuitePlan) -> list[list[int]]:
     return p.suite.schedule_stages(p.schedule)
 
 
-def trained_tasks(p: SuitePlan) -> list[int]:
-    """The tasks some stage trains on: a held-out task's labels reach no row (not even mean's constant)."""
-    return sorted({t for group in stages(p) for t in group})
+def trained_labels(p: SuitePlan, data: engine.StackedData) -> torch.Tensor:
+    """The training labels (E, n) of the tasks some stage trains on, from every task's `data`: a held-out task's
+    labels reach no row (not even mean's constant)."""
+    trained = torch.tensor(sorted({t for group in stages(p) for t in group}), device=data.task_train.device)
+    return data.y_train[:, torch.isin(data.task_train[0], trained)]  # every member holds the tasks in one order
 
 
 def _run_rows(p: SuitePlan, todo: list[str], progress: bool, log) -> None:
@@ -401,8 +403,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     seeds = [s for _, s in pre.members]
     everything = task_data(p.suite, seeds, list(range(T)), dtype=dtype, device=p.device)
     init = [generator("init", name, p.arch, "suite", p.suite.name, s) for s in seeds]
-    labels = task_data(p.suite, seeds, trained_tasks(p), dtype=dtype, device=p.device).y_train  # mean's: trained only
-    model = method.build(pre.model(device=p.device, dtype=dtype), config, init, labels)
+    model = method.build(pre.model(device=p.device, dtype=dtype), config, init, trained_labels(p, everything))
     routes = isinstance(config, queryable.QueryableConfig)
     base = instruction_table(p.suite, config) if reads_instruction(config) else None  # (T, d_c): the tasks' own
     if base is not None:
@@ -470,8 +471,7 @@ def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | 
         seed = one.members[0][1]
         data = task_data(p.suite, [seed], list(range(len(p.suite.tasks))), dtype=dtype, device=p.device)
         init = [generator("init", name, p.arch, "suite", p.suite.name, seed)]
-        labels = task_data(p.suite, [seed], trained_tasks(p), dtype=dtype, device=p.device).y_train
-        model = method.build(one.model(device=p.device, dtype=dtype), config, init, labels)
+        model = method.build(one.model(device=p.device, dtype=dtype), config, init, trained_labels(p, data))
         if reads_instruction(config):
             bind(model, instruction_table(p.suite, config), 1)
         frozen = one.model(device=p.device, dtype=dtype)

@@ -65,10 +65,9 @@ def stage_of(config: dict) -> np.ndarray:
     return out
 
 
-def _seed_metrics(config: dict, s: dict) -> dict:
-    schedule = config["schedule"]
+def _seed_metrics(schedule: str, stage: np.ndarray, s: dict) -> dict:
+    """One seed's metrics; `stage` (T,) the stage that trains each task (stage_of)."""
     R = np.nan_to_num(_array(s["stage_task_mse"]), nan=math.inf)  # (S, T)
-    stage = stage_of(config)
     trained, never = stage >= 0, stage < 0
     out = {
         "average": continual.average(R[:, trained]),  # over the tasks the schedule trains
@@ -127,6 +126,7 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
         if info["status"] == "failed" or not info.get("per_seed"):
             rows += [key | {"seed": s, "status": "failed"} for s in cfg["seeds"]]
             continue
+        stage = stage_of(cfg)  # the record's schedule, once for its seeds
         for s in info["per_seed"]:
             arrays = {
                 "R": _array(s["stage_task_mse"]),
@@ -135,7 +135,9 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
                 "paraphrase": _array(s.get("paraphrase_task_mse")),  # (T,) after the last stage
                 "shuffled_R": _array(s.get("shuffled_task_mse")),  # (T,)
             }
-            rows.append(key | {"seed": s["seed"], "status": s["status"]} | _seed_metrics(cfg, s) | arrays)
+            rows.append(
+                key | {"seed": s["seed"], "status": s["status"]} | _seed_metrics(cfg["schedule"], stage, s) | arrays
+            )
     return pd.DataFrame(rows)
 
 

@@ -492,13 +492,14 @@ def _mutate(data: bytes, kind: str, where: float, junk: bytes) -> bytes:
     return data[:i] + junk + data[i + len(junk) :]
 
 
-@pytest.mark.faults
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    derandomize=True,
+# the random-damage tests: reproducible draws, no deadline (each example runs CLI commands), module fixtures reused
+DAMAGE_DRAWS = settings(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], derandomize=True
 )
+
+
+@pytest.mark.faults
+@settings(DAMAGE_DRAWS, max_examples=25)
 @given(
     target=st.sampled_from(["lora record", "queryable record", "lora model", "queryable model", "backbone"]),
     kind=st.sampled_from(["truncate", "junk", "overwrite"]),
@@ -555,12 +556,7 @@ def finished_rows(tmp_path_factory) -> Path:
 
 
 @pytest.mark.faults
-@settings(
-    max_examples=8,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    derandomize=True,
-)
+@settings(DAMAGE_DRAWS, max_examples=8)
 @given(
     target=st.sampled_from(["suite record", "real record", "backbone swap"]),
     kind=st.sampled_from(["truncate", "junk", "overwrite"]),
