@@ -334,3 +334,20 @@ def test_a_reference_row_with_non_finite_scores_is_reported_diverged():
     pre.state[name][0] = float("nan")
     res = engine.adapt(pre, "frozen", adapters.get("frozen").make_config(), smoke, device="cpu")
     assert res.curves.diverged_epoch == [0, None]
+
+
+def test_the_captured_step_finds_every_optimisers_parameters_and_records_adamw_only_where_capturable():
+    """The CUDA-graph step reads its parameters from any optimiser the methods build: torch.optim's param_groups
+    (AdamW) and full-soap's StackedSoap, which has none (on CUDA its missing param_groups once failed every full-soap
+    cell). Only an optimiser with its state on the device (`capturable`) has its update recorded."""
+    from qlbench.engine import step as step_module
+    from qlbench.soap import StackedSoap
+
+    a, b = torch.nn.Parameter(torch.zeros(2, 3, 4)), torch.nn.Parameter(torch.zeros(2, 5, 5))
+    soap = StackedSoap([a, b], lr=1e-3)
+    assert [id(p) for p in step_module.parameters(soap)] == [id(a), id(b)]
+    assert not step_module.capturable(soap)
+    adam = torch.optim.AdamW([b, a], lr=1e-3)
+    assert [id(p) for p in step_module.parameters(adam)] == [id(b), id(a)]
+    assert not step_module.capturable(adam)  # CPU AdamW keeps its step count on the host
+    assert step_module.capturable(torch.optim.AdamW([a], lr=1e-3, capturable=True))

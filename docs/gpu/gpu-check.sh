@@ -2,11 +2,14 @@
 # `make gpu-check`: the CUDA checks of docs/speed.md in one call of at most 10 minutes, on a machine with one GPU and
 # PyTorch (with CUDA) installed, from the repository root. Nothing is installed system-wide: the wheels of what the
 # machine lacks (pytorch-optimizer) are read from $WHEELS (default .whl/) into /tmp/site; qlbench runs from this
-# checkout. Logs, records and the bench report go into one folder, $GPU_CHECK_OUT (default gpu-check), with
-# summary.txt: each part's exit code and wall time as a whole process. Each part has its own time limit (seconds,
-# below), so a part that runs long is stopped and said so, and the parts after it still run.
+# checkout. Logs and the bench report go into one folder, $GPU_CHECK_OUT (default gpu-check), with summary.txt: each
+# part's exit code and wall time as a whole process; the records (with the pretrained backbones' cache, hundreds of MB
+# at the paper budget) into $GPU_CHECK_RESULTS (default gpu-check-results), so that the log folder stays small enough
+# to bring back. Each part has its own time limit (seconds, below), so a part that runs long is stopped and said so,
+# and the parts after it still run; at the end the last lines of every part that did not exit 0 are printed.
 export PYTHONUNBUFFERED=1
 OUT=${GPU_CHECK_OUT:-gpu-check}
+RES=${GPU_CHECK_RESULTS:-gpu-check-results}
 WHEELS=${WHEELS:-.whl}
 PY=${PYTHON:-python3}  # the Python that holds PyTorch with CUDA
 if ! $PY -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
@@ -33,10 +36,20 @@ part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIM
   local note=""; [ $rc -eq 124 ] || [ $rc -eq 137 ] && note=" (stopped at its limit of $limit s: not finished)"
   printf '%-18s rc=%-3s wall=%4d.%01d s%s\n' "$name" "$rc" $((wall / 1000)) $((wall % 1000 / 100)) "$note" >> "$S"
 }
-part test-cuda 270 "$PY -m pytest -q -m cuda -rs -p no:cacheprovider tests/test_cuda.py --durations=0"
-part run-quick 75 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --no-progress --out $OUT/results"
-part bench 75 "$Q bench --quick --device cuda --methods lora,queryable,dora --no-progress --out $OUT/bench"
-part paper-deep-narrow 75 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --no-progress --out $OUT/results"
-part paper-transformer 65 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --no-progress --out $OUT/results"
+# the timed parts first, alone on the device; the paper cells show their progress (steps/s, ETA) in their logs
+part run-quick 80 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --no-progress --out $RES"
+part bench 140 "$Q bench --quick --device cuda --methods lora,queryable --no-progress --out $OUT/bench"
+part paper-deep-narrow 60 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
+part paper-transformer 90 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
+# then the CUDA tests (not timed): on 4 processes where pytest-xdist is installed, each test's outcome on its own
+# line as it ends (-v), and each test under 140 s where pytest-timeout is, so the failures' reasons are printed before
+# the part's own limit
+XDIST=""; $PY -c 'import xdist' 2>/dev/null && XDIST="-n 4"
+PER_TEST=""; $PY -c 'import pytest_timeout' 2>/dev/null && PER_TEST="--timeout 140"
+part test-cuda 170 "$PY -m pytest -v -m cuda -rs -p no:cacheprovider tests/test_cuda.py $XDIST $PER_TEST --durations=0"
 cat "$S"
-tail -n 25 "$OUT/test-cuda.log"
+for log in "$OUT"/*.log; do  # why a part failed, in the call's own output (progress lines left out)
+  name=$(basename "$log" .log)
+  grep -q "^$name .*rc=0 " "$S" && continue
+  echo "--- $name: last lines"; grep -v -E "steps \(|^\s*$|Warning|warn" "$log" | tail -n 15
+done

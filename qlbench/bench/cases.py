@@ -216,12 +216,19 @@ def hf_rows(s: Settings, device) -> list[dict]:
     """The peft tuner (qlbench.hf) against peft's LoRA on the same model: the causal-LM experiment's decoder
     (qlbench/real_lm.py, 2 layers, width 64) with each adapter on q_proj and v_proj, one training step
     (`models.hf_step`) on a batch of 32 sequences of 13 tokens, alternating; ms per step and the ratio to LoRA's.
-    None without the hf extra."""
+    None without the hf extra, or without the instruction encoder (its sentence is not in the packaged table; the
+    rows are then skipped with a line on stderr, as the other measurements do not need it)."""
     try:
         import peft  # noqa: F401
     except ImportError:
         return []
-    steps = {m: hf_step(m, device) for m in ("lora", "queryable", "instruct-queryable")}
+    from qlbench.instructions import EncoderUnavailable
+
+    try:
+        steps = {m: hf_step(m, device) for m in ("lora", "queryable", "instruct-queryable")}
+    except EncoderUnavailable as err:
+        print(f"qlbench bench: the peft tuner rows are skipped: {err}", file=sys.stderr)
+        return []
     for step in steps.values():
         step(), step()  # warm-up
     n = max(2, s.steps["deep-narrow"] // 2)

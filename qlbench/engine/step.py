@@ -96,10 +96,19 @@ def compiled_update(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     return update
 
 
-def capturable(optimizer: torch.optim.Optimizer) -> bool:
+def capturable(optimizer) -> bool:
     """Whether the optimiser's update can be recorded in a CUDA graph (its state, step count included, lives on the
-    device: torch.optim's `capturable` flag)."""
-    return bool(optimizer.param_groups) and all(g.get("capturable", False) for g in optimizer.param_groups)
+    device: torch.optim's `capturable` flag). An optimiser without torch.optim's param_groups (full-soap's
+    `soap.StackedSoap`) is not."""
+    groups = getattr(optimizer, "param_groups", None)
+    return bool(groups) and all(g.get("capturable", False) for g in groups)
+
+
+def parameters(optimizer) -> list[torch.Tensor]:
+    """The parameters an optimiser updates, in a fixed order: torch.optim's param_groups, or `groups` (full-soap's
+    `soap.StackedSoap`)."""
+    groups = getattr(optimizer, "param_groups", None) or optimizer.groups
+    return [p for g in groups for p in g["params"]]
 
 
 class CapturedStep(Step):
@@ -109,13 +118,18 @@ class CapturedStep(Step):
 
     def __init__(self, forward: Callable, optimizer: torch.optim.Optimizer, instruction: torch.Tensor | None):
         super().__init__(forward, optimizer, instruction)  # its own update: recorded, or eager after the replay
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.params = parameters(optimizer)
         self.whole = capturable(optimizer)  # the update recorded too (else it steps eagerly after each replay)
         self.seen: dict[tuple, int] = {}  # batch shape -> ordinary steps taken
         self.graphs: dict[tuple, _Recording] = {}
         self.side = torch.cuda.Stream(device=self.params[0].device)
 
     def __call__(self, xb, yb, inspect: Callable[[], None] | None = None, task=None) -> torch.Tensor:
+        # contiguous, as the recording's buffers are: a compiled forward guards on strides, and the loop's batches
+        # are strided views (a column slice of the epoch's order), so warming up on them and recording on
+        # contiguous copies recompiled inside the recording, which cannot launch compilation's own work
+        xb, yb = xb.contiguous(), yb.contiguous()
+        task = None if task is None else task.contiguous()
         key = (tuple(xb.shape), None if task is None else tuple(task.shape))
         if key not in self.graphs and self.seen.get(key, 0) < WARMUP:
             self.seen[key] = self.seen.get(key, 0) + 1
@@ -145,8 +159,8 @@ class CapturedStep(Step):
         return rec.loss
 
     def _record(self, xb, yb, task) -> _Recording:
-        x, y = xb.clone(), yb.clone()
-        t = None if task is None else task.clone()
+        x, y = xb.clone(memory_format=torch.contiguous_format), yb.clone(memory_format=torch.contiguous_format)
+        t = None if task is None else task.clone(memory_format=torch.contiguous_format)
         self.optimizer.zero_grad(set_to_none=True)  # backward inside the recording allocates its own gradients
         graph = torch.cuda.CUDAGraph()
         try:

@@ -56,8 +56,9 @@ class Bound:
     note: str = ""
 
     def __post_init__(self):
-        obs = self.observed.detach().to(torch.float64)
-        flat = lambda v: torch.broadcast_to(torch.as_tensor(v).detach().to(torch.float64), obs.shape).reshape(-1)
+        # on the CPU in float64, whatever device the model ran on (a float scale is a CPU tensor)
+        obs = self.observed.detach().to("cpu", torch.float64)
+        flat = lambda v: torch.broadcast_to(torch.as_tensor(v).detach().to("cpu", torch.float64), obs.shape).reshape(-1)
         self.bound, self.scale, self.observed = flat(self.bound), flat(self.scale), obs.reshape(-1)
 
     def extend(self, other: Bound) -> Bound:
