@@ -198,6 +198,36 @@ def test_paper_estimate_on_cuda_uses_the_captured_rates():
     assert est["lora"]["mode"] == "compiled + captured"
 
 
+def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
+    """On a GPU a step's time barely grows with its members (an H200: LoRA captured 1.17 ms at E = 45 against 0.97
+    at E = 5), so the estimate takes each method's captured rate at the widest stack measured, not E = 5's scaled;
+    a CUDA run measures the paper's width (45) whatever its E, except the Transformer's per-member SOAP."""
+    rows = [dict(arch="deep-narrow", method="lora", members=5, stacked=500.0, eval_s=0.5, threads=1)]
+    capture = [
+        dict(arch="deep-narrow", method="lora", members=45, captured_rate=38_000.0, captured_warmup_s=1.0),
+        dict(arch="deep-narrow", method="lora", members=5, captured_rate=5000.0, captured_warmup_s=1.0),
+    ]
+    est = bench.paper_estimate({"throughput": rows, "capture": capture})
+    assert est["methods"]["lora"]["train_s"] == pytest.approx(45 * 35_000 / 38_000 + 1.0)
+    assert est["captured_at"] == 45 and est["measured_at"] == 5
+    from qlbench.bench import output
+
+    assert "captured steps at E = 45" in "".join(output.estimate(est))
+
+    from qlbench.bench import cases
+
+    s = bench.Settings.make(quick=True)
+    labels = [label for label, _ in cases.tasks(["deep-narrow", "transformer"], ["full-soap", "lora"], s, "cuda", {})]
+    assert {
+        "deep-narrow capture lora E=45",
+        "transformer capture lora E=45",
+        "transformer capture full-soap E=5",
+    } <= set(labels)
+    assert "transformer capture full-soap E=45" not in labels
+    cpu = [label for label, _ in cases.tasks(["deep-narrow"], ["lora"], s, "cpu", {})]
+    assert not any("capture" in label for label in cpu)
+
+
 def test_capture_table_and_both_estimates_render():
     """A CUDA run's report: the capture table (compiled columns only when measured) and one estimate per backbone."""
     row = dict(arch="deep-narrow", method="lora", members=5, threads=1, eager_ms=8.5, captured_ms=0.97,

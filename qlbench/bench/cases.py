@@ -176,6 +176,9 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     )
 
 
+PAPER_MEMBERS = 45  # a method's members in the paper table (9 functions x 5 seeds): one stack on a GPU
+
+
 def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     """CUDA only: the training step eager, captured whole in a CUDA graph (engine/step.py) and, when the run
     compiles, compiled and compiled + captured, alternating (ms per step, speed-up against eager, the recording's
@@ -562,9 +565,11 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             if torch.device(device).type == "cpu" and s.side_by_side_for(arch, E)[1] > 1 and paired:
                 row = lambda a=arch, E=E, p=paired: report["side_by_side"].extend(side_by_side(a, p, E, s, device))
                 out.append((f"{arch} side by side E={E}", row))
-        if torch.device(device).type == "cuda":  # the captured step of every trained method at every E
-            for E in s.members:
+        if torch.device(device).type == "cuda":  # the captured step of every trained method at every E and at the
+            for E in sorted(set(s.members) | {PAPER_MEMBERS}):  # paper's stack width, which the estimate uses
                 for m in trained:
+                    if arch == "transformer" and m == "full-soap" and E > 5:
+                        continue  # 45 per-member SOAP states of a 6.3M-parameter model
                     row = lambda a=arch, m=m, E=E: capture_row(a, m, E, s, device)
                     out.append((f"{arch} capture {m} E={E}", add("capture", row)))
         out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))

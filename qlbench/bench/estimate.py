@@ -14,8 +14,8 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     400-sample target at batch 64 per member) at the stacked rate plus its evaluations (every 10 epochs and at 0) at
     the measured evaluation time, scaled linearly from E to 45 members. With `compiled` (the paper budget compiles
     its training step on this device, engine.compile_by_default) a method's compiled rate at that E is used where
-    the run measured one, plus its measured compile warm-up; on CUDA the captured step's rate (`training_rate`);
-    evaluation always runs eager. Pretraining is not
+    the run measured one, plus its measured compile warm-up; on CUDA the captured step's rate at the widest stack
+    the run captured (`training_rate`; `captured_at`); evaluation always runs eager. Pretraining is not
     included (it is cached and shared by the methods). None when the run has no throughput row of `arch`."""
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
@@ -27,7 +27,12 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     steps = engine.steps(budget.adapt, zoo.TARGET_TRAIN)  # per member
     evaluations = budget.adapt.epochs // budget.eval_every + 1
     comp = {r["method"]: r for r in report.get("compile", []) if r["arch"] == arch and r["members"] == E}
-    cap = {r["method"]: r for r in report.get("capture", []) if r["arch"] == arch and r["members"] == E}
+    # captured (CUDA): each method's widest measured stack, which may be wider than E (`tasks` adds the paper's 45
+    # on CUDA, where a step's time barely grows with its members: linear scaling from E = 5 overstated it)
+    cap: dict[str, dict] = {}
+    for r in sorted(report.get("capture", []), key=lambda r: r["members"]):
+        if r["arch"] == arch:
+            cap[r["method"]] = r
     methods = {}
     for r in rows:
         if r["members"] != E:
@@ -39,6 +44,8 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     out = dict(
         arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
     )
+    if cap:
+        out["captured_at"] = max(r["members"] for r in cap.values())
     threads = max(r["threads"] for r in rows if r["members"] == E)
     workers = (report.get("meta", {}).get("cpu_count") or 1) // threads
     if workers > 1:  # what `sweep --executor ray --threads <threads>` would run at once on this machine

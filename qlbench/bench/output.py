@@ -258,12 +258,12 @@ def kernel_floors(a: dict) -> str:
 def estimate(est: dict) -> list[str]:
     """The paper-table estimate: its heading, one row per method, and the line for tasks side by side."""
     rows = [dict(method=m, mode="eager") | v for m, v in est["methods"].items()]
+    captured = f" (captured steps at E = {est['captured_at']})" if "captured_at" in est else ""
     out = [
         f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
-        f"from the rates at E = {est['measured_at']}, linear in members; training steps as the paper budget runs them "
-        f"on this device (compiled where `--compile auto` compiles it, captured on CUDA), warm-up included; one "
-        f"process; pretraining "
-        f"not included): {est['total_s'] / 3600:.2f} h for the methods measured\n",
+        f"from the rates at E = {est['measured_at']}{captured}, linear in members; training steps as the paper "
+        f"budget runs them on this device (compiled where `--compile auto` compiles it, captured on CUDA), warm-up "
+        f"included; one process; pretraining not included): {est['total_s'] / 3600:.2f} h for the methods measured\n",
         table(rows, ESTIMATE),
     ]
     if par := est.get("parallel"):
