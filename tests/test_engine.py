@@ -3,7 +3,10 @@ is cached and shared."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
+import types
 
 import pytest
 import torch
@@ -351,3 +354,70 @@ def test_the_captured_step_finds_every_optimisers_parameters_and_records_adamw_o
     assert [id(p) for p in step_module.parameters(adam)] == [id(b), id(a)]
     assert not step_module.capturable(adam)  # CPU AdamW keeps its step count on the host
     assert step_module.capturable(torch.optim.AdamW([a], lr=1e-3, capturable=True))
+
+
+class _ReplayByRerun:
+    """A CPU stand-in for CUDA graphs (engine/step.py `CudaGraphs`): a recording runs the body on a snapshot of what
+    it changes and restores it (a CUDA recording records kernels without running them: it does not train), and each
+    replay runs the body again and writes its outputs into the recorded ones, as a graph's replay rewrites the
+    recording's memory. It checks the captured step's bookkeeping (warm-up per batch shape, the recorded gradients,
+    the update recorded or eager after the replay, release at the end of a stage), not CUDA itself."""
+
+    def __init__(self, device):
+        self.recorded = 0
+
+    def warm_up(self):
+        return contextlib.nullcontext()
+
+    def record(self, body, params, optimizer):
+        self.recorded += 1
+        saved = [p.detach().clone() for p in params]
+        state = copy.deepcopy(optimizer.state_dict()) if hasattr(optimizer, "load_state_dict") else None
+        out = body()
+        with torch.no_grad():
+            for p, v in zip(params, saved):
+                p.copy_(v)
+        if state is not None:
+            optimizer.load_state_dict(state)
+
+        def replay():
+            loss, grads = body()
+            out[0].copy_(loss)
+            for old, new in zip(out[1], grads):
+                if old is not None:
+                    old.copy_(new)
+
+        return types.SimpleNamespace(replay=replay), out
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["update-after-replay", "update-recorded"])
+def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(monkeypatch, whole):
+    """Every trained method's smoke adaptation through `CapturedStep`, with CUDA graphs replaced by a CPU stand-in
+    (`_ReplayByRerun`), gives the eager step's curves and gradient diagnostics bit for bit: the 4 epochs of 6 full
+    batches and one of 16 samples are recorded once per shape (2 recordings) after their warm-up steps. Both ways
+    the update runs: eager after the replay (full-soap's SOAP, any optimiser that is not capturable) and recorded
+    with the step (AdamW on CUDA; here `capturable` is forced, for the AdamW methods). full-soap's missing
+    param_groups once failed every full-soap cell on CUDA; this catches such a fault without a GPU."""
+    from qlbench.engine import step as step_module
+
+    recorders = []
+    monkeypatch.setattr(
+        step_module, "RECORDER", lambda device: recorders.append(_ReplayByRerun(device)) or recorders[-1]
+    )
+    if whole:
+        monkeypatch.setattr(step_module, "capturable", lambda optimizer: hasattr(optimizer, "param_groups"))
+    smoke = engine.budget("smoke", "deep-narrow")
+    pre = engine.pretrain(engine.Backbones("deep-narrow", smoke.pretrain), [("dropwave", 0), ("levy", 1)], device="cpu")
+    methods = [m for m in adapters.names() if adapters.get(m).trains]
+    if whole:
+        methods = [m for m in methods if m != "full-soap"]
+    for method in methods:
+        config = adapters.get(method).make_config()
+        runs = {c: engine.adapt(pre, method, config, smoke, device="cpu", capture=c).curves for c in (False, True)}
+        assert sum(r.recorded for r in recorders) == 2, method
+        recorders.clear()
+        for field in ("train_mse", "test_mse", "grad_layers", "grad_shared"):
+            eager, captured = getattr(runs[False], field), getattr(runs[True], field)
+            assert (eager is None) == (captured is None), (method, field)
+            if eager is not None:
+                assert torch.equal(eager.nan_to_num(-1.0), captured.nan_to_num(-1.0)), (method, field)

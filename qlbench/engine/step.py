@@ -25,6 +25,7 @@ How the captured step stays the same training as the eager one:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -111,6 +112,35 @@ def parameters(optimizer) -> list[torch.Tensor]:
     return [p for g in groups for p in g["params"]]
 
 
+class CudaGraphs:
+    """How `CapturedStep` records and replays, on CUDA: the warm-up steps on a side stream, then `torch.cuda.graph`.
+    tests/test_engine.py swaps in a CPU stand-in (the recording's body re-run at each replay) to check the captured
+    step's bookkeeping for every method without a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.side = torch.cuda.Stream(device=device)
+
+    @contextlib.contextmanager
+    def warm_up(self):
+        """The ordinary steps before a recording, on a side stream (PyTorch's CUDA-graph notes)."""
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            yield
+        main.wait_stream(self.side)
+
+    def record(self, body: Callable[[], tuple], params, optimizer) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        """(graph, body's outputs): body recorded, not run (its kernels run at each graph.replay(), on the same
+        memory, so its outputs are the buffers every replay rewrites). `params`, `optimizer`: what body changes."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body()
+        return graph, out
+
+
+RECORDER = CudaGraphs  # built per captured step with the parameters' device
+
+
 class CapturedStep(Step):
     """`Step` recorded in a CUDA graph per batch shape and replayed (CUDA only; see the module docstring)."""
 
@@ -122,7 +152,7 @@ class CapturedStep(Step):
         self.whole = capturable(optimizer)  # the update recorded too (else it steps eagerly after each replay)
         self.seen: dict[tuple, int] = {}  # batch shape -> ordinary steps taken
         self.graphs: dict[tuple, _Recording] = {}
-        self.side = torch.cuda.Stream(device=self.params[0].device)
+        self.recorder = RECORDER(self.params[0].device)
 
     def __call__(self, xb, yb, inspect: Callable[[], None] | None = None, task=None) -> torch.Tensor:
         # contiguous, as the recording's buffers are: a compiled forward guards on strides, and the loop's batches
@@ -135,12 +165,8 @@ class CapturedStep(Step):
             self.seen[key] = self.seen.get(key, 0) + 1
             # .grad may still hold another recording's gradient tensors: an ordinary backward would add to them
             self.optimizer.zero_grad(set_to_none=True)
-            main = torch.cuda.current_stream()
-            self.side.wait_stream(main)
-            with torch.cuda.stream(self.side):
-                loss = super().__call__(xb, yb, inspect, task)
-            main.wait_stream(self.side)
-            return loss
+            with self.recorder.warm_up():
+                return super().__call__(xb, yb, inspect, task)
         if key not in self.graphs:
             self.graphs[key] = self._record(xb, yb, task)
         rec = self.graphs[key]
@@ -161,22 +187,24 @@ class CapturedStep(Step):
     def _record(self, xb, yb, task) -> _Recording:
         x, y = xb.clone(memory_format=torch.contiguous_format), yb.clone(memory_format=torch.contiguous_format)
         t = None if task is None else task.clone(memory_format=torch.contiguous_format)
-        self.optimizer.zero_grad(set_to_none=True)  # backward inside the recording allocates its own gradients
-        graph = torch.cuda.CUDAGraph()
+
+        def body() -> tuple[torch.Tensor, list]:
+            self.optimizer.zero_grad(set_to_none=True)  # backward inside the recording allocates its own gradients
+            loss = _loss(self.forward, self.instruction, x, y, t)
+            loss.sum().backward()
+            if self.whole:
+                self.optimizer.step()
+            return loss.detach(), [p.grad for p in self.params]
+
         try:
-            with torch.cuda.graph(graph):
-                loss = _loss(self.forward, self.instruction, x, y, t)
-                loss.sum().backward()
-                if self.whole:
-                    self.optimizer.step()
-                loss = loss.detach()
+            graph, (loss, grads) = self.recorder.record(body, self.params, self.optimizer)
         except RuntimeError as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             message = (
                 f"the training step could not be captured in a CUDA graph ({first}); --capture off trains it eagerly"
             )
             raise RuntimeError(message) from err
-        return _Recording(graph, x, y, t, loss, [p.grad for p in self.params])
+        return _Recording(graph, x, y, t, loss, grads)
 
     def close(self) -> None:
         """Release the recordings (their memory pools) and detach their gradient tensors from the parameters, so
