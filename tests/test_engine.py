@@ -421,3 +421,37 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
             assert (eager is None) == (captured is None), (method, field)
             if eager is not None:
                 assert torch.equal(eager.nan_to_num(-1.0), captured.nan_to_num(-1.0)), (method, field)
+
+
+def test_a_compiled_forward_is_not_compiled_again_inside_a_recording(monkeypatch):
+    """The captured step warms each batch shape up on the very layout it records (contiguous batches), so a compiled
+    forward is compiled during the warm-up and only replayed inside the recording: compiling there (Triton's
+    autotuning synchronises) failed every compiled captured run on an H200 ("operation not permitted when stream is
+    capturing"), because the loop's batches are strided views and the recording's buffers contiguous. Here the CPU
+    stand-in counts torch.compile's compilations inside each recording: none. Without the step's `.contiguous()`
+    both recordings compile the forward again."""
+    from torch._dynamo.utils import counters
+
+    from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP
+    from qlbench.engine import step as step_module
+
+    inside = []
+
+    class Counting(_ReplayByRerun):
+        def record(self, body, params, optimizer):
+            before = sum(counters["stats"].values())
+            out = super().record(body, params, optimizer)
+            inside.append(sum(counters["stats"].values()) - before)
+            return out
+
+    monkeypatch.setattr(step_module, "RECORDER", Counting)
+    members, method = [("dropwave", 0), ("levy", 1)], adapters.get("lora")
+    config = method.make_config()
+    gens = [generator("test-compile", *m) for m in members]
+    backbone = DeepNarrowMLP(gens, DeepNarrowConfig(depth=2), dtype=torch.float32)
+    data = engine.StackedData.build(members, "target", device="cpu", dtype=torch.float32)
+    model = method.build(backbone, config, gens, data.y_train)
+    opt = lambda: method.optimizer(model, config, 1e-3, 0.01)
+    stage = engine.Stage(data, engine.Phase(4, 1e-3), opt, [generator("order", *m) for m in members], 4)
+    engine.fit(model, [stage], compile=True, capture=True)
+    assert inside == [0, 0]  # two batch shapes (64 and the last 16), recorded after their warm-ups
