@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import types
+
 import torch
 
 from qlbench import adapters, backbones, cli
@@ -124,3 +128,37 @@ def peft_decoder(kind: str = "gpt2", *, causal=None, task_type="CAUSAL_LM"):
             if "queryable_B" in n or "queryable_memory" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return model
+
+
+class ReplayByRerun:
+    """A CPU stand-in for CUDA graphs (engine/step.py `CudaGraphs`): a recording runs the body on a snapshot of what
+    it changes and restores it (a CUDA recording records kernels without running them: it does not train), and each
+    replay runs the body again and writes its outputs into the recorded ones, as a graph's replay rewrites the
+    recording's memory. It checks the captured step's bookkeeping (warm-up per batch shape, the recorded gradients,
+    the update recorded or eager after the replay, release at the end of a stage), not CUDA itself."""
+
+    def __init__(self, device):
+        self.recorded = 0
+
+    def warm_up(self):
+        return contextlib.nullcontext()
+
+    def record(self, body, params, optimizer):
+        self.recorded += 1
+        saved = [p.detach().clone() for p in params]
+        state = copy.deepcopy(optimizer.state_dict()) if hasattr(optimizer, "load_state_dict") else None
+        out = body()
+        with torch.no_grad():
+            for p, v in zip(params, saved):
+                p.copy_(v)
+        if state is not None:
+            optimizer.load_state_dict(state)
+
+        def replay():
+            loss, grads = body()
+            out[0].copy_(loss)
+            for old, new in zip(out[1], grads):
+                if old is not None:
+                    old.copy_(new)
+
+        return types.SimpleNamespace(replay=replay), out

@@ -3,10 +3,7 @@ is cached and shared."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
-import types
 
 import pytest
 import torch
@@ -14,6 +11,8 @@ import torch
 from qlbench import adapters, engine, experiment, results, runner, zoo
 from qlbench.seeding import generator
 from qlbench.store import Store
+
+from helpers import ReplayByRerun
 
 F64 = torch.float64
 PRE = engine.Phase(epochs=2, lr=3e-3)
@@ -356,44 +355,10 @@ def test_the_captured_step_finds_every_optimisers_parameters_and_records_adamw_o
     assert step_module.capturable(torch.optim.AdamW([a], lr=1e-3, capturable=True))
 
 
-class _ReplayByRerun:
-    """A CPU stand-in for CUDA graphs (engine/step.py `CudaGraphs`): a recording runs the body on a snapshot of what
-    it changes and restores it (a CUDA recording records kernels without running them: it does not train), and each
-    replay runs the body again and writes its outputs into the recorded ones, as a graph's replay rewrites the
-    recording's memory. It checks the captured step's bookkeeping (warm-up per batch shape, the recorded gradients,
-    the update recorded or eager after the replay, release at the end of a stage), not CUDA itself."""
-
-    def __init__(self, device):
-        self.recorded = 0
-
-    def warm_up(self):
-        return contextlib.nullcontext()
-
-    def record(self, body, params, optimizer):
-        self.recorded += 1
-        saved = [p.detach().clone() for p in params]
-        state = copy.deepcopy(optimizer.state_dict()) if hasattr(optimizer, "load_state_dict") else None
-        out = body()
-        with torch.no_grad():
-            for p, v in zip(params, saved):
-                p.copy_(v)
-        if state is not None:
-            optimizer.load_state_dict(state)
-
-        def replay():
-            loss, grads = body()
-            out[0].copy_(loss)
-            for old, new in zip(out[1], grads):
-                if old is not None:
-                    old.copy_(new)
-
-        return types.SimpleNamespace(replay=replay), out
-
-
 @pytest.mark.parametrize("whole", [False, True], ids=["update-after-replay", "update-recorded"])
 def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(monkeypatch, whole):
     """Every trained method's smoke adaptation through `CapturedStep`, with CUDA graphs replaced by a CPU stand-in
-    (`_ReplayByRerun`), gives the eager step's curves and gradient diagnostics bit for bit: the 4 epochs of 6 full
+    (`ReplayByRerun`), gives the eager step's curves and gradient diagnostics bit for bit: the 4 epochs of 6 full
     batches and one of 16 samples are recorded once per shape (2 recordings) after their warm-up steps. Both ways
     the update runs: eager after the replay (full-soap's SOAP, any optimiser that is not capturable) and recorded
     with the step (AdamW on CUDA; here `capturable` is forced, for the AdamW methods). full-soap's missing
@@ -402,7 +367,7 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
 
     recorders = []
     monkeypatch.setattr(
-        step_module, "RECORDER", lambda device: recorders.append(_ReplayByRerun(device)) or recorders[-1]
+        step_module, "RECORDER", lambda device: recorders.append(ReplayByRerun(device)) or recorders[-1]
     )
     if whole:
         monkeypatch.setattr(step_module, "capturable", lambda optimizer: hasattr(optimizer, "param_groups"))
@@ -437,7 +402,7 @@ def test_a_compiled_forward_is_not_compiled_again_inside_a_recording(monkeypatch
 
     inside = []
 
-    class Counting(_ReplayByRerun):
+    class Counting(ReplayByRerun):
         def record(self, body, params, optimizer):
             before = sum(counters["stats"].values())
             out = super().record(body, params, optimizer)
