@@ -41,12 +41,12 @@ part run-quick 80 "$Q run --function dropwave --arch deep-narrow --budget quick 
 part bench 140 "$Q bench --quick --device cuda --methods lora,queryable --no-progress --out $OUT/bench"
 part paper-deep-narrow 60 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
 part paper-transformer 90 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
-# then the CUDA tests (not timed): on 4 processes where pytest-xdist is installed, each test's outcome on its own
-# line as it ends (-v), and each test under 140 s where pytest-timeout is, so the failures' reasons are printed before
+# then the CUDA tests (not timed): on 6 processes where pytest-xdist is installed, each test's outcome on its own
+# line as it ends (-v), and each test under 160 s where pytest-timeout is, so the failures' reasons are printed before
 # the part's own limit
-XDIST=""; $PY -c 'import xdist' 2>/dev/null && XDIST="-n 4"
-PER_TEST=""; $PY -c 'import pytest_timeout' 2>/dev/null && PER_TEST="--timeout 140"
-part test-cuda 170 "$PY -m pytest -v -m cuda -rs -p no:cacheprovider tests/test_cuda.py $XDIST $PER_TEST --durations=0"
+XDIST=""; $PY -c 'import xdist' 2>/dev/null && XDIST="-n 6"
+PER_TEST=""; $PY -c 'import pytest_timeout' 2>/dev/null && PER_TEST="--timeout 160"
+part test-cuda 175 "$PY -m pytest -v -m cuda -rs -p no:cacheprovider tests/test_cuda.py $XDIST $PER_TEST --durations=0"
 cat "$S"
 for log in "$OUT"/*.log; do  # why a part failed, in the call's own output (progress lines left out)
   name=$(basename "$log" .log)
