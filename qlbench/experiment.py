@@ -377,58 +377,65 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
     if (res := runner.attempt(method, work, failed, log)) is None:
         return
     costs = measure_cost(p, method, pre, dtype, log)
-    c = res.curves
     for f in functions:
-        idx = [i for i, (g, _) in enumerate(res.members) if g == f]
-        per_seed = []
-        for i in idx:
-            seed = res.members[i][1]
-            per_seed.append(
-                {
-                    "seed": seed,
-                    "status": "ok" if c.diverged_epoch[i] is None else "diverged",
-                    "diverged_epoch": c.diverged_epoch[i],
-                    **c.member_summary(i),
-                    "source_train_mse": pre.source_train_mse[i],
-                    "source_test_mse": pre.source_test_mse[i],
-                    "source_test_mse_after": res.source_test_mse_after[i],
-                    "train_curve": c.train_mse[i].tolist(),
-                    "test_curve": c.test_mse[i].tolist(),
-                    **results.gradient_fields(c, i),
-                }
-            )
-        bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
-        message = f"diverged seeds: {bad}" if bad else ""
-        if bad:
-            rest = "the other seeds completed" if len(bad) < len(per_seed) else "every seed diverged"
-            log(
-                f"{method} on {f}: seed(s) {bad} diverged (non-finite MSE, or above "
-                f"{engine.DIVERGENCE_FACTOR:g}x the epoch-0 train MSE); {rest}"
-            )
-        rec = results.make_record(
-            config=p.cell_config(f, method),
-            seeds=p.seeds,
-            device=p.device,
-            compile=p.compile,
-            status="diverged" if bad else "ok",
-            message=message,
-            wall_time_s=res.wall_time_s,
-            stacked_members=len(res.members),
-            trainable_params=res.trainable_params,
-            total_params=res.total_params,
-            eval_epochs=c.epochs,
-            grad_epochs=c.grad_epochs,
-            per_seed=per_seed,
-            cost=costs,
-            chosen=p.chosen | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()},
+        commit_cell(p, method, f, res, [i for i, (g, _) in enumerate(res.members) if g == f], pre, costs, log)
+
+
+def commit_cell(
+    p: Plan, method: str, f: str, res: engine.AdaptResult, idx: list[int], pre: engine.Pretrained, costs, log
+) -> None:
+    """Write the record of the cell (f, method) of plan `p` from the members `idx` of the adapted stack `res`
+    (pretrained as `pre`, members alike), its adapter weights first."""
+    c = res.curves
+    per_seed = []
+    for i in idx:
+        seed = res.members[i][1]
+        per_seed.append(
+            {
+                "seed": seed,
+                "status": "ok" if c.diverged_epoch[i] is None else "diverged",
+                "diverged_epoch": c.diverged_epoch[i],
+                **c.member_summary(i),
+                "source_train_mse": pre.source_train_mse[i],
+                "source_test_mse": pre.source_test_mse[i],
+                "source_test_mse_after": res.source_test_mse_after[i],
+                "train_curve": c.train_mse[i].tolist(),
+                "test_curve": c.test_mse[i].tolist(),
+                **results.gradient_fields(c, i),
+            }
         )
-        if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
-            save_torch(
-                {
-                    "config_hash": rec["run_info"]["config_hash"],
-                    "members": [res.members[i] for i in idx],
-                    "state": trainable_state(res.model, idx),
-                },
-                Store.model_of(p.record_path(f, method)),
-            )
-        write_json(rec, p.record_path(f, method))  # the record commits
+    bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
+    message = f"diverged seeds: {bad}" if bad else ""
+    if bad:
+        rest = "the other seeds completed" if len(bad) < len(per_seed) else "every seed diverged"
+        log(
+            f"{method} on {f}: seed(s) {bad} diverged (non-finite MSE, or above "
+            f"{engine.DIVERGENCE_FACTOR:g}x the epoch-0 train MSE); {rest}"
+        )
+    rec = results.make_record(
+        config=p.cell_config(f, method),
+        seeds=p.seeds,
+        device=p.device,
+        compile=p.compile,
+        status="diverged" if bad else "ok",
+        message=message,
+        wall_time_s=res.wall_time_s,
+        stacked_members=len(res.members),
+        trainable_params=res.trainable_params,
+        total_params=res.total_params,
+        eval_epochs=c.epochs,
+        grad_epochs=c.grad_epochs,
+        per_seed=per_seed,
+        cost=costs,
+        chosen=p.chosen | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()},
+    )
+    if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
+        save_torch(
+            {
+                "config_hash": rec["run_info"]["config_hash"],
+                "members": [res.members[i] for i in idx],
+                "state": trainable_state(res.model, idx),
+            },
+            Store.model_of(p.record_path(f, method)),
+        )
+    write_json(rec, p.record_path(f, method))  # the record commits

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from qlbench.adapters.base import AdapterMethod, Site, check_positive, check_positive_int
 from qlbench.adapters.lora import LoraConfig
+from qlbench.adapters.routing import topk_softmax
 from qlbench.stacked import ForwardContext, StackedLinear, bmm_add, param, stacked_linear, uniform_members
 
 NAME = "moe-lora"
@@ -47,10 +48,10 @@ class MoeLoraConfig(LoraConfig):
             raise ValueError(f"top_k must be <= n_experts ({self.n_experts}), got {self.top_k}")
 
 
-def top_k_weights(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """(E, N, X) gate logits -> (E, N, X) weights: softmax over each row's top-k logits, 0 elsewhere."""
-    top, index = logits.topk(k, dim=-1)
-    return torch.zeros_like(logits).scatter(-1, index, torch.softmax(top, dim=-1))
+def top_k_weights(logits: torch.Tensor, k: int | tuple[int, ...]) -> torch.Tensor:
+    """(E, N, X) gate logits -> (E, N, X) weights: softmax over each row's top-k logits, 0 elsewhere (k: one, or
+    one per member, routing.topk_softmax)."""
+    return topk_softmax(logits, k)
 
 
 class MoeLoraLinear(nn.Module):
@@ -60,6 +61,7 @@ class MoeLoraLinear(nn.Module):
         super().__init__()
         c = config
         self.base, self.scale, self.r, self.top_k = base, c.scale, c.r, c.top_k
+        self.member_top_k: tuple[int, ...] | None = None  # k per member (a stacked Pareto grid; None: top_k)
         bound = 1.0 / math.sqrt(base.d_in)
         # the experts' A_j stacked row-wise (E, X r, d_in); B_j side by side (E, d_out, X r)
         self.moe_A = param(uniform_members((c.n_experts * c.r, base.d_in), bound, generators), like=base.weight)
@@ -68,7 +70,7 @@ class MoeLoraLinear(nn.Module):
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
         """x (E, ..., d_in) -> the experts' weights (E, ..., X)."""
-        return top_k_weights(stacked_linear(x, self.moe_gate), self.top_k)
+        return top_k_weights(stacked_linear(x, self.moe_gate), self.member_top_k or self.top_k)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         E, d_in = x.shape[0], x.shape[-1]

@@ -132,6 +132,7 @@ class QueryableMemory(nn.Module):
                 f"{sorted(set(range(c.n_blocks)) - entry_blocks)} of {c.n_blocks} have none"
             )
         self.config = c
+        self.member_top_k: tuple[int, ...] | None = None  # k per member (a stacked Pareto grid; None: config's)
         self.Q_ctx = self.R_ctx = None  # without instruction channels
         for name, (shape, std) in memory_shapes(c).items():  # each (E, *shape), drawn in this order
             setattr(self, name, param(normal_members(shape, std, generators), like=like))
@@ -180,7 +181,7 @@ def route_with(memory, block: int, s_entry, summaries, instruction) -> Route:
         Q_dep_k=memory.Q_dep_k,
         keys=memory.keys,
         atoms=memory.atoms,
-        top_k=c.top_k,
+        top_k=getattr(memory, "member_top_k", None) or c.top_k,
         t_attn=c.t_attn,
         t_dep=c.t_dep,
         t_lang=c.t_lang,

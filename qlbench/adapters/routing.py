@@ -27,8 +27,22 @@ def scaled_similarity(a: torch.Tensor, b: torch.Tensor, temperature: float, eps:
     return rmsnorm(a, eps) @ rmsnorm(b, eps).transpose(-1, -2) / (math.sqrt(d_k) * temperature)
 
 
-def topk_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Softmax over the k largest logits, zero elsewhere: (..., M) -> (..., M) with exactly k non-zeros."""
+def topk_softmax(logits: torch.Tensor, k: int | tuple[int, ...]) -> torch.Tensor:
+    """Softmax over the k largest logits, zero elsewhere: (E, ..., M) -> (E, ..., M) with exactly k non-zeros.
+
+    `k` per member (a tuple of E, a stacked Pareto grid's points that differ in k alone: qlbench/pareto_stack.py):
+    the members of each k are routed apart and put back in place. Every op is per row, so member e's weights and
+    gradients are the bits it gets with its k alone (tests/test_pareto_stack.py)."""
+    if not isinstance(k, int):
+        if len(k) != logits.shape[0]:
+            raise ValueError(f"one k per member: {len(k)} for {logits.shape[0]} members")
+        if len(set(k)) > 1:
+            out = torch.zeros_like(logits)
+            for kk in sorted(set(k)):
+                rows = torch.tensor([e for e, v in enumerate(k) if v == kk], device=logits.device)
+                out = out.index_copy(0, rows, topk_softmax(logits.index_select(0, rows), kk))
+            return out
+        k = k[0]
     top, idx = logits.topk(k, dim=-1)
     return torch.zeros_like(logits).scatter(-1, idx, top.softmax(dim=-1))
 
@@ -77,7 +91,7 @@ def route(
     Q_dep_k: torch.Tensor,
     keys: torch.Tensor,
     atoms: torch.Tensor,
-    top_k: int,
+    top_k: int | tuple[int, ...],
     t_attn: float = 1.0,
     t_dep: float = 1.0,
     t_lang: float = 1.0,

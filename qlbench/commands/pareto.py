@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import multitask, pareto, planning, runner
+from qlbench import multitask, pareto, pareto_stack, planning, runner
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
 from qlbench.report import pareto as pareto_report
@@ -79,10 +79,18 @@ def run(args) -> int:
             log(f"qlbench pareto: {m}: {len(points)} point(s) skipped: {', '.join(points)}")
     name = args.function or f"{args.suite} ({args.schedule})"
     print(f"qlbench pareto: {name} on {args.arch}, {len(todo)} grid point(s) of {', '.join(methods)}", flush=True)
-    paths = []
-    for i, (m, pt, p) in enumerate(todo, 1):
-        log(f"qlbench pareto: point {i}/{len(todo)}: {m} {pt.label}")
-        paths += runner.run(p, progress=not args.no_progress, log=log)  # a suite's or a single-task plan
+    paths, done = [], 0
+    for m, grp in batches(todo, stack=bool(args.function)):
+        first, last = done + 1, done + len(grp)
+        span = f"point {first}/{len(todo)}" if len(grp) == 1 else f"points {first}-{last}/{len(todo)}"
+        labels_ = ", ".join(pt.label for pt, _ in grp)
+        log(f"qlbench pareto: {span}: {m} {labels_}" + (" (one stack)" if len(grp) > 1 else ""))
+        if len(grp) == 1:
+            paths += runner.run(grp[0][1], progress=not args.no_progress, log=log)  # a suite's or a single-task plan
+        else:
+            w = pareto_stack.StackedPoints([p for _, p in grp], [pt.values["k"] for pt, _ in grp])
+            paths += runner.run(w, progress=not args.no_progress, log=log)
+        done = last
     if not paths:
         log("qlbench pareto: no point has a record yet (another process is training them); run again later")
         return 1
@@ -96,6 +104,17 @@ def run(args) -> int:
     if failed:
         log(f"qlbench pareto: {failed} point(s) without a finished seed")
     return 1 if failed else 0
+
+
+def batches(todo: list, stack: bool) -> list[tuple[str, list]]:
+    """(method, [(point, plan), ...]) in grid order: on one function, a routed method's points that differ in k
+    alone train as one stack (qlbench/pareto_stack.py); every other point alone."""
+    out = []
+    for m in dict.fromkeys(m for m, _, _ in todo):
+        pairs = [(pt, p) for n, pt, p in todo if n == m]
+        grouped = pareto_stack.groups(pairs) if stack and pareto_stack.stackable(m) else [[pair] for pair in pairs]
+        out += [(m, grp) for grp in grouped]
+    return out
 
 
 def labels(args, common: dict, overrides: dict, budget: str) -> tuple[str, str]:

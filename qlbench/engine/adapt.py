@@ -60,17 +60,21 @@ def adapt(
     diagnostics: bool = True,
     eps: float = adapters.EPS,
     noise: str = zoo.DEFAULT_NOISE,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> AdaptResult:
     """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target; with
     `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `eps`: the optimiser's
     epsilon (AdamW's, or SOAP's for full-soap); `noise`: the target labels' noise (zoo.NOISES); `compile`, `capture`:
-    how the training step runs (engine.fit)."""
+    how the training step runs (engine.fit); `prepare(model)`, if given, is called on the built stack before any
+    training (a stacked Pareto grid sets each member's k there, qlbench/pareto_stack.py)."""
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
     if len(padded(members)) > len(members):  # trained as a stack of at least MIN_STACK (select copies the state)
         pretrained = pretrained.select(padded(members))
     model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype, noise=noise)
+    if prepare is not None:
+        prepare(model)
     if method.trains:
         optimizer = lambda: method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay, eps)
         order = [generator("order", "adapt", arch, f, s) for f, s in pretrained.members]
