@@ -53,6 +53,9 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert "Estimate: the full deep-narrow paper table" in (tmp_path / "bench.md").read_text()
     a = report["plain"]
     assert a["floor_e5"] > 0 and a["floor_e5_vs_plain"] > 0
+    (grid,) = report["pareto_stack"]  # Queryable LoRA's k stacked; LoRA has no k
+    assert grid["method"] == "queryable" and grid["points"] == 3 and grid["members"] == 5
+    assert grid["alone"] > 0 and grid["stacked"] > 0 and "Pareto grid" in (tmp_path / "bench.md").read_text()
     padding = {r["method"]: r for r in report["padding"]}
     assert set(padding) == {"lora", "queryable"} and all(r["members"] == 1 for r in padding.values())
     # timing ratios are the benchmark's output, not asserted here: speed is measured by `qlbench bench`, never by timed

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-from qlbench import adapters, engine, multitask, results, suites, zoo
+from qlbench import adapters, engine, multitask, pareto_stack, results, suites, zoo
 from qlbench.bench.estimate import paper_estimate
 from qlbench.bench.models import (
     batches,
@@ -468,6 +468,45 @@ def padding_row(arch: str, method: str, s: Settings, device) -> dict:
     )
 
 
+PARETO_KS = (1, 2, 4)  # the k of one (r, M) of a Pareto grid (the paper's k <= M = 4)
+
+
+def pareto_stack_row(arch: str, method: str, s: Settings, device) -> dict:
+    """A Pareto grid's points that differ in k alone (qlbench/pareto_stack.py): one stack of the P points' E members
+    each, every member with its k, against the P stacks of E that a grid trained point by point runs one after
+    another (each with its engine thread setting, alternating); model-steps/s of both and the speed-up."""
+    E, n, P = min(s.members), s.steps[arch], len(PARETO_KS)
+    size = dict(n_atoms=max(PARETO_KS), n_experts=max(PARETO_KS))
+    alone = []
+    for k in PARETO_KS:
+        model, opt = stacked_model(arch, method, E, device, top_k=k, **size)
+        alone.append((engine.make_step(model, opt), batches(E, device)))
+    model, opt = stacked_model(arch, method, P * E, device, top_k=max(PARETO_KS), **size)
+    pareto_stack.member_top_k(model, tuple(k for k in PARETO_KS for _ in range(E)))
+    stacked = (engine.make_step(model, opt), batches(P * E, device))
+    points = [chunk(step, data, n, s.threads_for(arch, E, device)) for step, data in alone]
+    for fn in (*points, chunk(*stacked, 2)):
+        fn()  # warm-up
+    r = alternate(
+        {
+            "alone": (lambda: [fn() for fn in points], P * E * n),
+            "stacked": (chunk(*stacked, n, s.threads_for(arch, P * E, device)), P * E * n),
+        },
+        s.rounds,
+        device,
+    )
+    return stack_row(
+        arch,
+        method,
+        E,
+        s.threads_for(arch, P * E, device),
+        points=P,
+        alone=statistics.median(r["alone"]),
+        stacked=statistics.median(r["stacked"]),
+        speedup=median_ratio(r["stacked"], r["alone"]),
+    )
+
+
 # the suite rows: the static baseline, the task controls, the routed methods over shared atoms
 SUITE_METHODS = (adapters.BASELINE, *adapters.of_kind("task"), *adapters.of_family("queryable"))
 SUITE = "zoo-4"  # its four sentences for the instruction table; the timing does not depend on the suite's data
@@ -543,6 +582,10 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                 )
         for m in pair:
             out.append((f"{arch} padding {m}", add("padding", lambda a=arch, m=m: padding_row(a, m, s, device))))
+        for m in (m for m in pair if pareto_stack.stackable(m)):  # a Pareto grid's k stacked (Queryable LoRA)
+            out.append(
+                (f"{arch} pareto stack {m}", add("pareto_stack", lambda a=arch, m=m: pareto_stack_row(a, m, s, device)))
+            )
         for m in SUITE_METHODS:  # the suite rows: the static baseline, the task controls, the routed methods
             if m in methods or adapters.kind_of(m) == "task":
                 E = min(s.members)
@@ -593,6 +636,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
         padding=[],
         suite=[],
         side_by_side=[],
+        pareto_stack=[],
         capture=[],
         hf=[],
     )

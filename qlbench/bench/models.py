@@ -17,13 +17,15 @@ from qlbench.seeding import generator
 from qlbench.stacked import bmm_add, stacked_linear
 
 
-def stacked_model(arch: str, method_name: str, members: int, device, tasks: int = 1) -> tuple[nn.Module, object]:
+def stacked_model(
+    arch: str, method_name: str, members: int, device, tasks: int = 1, **overrides
+) -> tuple[nn.Module, object]:
     """A randomly initialised stack with the method `method_name` built on it, and its optimizer (throughput does
     not depend on the values; `run` flushes denormals so tiny values do not slow the CPU). `tasks`: a
-    task-conditioned method's task count (a suite's)."""
+    task-conditioned method's task count (a suite's); `overrides`: config fields, where the method has them."""
     keys = [("bench", e) for e in range(members)]
     method = adapters.get(method_name)
-    config = method.make_config(**({"tasks": tasks} if method.kind == "task" else {}))
+    config = method.make_config(**({"tasks": tasks} if method.kind == "task" else {}), **overrides)
     y = torch.zeros(members, BATCH, device=device)
     model = method.build(
         build_backbone(arch, keys, device=device), config, [generator("init", "bench", method_name, k) for k in keys], y

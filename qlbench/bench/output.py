@@ -104,6 +104,18 @@ TABLES = [
         ],
     ),
     Table(
+        "pareto_stack",
+        "Pareto grid: the points of one (r, M) that differ in k alone (k = 1, 2, 4) as one stack, against one stack "
+        "per point trained one after another (qlbench/pareto_stack.py); E: members per point",
+        STACK
+        + [
+            Column("points", "points", digits(0)),
+            Column("point by point model-steps/s", "alone", digits(0)),
+            Column("one stack model-steps/s", "stacked", digits(0)),
+            Column("speed-up", "speedup", partial(times, digits=2)),
+        ],
+    ),
+    Table(
         "suite",
         "Multi-task suites: a suite stage's training step (a batch mixing the suite's tasks) against a single-task "
         "step of the same size",
