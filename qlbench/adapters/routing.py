@@ -9,6 +9,7 @@ Shapes: parameters carry the member dimension E first; activations are (E, N, ..
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,12 +40,19 @@ def topk_softmax(logits: torch.Tensor, k: int | tuple[int, ...]) -> torch.Tensor
         if len(set(k)) > 1:
             out = torch.zeros_like(logits)
             for kk in sorted(set(k)):
-                rows = torch.tensor([e for e, v in enumerate(k) if v == kk], device=logits.device)
+                rows = _rows(tuple(k), kk, logits.device)
                 out = out.index_copy(0, rows, topk_softmax(logits.index_select(0, rows), kk))
             return out
         k = k[0]
     top, idx = logits.topk(k, dim=-1)
     return torch.zeros_like(logits).scatter(-1, idx, top.softmax(dim=-1))
+
+
+@functools.lru_cache(maxsize=64)
+def _rows(ks: tuple[int, ...], k: int, device: torch.device) -> torch.Tensor:
+    """The members whose k is `k`, as an index tensor on `device`; made once (at a step's first, ordinary call), so
+    a step recorded in a CUDA graph copies nothing from the host."""
+    return torch.tensor([e for e, v in enumerate(ks) if v == k], device=device)
 
 
 def depth_summary(
