@@ -79,7 +79,7 @@ LAYERS = [
     ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.suites"],
     ["qlbench.adapters"],
     ["qlbench.engine"],
-    ["qlbench.planning", "qlbench.runner", "qlbench.experiment", "qlbench.cost"],
+    ["qlbench.planning", "qlbench.runner", "qlbench.experiment", "qlbench.cost", "qlbench.pareto_stack"],
     [
         "qlbench.stats",
         "qlbench.theory",
