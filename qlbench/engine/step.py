@@ -155,16 +155,17 @@ class CapturedStep(Step):
         self.recorder = RECORDER(self.params[0].device)
 
     def __call__(self, xb, yb, inspect: Callable[[], None] | None = None, task=None) -> torch.Tensor:
-        # contiguous, as the recording's buffers are: a compiled forward guards on strides, and the loop's batches
-        # are strided views (a column slice of the epoch's order), so warming up on them and recording on
-        # contiguous copies recompiled inside the recording, which cannot launch compilation's own work
-        xb, yb = xb.contiguous(), yb.contiguous()
-        task = None if task is None else task.contiguous()
         key = (tuple(xb.shape), None if task is None else tuple(task.shape))
         if key not in self.graphs and self.seen.get(key, 0) < WARMUP:
             self.seen[key] = self.seen.get(key, 0) + 1
             # .grad may still hold another recording's gradient tensors: an ordinary backward would add to them
             self.optimizer.zero_grad(set_to_none=True)
+            # contiguous, as the recording's buffers are: a compiled forward guards on strides, and the loop's
+            # batches are strided views (a column slice of the epoch's order), so warming up on them and recording
+            # on contiguous copies recompiled inside the recording, which cannot launch compilation's own work
+            # (a replay copies the views into its buffers as they are)
+            xb, yb = xb.contiguous(), yb.contiguous()
+            task = None if task is None else task.contiguous()
             with self.recorder.warm_up():
                 return super().__call__(xb, yb, inspect, task)
         if key not in self.graphs:
@@ -185,8 +186,9 @@ class CapturedStep(Step):
         return rec.loss
 
     def _record(self, xb, yb, task) -> _Recording:
-        x, y = xb.clone(memory_format=torch.contiguous_format), yb.clone(memory_format=torch.contiguous_format)
-        t = None if task is None else task.clone(memory_format=torch.contiguous_format)
+        contiguous = dict(memory_format=torch.contiguous_format)  # the warm-up's layout (see __call__)
+        x, y = xb.clone(**contiguous), yb.clone(**contiguous)
+        t = None if task is None else task.clone(**contiguous)
 
         def body() -> tuple[torch.Tensor, list]:
             self.optimizer.zero_grad(set_to_none=True)  # backward inside the recording allocates its own gradients
