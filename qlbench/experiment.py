@@ -316,15 +316,7 @@ def record_paths(p: Plan) -> list[Path]:
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
     """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells."""
     if functions:
-        members = [(f, s) for f in functions for s in p.seeds]
-        with progress_bar(
-            total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if p.pretrain_needed(members) else 0),
-            desc=f"pretrain {p.arch} x{len(members)}",
-            unit="step",
-            disable=not progress,
-            leave=False,
-        ) as bar:
-            pre = p.pretrain(members, progress=bar.update, log=log)
+        pre = pretrained(p, [(f, s) for f in functions for s in p.seeds], progress, log)
         trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
         total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
         with progress_bar(total=total, desc="adapt", unit="step", disable=not progress) as bar:
@@ -334,6 +326,18 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
                 bar.set_description(f"adapt {m} x{len(todo[m]) * len(p.seeds)}")
                 sub = pre.select([(f, s) for f in todo[m] for s in p.seeds])
                 run_method(p, m, sub, dtype, bar.update if adapters.get(m).trains else None, log)
+
+
+def pretrained(p: Plan, members: list[engine.Member], progress: bool, log) -> engine.Pretrained:
+    """The members' pretrained backbones (`Plan.pretrain`: cached), with a progress bar while any trains."""
+    with progress_bar(
+        total=engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) * (1 if p.pretrain_needed(members) else 0),
+        desc=f"pretrain {p.arch} x{len(members)}",
+        unit="step",
+        disable=not progress,
+        leave=False,
+    ) as bar:
+        return p.pretrain(members, progress=bar.update, log=log)
 
 
 def write_failed(p: Plan, method: str, functions: list[str], message: str, wall_time_s: float) -> None:

@@ -91,14 +91,8 @@ class StackedPoints:
         ks = tuple(self.ks[i] for i in units for _ in seeds)
         dtype = DTYPES[first.dtype]
         with engine.num_threads(experiment.threads(first, len(members))):
-            with progress_bar(
-                total=engine.steps(first.budget.pretrain, zoo.SOURCE_TRAIN) * first.pretrain_needed(seeds),
-                desc=f"pretrain {first.arch} x{len(seeds)}",
-                unit="step",
-                disable=not progress,
-                leave=False,
-            ) as bar:
-                pre = first.pretrain(seeds, progress=bar.update, log=log).select(members)
+            alone = experiment.pretrained(first, seeds, progress, log)  # the function's seeds, once
+            pre = alone.select(members)
             total = engine.steps(first.budget.adapt, zoo.TARGET_TRAIN)
             label = f"adapt {method} k={','.join(str(self.ks[i]) for i in units)} x{len(members)}"
             with progress_bar(total=total, desc=label, unit="step", disable=not progress) as bar:
@@ -115,9 +109,8 @@ class StackedPoints:
             S = len(seeds)
             for j, i in enumerate(units):
                 p = self.plans[i]
-                costs = experiment.measure_cost(p, method, pre.select(seeds), dtype, log)
-                idx = list(range(j * S, (j + 1) * S))
-                experiment.commit_cell(p, method, function, res, idx, pre, costs, log)
+                costs = experiment.measure_cost(p, method, alone, dtype, log)  # with the point's own k
+                experiment.commit_cell(p, method, function, res, list(range(j * S, (j + 1) * S)), pre, costs, log)
 
 
 def _but_k(p: experiment.Plan) -> dict:
