@@ -97,8 +97,7 @@ class StackedSoap:
                 out.append(None)
                 continue
             eye = torch.eye(m.shape[-1], device=m.device, dtype=m.dtype)
-            _, q = torch.linalg.eigh(m + 1e-30 * eye)
-            out.append(torch.flip(q, dims=[-1]))
+            out.append(torch.flip(_eigenvectors(m + 1e-30 * eye), dims=[-1]))
         return out
 
     @staticmethod
@@ -193,3 +192,23 @@ class StackedSoap:
 def _expand(mask: torch.Tensor, like: torch.Tensor, at: int = 0) -> torch.Tensor:
     """(E,) -> shape broadcastable against `like` whose dimension `at` is the member dimension."""
     return mask.view(*([1] * at), -1, *([1] * (like.dim() - at - 1)))
+
+
+def _eigenvectors(m: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors (ascending eigenvalues) of each symmetric matrix in the batch m (B, s, s). CUDA's batched
+    solver (Jacobi, for small matrices) can stop without converging on an ill-conditioned or degenerate GG
+    ("linalg.eigh: (Batch element 82): The algorithm failed to converge", a quick deep-narrow full-soap run on an
+    NVIDIA H200); LAPACK on the CPU has not. Then each matrix is solved alone, and one that fails alone again in
+    float64, as the SOAP authors' code retries (qlbench interpretation: the retry per matrix, so that the other
+    members' bases are the ones they get in a stack of their own). The first attempt is the only one on the CPU."""
+    try:
+        return torch.linalg.eigh(m)[1]
+    except torch.linalg.LinAlgError:
+        pass
+    out = []
+    for one in m:
+        try:
+            out.append(torch.linalg.eigh(one)[1])
+        except torch.linalg.LinAlgError:
+            out.append(torch.linalg.eigh(one.to(torch.float64))[1].to(m.dtype))
+    return torch.stack(out)
