@@ -162,3 +162,38 @@ class ReplayByRerun:
                     old.copy_(new)
 
         return types.SimpleNamespace(replay=replay), out
+
+
+# `python -c SYNCING DEVICE on|off`: a tiny stack whose forward reads a value back to the host (`.item()`), which a
+# CUDA graph cannot record, trained for 5 epochs (recorded at epoch 4 when capture is on). Exit 3 and the error's
+# message on stdout when training raises a RuntimeError, 0 when it trains. tests/test_cuda.py runs it captured on
+# CUDA; tests/test_engine.py runs it eagerly on the CPU, so the script itself cannot rot unseen.
+SYNCING = """
+import sys
+import torch
+from qlbench import engine
+from qlbench.adapters.base import adamw
+
+device, capture = sys.argv[1], sys.argv[2] == "on"
+
+
+class Syncing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2, 1, 2, device=device))
+
+    def forward(self, x, instruction=None, task=None):
+        return (x * self.w).sum(-1) * (1.0 if self.w.sum().item() > 0 else -1.0)
+
+
+model = Syncing()
+data = engine.StackedData(*(torch.rand(2, 100, *s, device=device) for s in ((2,), (), (2,), ())))
+optimizer = lambda: adamw(model.parameters(), 1e-3, 0.0)
+order = [torch.Generator().manual_seed(e) for e in range(2)]
+stage = engine.Stage(data, engine.Phase(5, 1e-3), optimizer, order, eval_every=5)
+try:
+    engine.fit(model, [stage], capture=capture)
+except RuntimeError as err:
+    print(err)
+    raise SystemExit(3)
+"""

@@ -23,6 +23,8 @@ import torch
 
 from qlbench import adapters, cli, engine, experiment, multitask, results, runner
 
+from helpers import SYNCING
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(
@@ -123,9 +125,12 @@ def test_an_interrupted_sweep_resumes_to_the_numbers_of_a_clean_one_on_cuda(tmp_
         assert best(resumed[key]) == pytest.approx(best(clean[key]), rel=CUDA_RTOL), key
 
 
-def test_the_routed_and_dora_methods_train_compiled_on_cuda(tmp_path):
-    got = cells(tmp_path, "cuda", COMPILED, compile="on")
-    eager = cells(tmp_path / "eager", "cuda", COMPILED)
+@pytest.mark.parametrize("method", COMPILED)
+def test_the_routed_and_dora_methods_train_compiled_on_cuda(tmp_path, method):
+    """One method per test, so that pytest-xdist spreads their compilations over its workers (the five in one test
+    ran past 140 s on an H200)."""
+    got = cells(tmp_path, "cuda", [method], compile="on")
+    eager = cells(tmp_path / "eager", "cuda", [method])
     for key in got:  # compiled kernels reorder sums: rounding, not another model
         assert best(got[key]) == pytest.approx(best(eager[key]), rel=1e-4), key
 
@@ -176,38 +181,12 @@ def test_a_stage_records_one_graph_per_batch_shape_not_per_epoch(monkeypatch):
     torch.testing.assert_close(captured.curves.test_mse, eager.curves.test_mse, rtol=CUDA_RTOL, atol=0)
 
 
-# A forward that reads a value back to the host (`.item()`), which a CUDA graph cannot record. Run in a process of
-# its own: a failed recording leaves that process's CUDA random-number generator in its capture state ("Offset
-# increment outside graph capture encountered unexpectedly" at the next draw), which would fail the tests after it.
-_SYNCING = """
-import torch
-from qlbench import adapters, engine
-
-
-class Syncing(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(2, 1, 2, device="cuda"))
-
-    def forward(self, x, instruction=None):
-        return (x * self.w).sum(-1) * (1.0 if self.w.sum().item() > 0 else -1.0)
-
-
-model = Syncing()
-data = engine.StackedData(*(torch.rand(2, 100, *s, device="cuda") for s in ((2,), (), (2,), ())))
-optimizer = lambda: adapters.adamw(model.parameters(), 1e-3, 0.0)
-order = [torch.Generator().manual_seed(e) for e in range(2)]
-stage = engine.Stage(data, engine.Phase(5, 1e-3), optimizer, order, eval_every=5)  # recorded at epoch 4
-try:
-    engine.fit(model, [stage], capture=True)
-except RuntimeError as err:
-    print(err)
-    raise SystemExit(3)
-"""
-
-
 def test_a_step_that_cannot_be_captured_is_one_line_naming_capture_off():
-    proc = subprocess.run([sys.executable, "-c", _SYNCING], capture_output=True, text=True, timeout=120)
+    """A forward that reads a value back to the host (`.item()`), which a CUDA graph cannot record (`SYNCING`). In a
+    process of its own: a failed recording leaves that process's CUDA random-number generator in its capture state
+    ("Offset increment outside graph capture encountered unexpectedly" at the next draw), which would fail the tests
+    after it."""
+    proc = subprocess.run([sys.executable, "-c", SYNCING, "cuda", "on"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr[-2000:]
     message = proc.stdout.strip()
     assert "could not be captured in a CUDA graph" in message and "--capture off" in message

@@ -4,6 +4,8 @@ is cached and shared."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from qlbench import adapters, engine, experiment, results, runner, zoo
 from qlbench.seeding import generator
 from qlbench.store import Store
 
-from helpers import ReplayByRerun
+from helpers import SYNCING, ReplayByRerun
 
 F64 = torch.float64
 PRE = engine.Phase(epochs=2, lr=3e-3)
@@ -420,3 +422,35 @@ def test_a_compiled_forward_is_not_compiled_again_inside_a_recording(monkeypatch
     stage = engine.Stage(data, engine.Phase(4, 1e-3), opt, [generator("order", *m) for m in members], 4)
     engine.fit(model, [stage], compile=True, capture=True)
     assert inside == [0, 0]  # two batch shapes (64 and the last 16), recorded after their warm-ups
+
+
+def test_the_syncing_script_of_the_cuda_tests_trains_eagerly_on_the_cpu():
+    """helpers.SYNCING is run captured on CUDA only (tests/test_cuda.py); here it runs as written, eagerly on the
+    CPU, so that a stale call in it (it once called a helper that had moved) shows on every machine, not only as a
+    CUDA failure with another cause."""
+    proc = subprocess.run([sys.executable, "-c", SYNCING, "cpu", "off"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_recording_that_fails_ends_in_one_line_naming_capture_off(monkeypatch):
+    """A CUDA error inside a recording (several lines, as CUDA's are) reaches the caller as one RuntimeError line
+    that names the cause's first line and `--capture off`; the CPU stand-in's recording raises as CUDA's does."""
+    from qlbench.engine import step as step_module
+
+    class Failing(ReplayByRerun):
+        def record(self, body, params, optimizer):
+            raise RuntimeError(
+                "CUDA error: operation not permitted when stream is capturing\n"
+                "CUDA kernel errors might be asynchronously reported at some other API call"
+            )
+
+    monkeypatch.setattr(step_module, "RECORDER", Failing)
+    smoke = engine.budget("smoke", "deep-narrow")
+    pre = engine.pretrain(engine.Backbones("deep-narrow", smoke.pretrain), [("dropwave", 0)], device="cpu")
+    config = adapters.get("lora").make_config()
+    with pytest.raises(RuntimeError) as err:
+        engine.adapt(pre, "lora", config, smoke, device="cpu", capture=True)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "could not be captured in a CUDA graph" in message and "--capture off" in message
+    assert "operation not permitted when stream is capturing" in message

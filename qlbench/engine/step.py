@@ -12,7 +12,7 @@ How the captured step stays the same training as the eager one:
   compilation), then is recorded, then every later step of that shape replays the recording. The warm-up steps are
   real training steps, so nothing is run twice or skipped.
 - A stage's last partial batch is one more shape, recorded once for the stage (not once per epoch).
-- The optimiser must keep its step count on the device (AdamW's `capturable`, which `adapters.adamw` sets on
+- The optimiser must keep its step count on the device (AdamW's `capturable`, which `adapters.base.adamw` sets on
   CUDA); an optimiser that does not (full-soap's SOAP, whose eigendecompositions synchronise with the host) has
   the forward and backward captured and steps eagerly after the replay.
 - The gradients a replay writes are the recording's own tensors; `inspect` (gradient diagnostics) is handed them,
@@ -73,7 +73,7 @@ class Step:
 
 def updates_compile(optimizer: torch.optim.Optimizer) -> bool:
     """Whether compiling the optimiser's update pays: torch.optim's multi-tensor ("foreach") AdamW over float32
-    parameters, as `adapters.adamw` builds it off CUDA. Inductor fuses its per-tensor kernels (measured on the
+    parameters, as `adapters.base.adamw` builds it off CUDA. Inductor fuses its per-tensor kernels (measured on the
     2-core CPU with the forward compiled: x1.1 to x1.4 per step, docs/speed.md). Not in float64: there the compiled
     update moved a 3-epoch curve by 1.5e-6 relative (float32-level rounding of its scalars), precision a float64 run
     asks for. CUDA's fused AdamW is one kernel already and is recorded in the CUDA graph; SOAP's update
