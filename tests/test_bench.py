@@ -12,6 +12,8 @@ import torch
 
 from qlbench import adapters, bench, cli, engine
 
+from helpers import one_line_error
+
 
 def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert (
@@ -391,3 +393,32 @@ def test_lora_floor_step_trains_exactly_like_the_engine(plant, compile):
     assert close == (plant is None)
     moved = models[0].hidden[5].lora_B.abs().max()
     assert moved > 1e-3  # B started at zero: the comparison is not of untouched parameters
+
+
+def test_only_runs_the_measurements_of_the_kinds_named(monkeypatch, tmp_path, capsys):
+    """Every measurement has a kind, the report key it writes (so `--only` can name it); `--only throughput` runs
+    the throughput rows and nothing else, and the report shows neither the other tables nor their empty headers.
+    An unknown kind is a one-line usage error naming the valid ones, before anything is measured."""
+    from qlbench.bench import cases
+
+    s = bench.Settings.make(quick=True)
+    for device in ("cpu", "cuda"):
+        todo = cases.tasks(["deep-narrow", "transformer"], adapters.names(), s, device, {})
+        assert {fn.kind for _, fn in todo} <= set(bench.KINDS)
+    ran = []
+    real = cases.tasks
+
+    def recording(*a, **k):  # the measurements themselves replaced: which ones run is what is checked
+        return [(label, cases.kind(fn.kind, lambda label=label: ran.append(label))) for label, fn in real(*a, **k)]
+
+    monkeypatch.setattr(cases, "tasks", recording)
+    monkeypatch.setattr(cases, "matmul_peak", lambda device: 1.0)
+    report = bench.run(
+        ["deep-narrow"], ["lora", "queryable"], s, torch.device("cpu"), progress=False, only={"throughput"}
+    )
+    assert ran == ["deep-narrow lora E=5", "deep-narrow queryable E=5"]
+    assert "### Inference" not in bench.markdown(report)
+    full = bench.run(["deep-narrow"], ["lora"], s, torch.device("cpu"), progress=False)
+    assert "### Inference" in bench.markdown(full)  # a full run shows it (rows or not)
+    line = one_line_error(capsys, ["bench", "--quick", "--only", "throughput,kernels", "--out", str(tmp_path / "b")])
+    assert "unknown measurement kind kernels; valid: plain, throughput" in line

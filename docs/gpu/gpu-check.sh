@@ -7,7 +7,8 @@
 # at the paper budget) into $GPU_CHECK_RESULTS (default gpu-check-results), so that the log folder stays small enough
 # to bring back. Each part has its own time limit (seconds, below), so a part that runs long is stopped and said so,
 # and the parts after it still run; at the end the last lines of every part that did not exit 0 are printed.
-# GPU_CHECK_PARTS (default: all, in this order: run-quick bench paper-deep-narrow paper-transformer test-cuda) runs only
+# GPU_CHECK_PARTS (default: all, in this order: run-quick bench-deep-narrow bench-transformer paper-deep-narrow
+# paper-transformer test-cuda) runs only
 # the parts it names, e.g. GPU_CHECK_PARTS="test-cuda run-quick" for a functional check in a shorter call.
 export PYTHONUNBUFFERED=1
 OUT=${GPU_CHECK_OUT:-gpu-check}
@@ -30,7 +31,7 @@ S=$OUT/summary.txt
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())'
 } > "$S" 2>&1
-PARTS=" ${GPU_CHECK_PARTS:-run-quick bench paper-deep-narrow paper-transformer test-cuda} "
+PARTS=" ${GPU_CHECK_PARTS:-run-quick bench-deep-narrow bench-transformer paper-deep-narrow paper-transformer test-cuda} "
 part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIMIT seconds, log in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   [[ $PARTS == *" $name "* ]] || return 0
@@ -42,9 +43,14 @@ part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIM
 }
 # the timed parts first, alone on the device; the paper cells show their progress (steps/s, ETA) in their logs
 part run-quick 80 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --no-progress --out $RES"
-part bench 170 "$Q bench --quick --device cuda --methods lora,queryable --no-progress --out $OUT/bench"
-part paper-deep-narrow 50 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
-part paper-transformer 75 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
+# the paper-table estimate of every default method, one backbone per part (each part's report is written whole when
+# it ends): its training step captured at E = 5 and at the paper's 45, kernels per step, evaluation time
+M=$($PY -c 'from qlbench import adapters; print(",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains))')
+for arch in deep-narrow transformer; do
+  part bench-$arch 110 "$Q bench --quick --device cuda --archs $arch --methods $M --only throughput,capture --no-progress --out $OUT/bench-$arch"
+done
+part paper-deep-narrow 45 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
+part paper-transformer 60 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
 # then the CUDA tests (not timed): on 6 processes where pytest-xdist is installed, each test's outcome on its own
 # line as it ends (-v), and each test under 150 s where pytest-timeout is, so the failures' reasons are printed before
 # the part's own limit (the thread method: it prints every thread's stack, even when the test waits in C code, where

@@ -22,7 +22,9 @@ The tables:
     too outside --quick), the CUDA kernels per step, at each E of the run and at the paper's 45 members (one stack
     on a GPU), and the paper-table estimate of each backbone at the widest captured rates.
 Measurements alternate between the compared variants in rounds (A B A B ...) and report medians, so slow drift of
-a shared machine hits both sides alike. Nothing here asserts a speed: the numbers are reported, not tested.
+a shared machine hits both sides alike. `--only` runs the measurements of the kinds it names (KINDS: the report's
+keys), e.g. `--only throughput,capture` for the paper-table estimate of every method in a short GPU call. Nothing
+here asserts a speed: the numbers are reported, not tested.
 
 The modules: `timing` (Settings, alternating rounds, timed chunks, the matmul peak, FLOP counts), `models` (what is
 timed: qlbench's stacks, the plain PyTorch loop, the kernel floor), `cases` (the measured cases and `run`),
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 from qlbench.bench.cases import (
     COMPILED_FORWARDS,
+    KINDS,
     compile_row,
     inference,
     overhead,
@@ -53,6 +56,7 @@ from qlbench.bench.timing import BATCH, Settings
 __all__ = [
     "BATCH",
     "COMPILED_FORWARDS",
+    "KINDS",
     "Settings",
     "batches",
     "compile_row",

@@ -557,9 +557,9 @@ UNTIMED_FORWARDS = ("mean",)
 def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dict) -> list[tuple[str, Callable]]:
     """The measurements of a run, in order, as (label, fn) pairs; each fn adds its rows to `report`."""
     out = []
-    add = lambda key, fn: lambda: report[key].append(fn())
+    add = lambda key, fn: kind(key, lambda: report[key].append(fn()))
     if "deep-narrow" in archs:
-        out.append(("plain loop", lambda: report.update(plain=plain_loop(s, device))))
+        out.append(("plain loop", kind("plain", lambda: report.update(plain=plain_loop(s, device)))))
     trained = [m for m in methods if adapters.get(m).trains]
     pair = [m for m in ("lora", "queryable") if m in methods]  # on purpose: Queryable LoRA against the LoRA it extends
     forwarded = [m for m in methods if m not in UNTIMED_FORWARDS]
@@ -607,7 +607,7 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             paired = [m for m in ("full-soap", "lora", "queryable") if m in trained]
             if torch.device(device).type == "cpu" and s.side_by_side_for(arch, E)[1] > 1 and paired:
                 row = lambda a=arch, E=E, p=paired: report["side_by_side"].extend(side_by_side(a, p, E, s, device))
-                out.append((f"{arch} side by side E={E}", row))
+                out.append((f"{arch} side by side E={E}", kind("side_by_side", row)))
         if torch.device(device).type == "cuda":  # the captured step of every trained method at every E and at the
             for E in sorted(set(s.members) | {PAPER_MEMBERS}):  # paper's stack width, which the estimate uses
                 for m in trained:
@@ -615,18 +615,38 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                         continue  # 45 per-member SOAP states of a 6.3M-parameter model
                     row = lambda a=arch, m=m, E=E: capture_row(a, m, E, s, device)
                     out.append((f"{arch} capture {m} E={E}", add("capture", row)))
-        out.append((f"{arch} inference", lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))))
+        row = lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))
+        out.append((f"{arch} inference", kind("inference", row)))
     if "lora" in methods and "queryable" in methods:  # the peft tuner against peft's LoRA
-        out.append(("peft tuner", lambda: report["hf"].extend(hf_rows(s, device))))
+        out.append(("peft tuner", kind("hf", lambda: report["hf"].extend(hf_rows(s, device)))))
     return out
 
 
+# what `qlbench bench --only` selects: a measurement's kind, the report's key it writes (plain: the plain PyTorch loop
+# and the kernel floor)
+KINDS = (
+    "plain", "throughput", "overhead", "profile", "padding", "pareto_stack", "suite", "soap", "compile", "side_by_side",
+    "capture", "inference", "hf",
+)  # fmt: skip
+
+
+def kind(name: str, fn: Callable) -> Callable:
+    """fn, tagged with its measurement's kind (one of KINDS)."""
+    assert name in KINDS, name
+    fn.kind = name
+    return fn
+
+
 @engine.flush_denormals()
-def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: bool = True) -> dict:
-    """Every measurement of `tasks`, with a progress bar; returns the report (JSON-ready)."""
+def run(
+    archs: list[str], methods: list[str], s: Settings, device, *, progress: bool = True, only: set[str] | None = None
+) -> dict:
+    """Every measurement of `tasks` (those of the kinds in `only`, when given), with a progress bar; returns the
+    report (JSON-ready)."""
     report = dict(
         meta=results.meta_info(device),
         settings=vars(s) | {"batch": BATCH},
+        only=None if only is None else sorted(only),
         throughput=[],
         overhead=[],
         compile=[],
@@ -641,7 +661,7 @@ def run(archs: list[str], methods: list[str], s: Settings, device, *, progress: 
         hf=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
-    todo = tasks(archs, methods, s, device, report)
+    todo = [(label, fn) for label, fn in tasks(archs, methods, s, device, report) if only is None or fn.kind in only]
     with progress_bar(todo, desc="bench", unit="measurement", disable=not progress) as bar:
         for label, fn in bar:
             bar.set_description(f"bench: {label}")

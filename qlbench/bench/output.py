@@ -216,7 +216,8 @@ def markdown(report: dict) -> str:
 
 def section(spec: Table, report: dict) -> list[str]:
     rows = report.get(spec.key)
-    return [f"\n### {spec.heading}\n", table(rows, spec.columns)] if rows or spec.always else []
+    ran = report.get("only") is None or spec.key in report["only"]  # `--only` left the measurement out
+    return [f"\n### {spec.heading}\n", table(rows, spec.columns)] if rows or (spec.always and ran) else []
 
 
 def header(report: dict) -> str:

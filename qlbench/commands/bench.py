@@ -18,6 +18,12 @@ def register(subparsers) -> None:
     p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
     p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
     options.add_training_options(p, "device", "threads")
+    p.add_argument(
+        "--only",
+        default=None,
+        help=f"comma-separated measurement kinds to run (default: all): {', '.join(bench.KINDS)}; the paper-table "
+        "estimate needs throughput (and capture, on CUDA)",
+    )
     p.add_argument("--out", type=path_arg, help="folder for bench.json and bench.md (default results/bench)")
     options.add_output_options(p, "no-progress")
     p.set_defaults(func=run)
@@ -30,6 +36,12 @@ def run(args) -> int:
     methods = split_list(args.methods) if args.methods is not None else adapters.names()
     if not methods:
         raise UsageError(f"--methods is empty; valid: {', '.join(adapters.names())}")
+    only = None
+    if args.only is not None:
+        only = set(split_list(args.only))
+        if not only or (bad := sorted(only - set(bench.KINDS))):
+            what = f"unknown measurement kind {', '.join(bad)}" if only else "--only is empty"
+            raise UsageError(f"{what}; valid: {', '.join(bench.KINDS)}")
     with usage_errors():
         for m in methods:
             adapters.get(m)
@@ -39,7 +51,7 @@ def run(args) -> int:
     out = args.out or Store("results").bench_dir
     check_out(out, "bench folder")
     settings = bench.Settings.make(args.quick, args.threads)
-    report = bench.run(archs, methods, settings, device, progress=not args.no_progress)
+    report = bench.run(archs, methods, settings, device, progress=not args.no_progress, only=only)
     text = bench.markdown(report)
     write_json(report, out / "bench.json")
     write_text(text, out / "bench.md")
