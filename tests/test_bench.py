@@ -214,10 +214,16 @@ def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
     ]
     est = bench.paper_estimate({"throughput": rows, "capture": capture})
     assert est["methods"]["lora"]["train_s"] == pytest.approx(45 * 35_000 / 38_000 + 1.0)
+    assert est["methods"]["lora"]["eval_s"] == pytest.approx(501 * 0.5 * 45 / 5)  # no evaluation timed at 45
     assert est["captured_at"] == 45 and est["measured_at"] == 5
     from qlbench.bench import output
 
     assert "captured steps at E = 45" in "".join(output.estimate(est))
+    # an evaluation of the stack of 45 timed too (as it barely grows with the members): taken as measured
+    capture[0]["eval_s"], capture[1]["eval_s"] = 0.6, 0.55
+    est = bench.paper_estimate({"throughput": rows, "capture": capture})
+    assert est["methods"]["lora"]["eval_s"] == pytest.approx(501 * 0.6)
+    assert "captured steps and their evaluations at E = 45" in "".join(output.estimate(est))
 
     from qlbench.bench import cases
 
@@ -422,3 +428,19 @@ def test_only_runs_the_measurements_of_the_kinds_named(monkeypatch, tmp_path, ca
     assert "### Inference" in bench.markdown(full)  # a full run shows it (rows or not)
     line = one_line_error(capsys, ["bench", "--quick", "--only", "throughput,kernels", "--out", str(tmp_path / "b")])
     assert "unknown measurement kind kernels; valid: plain, throughput" in line
+
+
+def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
+    """`capture_row` (CUDA only) run on the CPU stand-in for CUDA graphs, with kernel counting stubbed: its row has
+    every column the capture table and the estimate read, the stack's evaluation time among them."""
+    from qlbench.bench import cases
+    from qlbench.engine import step as step_module
+
+    from helpers import ReplayByRerun
+
+    monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
+    monkeypatch.setattr(cases, "cuda_kernels", lambda step, data, device: 100.0)
+    s = bench.Settings.make(quick=True)
+    row = cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
+    assert row["members"] == 2 and row["eval_s"] > 0 and row["captured_rate"] > 0
+    assert {"eager_ms", "captured_ms", "captured_speedup", "captured_warmup_s", "captured_us_per_kernel"} <= set(row)

@@ -183,7 +183,8 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     """CUDA only: the training step eager, captured whole in a CUDA graph (engine/step.py) and, when the run
     compiles, compiled and compiled + captured, alternating (ms per step, speed-up against eager, the recording's
     warm-up); and the CUDA kernels each executes per step (torch.profiler), with µs per kernel of the captured step.
-    Every variant trains its own copy of the same stack on the same batches."""
+    Every variant trains its own copy of the same stack on the same batches; and one evaluation of the stack (the
+    last variant's model), as `throughput` times it."""
     n = s.steps[arch]
     variants = {"eager": dict(), "captured": dict(capture=True)}
     if s.compile:
@@ -212,6 +213,9 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         captured_kernels=kernels["captured"],
         captured_us_per_kernel=1e3 * ms["captured"] / kernels["captured"],
         captured_rate=E * 1e3 / ms["captured"],  # model-steps/s, the paper estimate's rate on CUDA
+        # one evaluation of this stack (eager, as the engine evaluates): at E = 45 the estimate's, since on a GPU it
+        # grows with the members far less than linearly, as the step does
+        eval_s=evaluation_seconds(model, E, None, s.rounds, device),
     )
 
 

@@ -15,8 +15,9 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     the measured evaluation time, scaled linearly from E to 45 members. With `compiled` (the paper budget compiles
     its training step on this device, engine.compile_by_default) a method's compiled rate at that E is used where
     the run measured one, plus its measured compile warm-up; on CUDA the captured step's rate at the widest stack
-    the run captured (`training_rate`; `captured_at`); evaluation always runs eager. Pretraining is not
-    included (it is cached and shared by the methods). None when the run has no throughput row of `arch`."""
+    the run captured (`training_rate`; `captured_at`), and its evaluation time at that stack where measured (eager:
+    evaluation is never compiled or captured). Pretraining is not included (it is cached and shared by the
+    methods). None when the run has no throughput row of `arch`."""
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
     if not rows:
@@ -37,15 +38,20 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     for r in rows:
         if r["members"] != E:
             continue
-        rate, warmup, mode = training_rate(r, comp.get(r["method"]), cap.get(r["method"]), compiled)
+        c = cap.get(r["method"])
+        rate, warmup, mode = training_rate(r, comp.get(r["method"]), c, compiled)
         train = members * steps / rate + warmup
-        evaluation = evaluations * r["eval_s"] * members / E
+        # an evaluation at the widest captured stack where the run timed one (CUDA), else at E, linear in members
+        at = c if c is not None and "eval_s" in c else dict(eval_s=r["eval_s"], members=E)
+        evaluation = evaluations * at["eval_s"] * members / at["members"]
         methods[r["method"]] = dict(train_s=train, eval_s=evaluation, total_s=train + evaluation, mode=mode)
     out = dict(
         arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
     )
     if cap:
         out["captured_at"] = max(r["members"] for r in cap.values())
+        if all("eval_s" in r for r in cap.values()):
+            out["evaluated_at"] = out["captured_at"]
     threads = max(r["threads"] for r in rows if r["members"] == E)
     workers = (report.get("meta", {}).get("cpu_count") or 1) // threads
     if workers > 1:  # what `sweep --executor ray --threads <threads>` would run at once on this machine

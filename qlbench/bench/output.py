@@ -158,6 +158,7 @@ TABLES = [
             Column("kernels eager", "eager_kernels", digits(0)),
             Column("kernels captured", "captured_kernels", digits(0)),
             Column("µs per kernel captured", "captured_us_per_kernel", digits(2)),
+            Column("evaluation s", "eval_s", digits(4), optional=True),
         ],
     ),
     Table(
@@ -271,7 +272,8 @@ def kernel_floors(a: dict) -> str:
 def estimate(est: dict) -> list[str]:
     """The paper-table estimate: its heading, one row per method, and the line for tasks side by side."""
     rows = [dict(method=m, mode="eager") | v for m, v in est["methods"].items()]
-    captured = f" (captured steps at E = {est['captured_at']})" if "captured_at" in est else ""
+    evaluated = " and their evaluations" if "evaluated_at" in est else ""
+    captured = f" (captured steps{evaluated} at E = {est['captured_at']})" if "captured_at" in est else ""
     out = [
         f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
         f"from the rates at E = {est['measured_at']}{captured}, linear in members; training steps as the paper "
