@@ -1,7 +1,8 @@
 """The documentation holds together: the README stays a user's manual of at most README_MAX_LINES lines, every
 relative Markdown link in README.md and docs/ resolves, no text file of the repository names a repository file
 that is not in it (a docstring pointing at a page that moved, a module that became a package), and the README names
-only options the commands' parsers have (`readme_option_problems`)."""
+only options the commands' parsers have (`readme_option_problems`), as docs/gpu/gpu-check.sh's command lines do
+(`gpu_check_problems`)."""
 
 from __future__ import annotations
 
@@ -294,3 +295,42 @@ def test_the_readme_option_check_finds_a_command_that_lost_a_shared_option():
     problems = readme_problems((ROOT / "README.md").read_text(encoding="utf-8"), drop=("suite", "--compile"))
     assert "suite: README says it takes the training options, it lacks ['--compile']" in problems
     assert "suite: README names --compile, which it lacks" in problems  # its bullet's `--compile auto|off`
+
+
+def gpu_check_problems(script: str) -> list[str]:
+    """What in docs/gpu/gpu-check.sh's qlbench command lines the CLI would refuse: each `$Q ...` line parsed by the
+    real parser (its shell variables given the values the script gives them), its methods registered and bench's
+    `--only` kinds known. The script runs only on a GPU machine, where a stale option costs a GPU call."""
+    from qlbench import adapters, bench, cli, zoo
+    from qlbench.commands import UsageError
+
+    trained = ",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains)
+    values = {"$RES": "gpu-check-results", "$OUT": "gpu-check", "$arch": "deep-narrow", "$M": trained}
+    problems = []
+    for line in re.findall(r'"\$Q ([^"]+)"', script):
+        for var, value in values.items():
+            line = line.replace(var, value)
+        argv = line.split()
+        try:
+            args = cli.build_parser().parse_args(argv)
+        except (SystemExit, UsageError):
+            problems.append(f"not parsed: {line}")
+            continue
+        for m in (getattr(args, "methods", None) or "").split(","):
+            if m and m not in adapters.names():
+                problems.append(f"unknown method {m}: {line}")
+        if getattr(args, "function", None) and args.function not in zoo.names():
+            problems.append(f"unknown function {args.function}: {line}")
+        for k in (getattr(args, "only", None) or "").split(","):
+            if k and k not in bench.KINDS:
+                problems.append(f"unknown measurement kind {k}: {line}")
+    return problems
+
+
+def test_gpu_check_runs_only_commands_the_cli_accepts(capsys):
+    script = (ROOT / "docs" / "gpu" / "gpu-check.sh").read_text()
+    assert len(re.findall(r'"\$Q ', script)) >= 4  # the quick run, bench, the paper cells
+    assert gpu_check_problems(script) == []
+    planted = script.replace("--only throughput,capture", "--only throughput,kernels").replace("--budget quick", "-b")
+    capsys.readouterr()
+    assert len(gpu_check_problems(planted)) == 2
