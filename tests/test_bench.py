@@ -33,6 +33,7 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     )
     report = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.md").read_text() in capsys.readouterr().out
+    assert not (tmp_path / "bench.partial.json").exists()  # the rows so far, kept only while the run goes on
     assert report["peak_gflops"] > 0
     rows = {(r["method"], r["members"]): r for r in report["throughput"]}
     assert set(rows) == {("lora", 5), ("queryable", 5), ("instruct-queryable", 5)}  # `mean` does not train
@@ -444,3 +445,23 @@ def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
     row = cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert row["members"] == 2 and row["eval_s"] > 0 and row["captured_rate"] > 0
     assert {"eager_ms", "captured_ms", "captured_speedup", "captured_warmup_s", "captured_us_per_kernel"} <= set(row)
+
+
+def test_a_stopped_bench_keeps_the_rows_it_measured(monkeypatch, tmp_path):
+    """`partial` sees the report after every measurement (the command writes it to bench.partial.json, and removes
+    that file once bench.json is written), so a bench stopped at a time limit keeps the rows measured before."""
+    from qlbench.bench import cases
+
+    def fake(*a, **k):  # each throughput measurement adds one row, under a key nothing after the run reads
+        report = a[4]
+        row = lambda label: report["profile"].append(dict(label=label))
+        return [(label, cases.kind(fn.kind, lambda label=label: row(label))) for label, fn in real(*a, **k)]
+
+    real = cases.tasks
+    monkeypatch.setattr(cases, "tasks", fake)
+    monkeypatch.setattr(cases, "matmul_peak", lambda device: 1.0)
+    seen = []
+    s = bench.Settings.make(quick=True)
+    bench.run(["deep-narrow"], ["lora", "queryable"], s, torch.device("cpu"), progress=False, only={"throughput"},
+              partial=lambda report: seen.append([r["label"] for r in report["profile"]]))  # fmt: skip
+    assert seen == [["deep-narrow lora E=5"], ["deep-narrow lora E=5", "deep-narrow queryable E=5"]]

@@ -643,10 +643,18 @@ def kind(name: str, fn: Callable) -> Callable:
 
 @engine.flush_denormals()
 def run(
-    archs: list[str], methods: list[str], s: Settings, device, *, progress: bool = True, only: set[str] | None = None
+    archs: list[str],
+    methods: list[str],
+    s: Settings,
+    device,
+    *,
+    progress: bool = True,
+    only: set[str] | None = None,
+    partial: Callable[[dict], None] | None = None,
 ) -> dict:
     """Every measurement of `tasks` (those of the kinds in `only`, when given), with a progress bar; returns the
-    report (JSON-ready)."""
+    report (JSON-ready). `partial(report)`, if given, is called after each measurement with the report so far (the
+    command writes it, so that a run stopped at a time limit keeps the rows it measured)."""
     report = dict(
         meta=results.meta_info(device),
         settings=vars(s) | {"batch": BATCH},
@@ -670,6 +678,8 @@ def run(
         for label, fn in bar:
             bar.set_description(f"bench: {label}")
             fn()
+            if partial is not None:
+                partial(report)
     report["peak_gflops_end"] = matmul_peak(device)
     report["peak_gflops"] = max(report["peak_gflops_start"], report["peak_gflops_end"])
     for row in report["throughput"]:

@@ -51,9 +51,12 @@ def run(args) -> int:
     out = args.out or Store("results").bench_dir
     check_out(out, "bench folder")
     settings = bench.Settings.make(args.quick, args.threads)
-    report = bench.run(archs, methods, settings, device, progress=not args.no_progress, only=only)
+    # the rows measured so far, in bench.partial.json until the run ends (a run stopped at a time limit keeps them)
+    partial = lambda report: write_json(report | {"partial": True}, out / "bench.partial.json")
+    report = bench.run(archs, methods, settings, device, progress=not args.no_progress, only=only, partial=partial)
     text = bench.markdown(report)
     write_json(report, out / "bench.json")
     write_text(text, out / "bench.md")
+    (out / "bench.partial.json").unlink(missing_ok=True)
     print(text)
     return 0
