@@ -124,7 +124,14 @@ def memberwise(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> t
     per member: (E,)) which of member e's elements fall in the tail depends on E, so a member's numbers would depend
     on its stack (measured: Queryable LoRA's sigmoid gate in a 19-member stack; docs/speed.md). Padding each member's
     slice to a multiple of LANES puts every element on the vector path at any E. Large per-member tensors whose
-    size is a multiple of LANES (activations (E, N, 32)) need no padding: they stay on the vector path already."""
+    size is a multiple of LANES (activations (E, N, 32)) need no padding: they stay on the vector path already.
+
+    Off the CPU, fn is applied as it is. CUDA's element-wise kernels compute every element with the same scalar code
+    (vector loads, then one functor per element, in the main loop and the tail alike), so there is no tail to pad
+    away, and the padding's kernels (a pad and a slice forward, a slice-backward and a pad backward) were about four
+    of Queryable LoRA's 44 CUDA kernels per deep-narrow layer (docs/speed.md)."""
+    if t.device.type != "cpu":
+        return fn(t)
     flat = t.reshape(t.shape[0], -1)  # (E, k)
     k = flat.shape[1]
     return fn(F.pad(flat, (0, -k % LANES)))[:, :k].reshape(t.shape)
