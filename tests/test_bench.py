@@ -204,6 +204,30 @@ def test_paper_estimate_on_cuda_uses_the_captured_rates():
     assert est["lora"]["mode"] == "compiled + captured"
 
 
+def test_the_estimate_adds_what_tf32_matmuls_would_give_where_measured():
+    """A capture row with a TF32 step gives the method's total at that rate (the same evaluation), and the table's
+    TF32 total only when every method has one; the training step the estimate reports stays float32's."""
+    rows = [dict(arch="transformer", method=m, members=5, stacked=50.0, eval_s=0.5, threads=16) for m in ("a", "b")]
+    capture = [
+        dict(arch="transformer", method="a", members=45, captured_rate=45e3 / 16.0, captured_warmup_s=2.0,
+             captured_tf32_ms=4.0, captured_tf32_warmup_s=3.0, eval_s=0.5),
+        dict(arch="transformer", method="b", members=45, captured_rate=45e3 / 20.0, captured_warmup_s=2.0, eval_s=0.5),
+    ]  # fmt: skip
+    est = bench.paper_estimate({"throughput": rows, "capture": capture}, "transformer")
+    a = est["methods"]["a"]
+    assert a["train_s"] == pytest.approx(35_000 * 16.0 / 1e3 + 2.0)  # 45 members share each 16 ms step
+    assert a["tf32_total_s"] == pytest.approx(35_000 * 4.0 / 1e3 + 3.0 + a["eval_s"])
+    assert "tf32_total_s" not in est["methods"]["b"] and "tf32_total_s" not in est  # b's TF32 step not measured
+    capture[1] |= dict(captured_tf32_ms=5.0, captured_tf32_warmup_s=1.0)
+    est = bench.paper_estimate({"throughput": rows, "capture": capture}, "transformer")
+    assert est["tf32_total_s"] == pytest.approx(sum(m["tf32_total_s"] for m in est["methods"].values()))
+    from qlbench.bench import output
+
+    text = "".join(output.estimate(est))
+    assert f"{est['tf32_total_s'] / 3600:.2f} h if the captured steps' matmuls used TF32" in text
+    assert "captured with TF32 matmuls" in text
+
+
 def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
     """On a GPU a step's time barely grows with its members (an H200: LoRA captured 1.17 ms at E = 45 against 0.97
     at E = 5), so the estimate takes each method's captured rate at the widest stack measured, not E = 5's scaled;
@@ -442,9 +466,20 @@ def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
     monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
     monkeypatch.setattr(cases, "cuda_kernels", lambda step, data, device: 100.0)
     s = bench.Settings.make(quick=True)
+    precisions = []  # the float32 matmul precision each recording was made under
+
+    class Spy(ReplayByRerun):
+        def record(self, body, params, optimizer):
+            precisions.append(torch.get_float32_matmul_precision())
+            return super().record(body, params, optimizer)
+
+    monkeypatch.setattr(step_module, "RECORDER", Spy)
     row = cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert row["members"] == 2 and row["eval_s"] > 0 and row["captured_rate"] > 0
     assert {"eager_ms", "captured_ms", "captured_speedup", "captured_warmup_s", "captured_us_per_kernel"} <= set(row)
+    # the TF32 variant: recorded under "high" (a recording keeps the kernels chosen then), and the setting restored
+    assert {"captured_tf32_ms", "captured_tf32_warmup_s", "tf32_speedup"} <= set(row)
+    assert precisions == ["highest", "high"] and torch.get_float32_matmul_precision() == "highest"
 
 
 def test_a_stopped_bench_keeps_the_rows_it_measured(monkeypatch, tmp_path):
@@ -465,3 +500,26 @@ def test_a_stopped_bench_keeps_the_rows_it_measured(monkeypatch, tmp_path):
     bench.run(["deep-narrow"], ["lora", "queryable"], s, torch.device("cpu"), progress=False, only={"throughput"},
               partial=lambda report: seen.append([r["label"] for r in report["profile"]]))  # fmt: skip
     assert seen == [["deep-narrow lora E=5"], ["deep-narrow lora E=5", "deep-narrow queryable E=5"]]
+
+
+def test_bench_compile_option_chooses_whether_the_compiled_variants_are_measured(monkeypatch, tmp_path, capsys):
+    """`--compile auto` measures the torch.compile variants in a full run and not with --quick; on and off say so
+    whatever the budget (a GPU call measures compiled + captured steps in a quick run); anything else is a one-line
+    usage error naming the valid settings, before anything is measured."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def measured(archs, methods, s, device, **kwargs):  # the settings the command built; nothing measured
+        seen.append(s.compile)
+        raise Stop
+
+    monkeypatch.setattr(bench, "run", measured)
+    cases = [(["--quick"], False), ([], True), (["--quick", "--compile", "on"], True), (["--compile", "off"], False)]
+    for flags, expected in cases:
+        with pytest.raises(Stop):
+            cli.main(["bench", *flags, "--archs", "deep-narrow", "--out", str(tmp_path / "b")])
+        assert seen.pop() is expected, flags
+    line = one_line_error(capsys, ["bench", "--quick", "--compile", "yes", "--out", str(tmp_path / "b")])
+    assert "unknown --compile 'yes'; valid: auto, on, off" in line and not seen

@@ -324,6 +324,8 @@ def gpu_check_problems(script: str) -> list[str]:
         for k in (getattr(args, "only", None) or "").split(","):
             if k and k not in bench.KINDS:
                 problems.append(f"unknown measurement kind {k}: {line}")
+        if getattr(args, "compile", "auto") not in ("auto", "on", "off"):
+            problems.append(f"unknown --compile {args.compile}: {line}")
     return problems
 
 
@@ -332,5 +334,7 @@ def test_gpu_check_runs_only_commands_the_cli_accepts(capsys):
     assert len(re.findall(r'"\$Q ', script)) >= 4  # the quick run, bench, the paper cells
     assert gpu_check_problems(script) == []
     planted = script.replace("--only throughput,capture", "--only throughput,kernels").replace("--budget quick", "-b")
+    planted = planted.replace("--compile on", "--compile yes")
     capsys.readouterr()
-    assert len(gpu_check_problems(planted)) == 2
+    stale = script.count("--only throughput,capture") + script.count("--budget quick") + script.count("--compile on")
+    assert stale >= 4 and len(gpu_check_problems(planted)) == stale

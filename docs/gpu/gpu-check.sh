@@ -7,9 +7,11 @@
 # at the paper budget) into $GPU_CHECK_RESULTS (default gpu-check-results), so that the log folder stays small enough
 # to bring back. Each part has its own time limit (seconds, below), so a part that runs long is stopped and said so,
 # and the parts after it still run; at the end the last lines of every part that did not exit 0 are printed.
-# GPU_CHECK_PARTS (default: all, in this order: run-quick bench-deep-narrow bench-transformer paper-deep-narrow
-# paper-transformer test-cuda) runs only
-# the parts it names, e.g. GPU_CHECK_PARTS="test-cuda run-quick" for a functional check in a shorter call.
+# GPU_CHECK_PARTS (default, in this order: run-quick bench-deep-narrow bench-transformer paper-deep-narrow
+# paper-transformer test-cuda) runs only the parts it names, e.g. GPU_CHECK_PARTS="test-cuda run-quick" for a
+# functional check in a shorter call. One part is not in the default call (it would not fit in its 10 minutes):
+# bench-compiled, LoRA's and Queryable LoRA's steps compiled + captured (what the paper budget runs on CUDA) at E = 5
+# and 45, for a second call: GPU_CHECK_PARTS=bench-compiled.
 export PYTHONUNBUFFERED=1
 OUT=${GPU_CHECK_OUT:-gpu-check}
 RES=${GPU_CHECK_RESULTS:-gpu-check-results}
@@ -50,6 +52,9 @@ M=$($PY -c 'from qlbench import adapters; print(",".join(m for m in adapters.DEF
 for arch in deep-narrow transformer; do
   part bench-$arch $([ $arch = transformer ] && echo 140 || echo 100) "$Q bench --quick --device cuda --archs $arch --methods $M --only throughput,capture --no-progress --out $OUT/bench-$arch"
 done
+# the paper budget's own training step on CUDA (compiled + captured) against captured eager, for the method pair
+# whose step ratio is a target, on both backbones; not in the default call
+part bench-compiled 240 "$Q bench --quick --compile on --device cuda --methods lora,queryable --only throughput,capture --no-progress --out $OUT/bench-compiled"
 part paper-deep-narrow 40 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
 part paper-transformer 50 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
 # then the CUDA tests (not timed): on 6 processes where pytest-xdist is installed, each test's outcome on its own

@@ -179,14 +179,23 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
 PAPER_MEMBERS = 45  # a method's members in the paper table (9 functions x 5 seeds): one stack on a GPU
 
 
+# the float32 matmul precision of each variant's warm-up and recording: "high" lets cuBLAS use TF32 tensor cores (10
+# explicit mantissa bits in the products, float32 sums). qlbench trains at "highest", PyTorch's default; the TF32
+# variant only measures what that choice costs where the step is bound by its arithmetic (the Transformer at E = 45).
+PRECISION = {"captured_tf32": "high"}
+
+
 def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
-    """CUDA only: the training step eager, captured whole in a CUDA graph (engine/step.py) and, when the run
-    compiles, compiled and compiled + captured, alternating (ms per step, speed-up against eager, the recording's
-    warm-up); and the CUDA kernels each executes per step (torch.profiler), with µs per kernel of the captured step.
-    Every variant trains its own copy of the same stack on the same batches; and one evaluation of the stack (the
-    last variant's model), as `throughput` times it."""
+    """CUDA only: the training step eager, captured whole in a CUDA graph (engine/step.py), captured with TF32
+    matmuls (`PRECISION`) and, when the run compiles, compiled and compiled + captured, alternating (ms per step,
+    speed-up against eager, the recording's warm-up); and the CUDA kernels each executes per step (torch.profiler),
+    with µs per kernel of the captured step. Every variant trains its own copy of the same stack on the same
+    batches; and one evaluation of the stack (the last variant's model), as `throughput` times it.
+
+    A variant's matmul precision is set while it warms up and records: a recording keeps the kernels chosen then,
+    and every later step of the same batch shape replays them (`batches` are all one shape)."""
     n = s.steps[arch]
-    variants = {"eager": dict(), "captured": dict(capture=True)}
+    variants = {"eager": dict(), "captured": dict(capture=True), "captured_tf32": dict(capture=True)}
     if s.compile:
         variants |= {"compiled": dict(compile=True), "compiled_captured": dict(compile=True, capture=True)}
     data, steps, warmup = batches(E, device), {}, {}
@@ -195,8 +204,9 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         steps[name] = engine.make_step(model, opt, **how)
         sync(device)
         t0 = time.perf_counter()
-        chunk(steps[name], data, engine.step.WARMUP + 2)()  # the warm-up steps, compilation and the recording
-        sync(device)
+        with matmul_precision(PRECISION.get(name, "highest")):
+            chunk(steps[name], data, engine.step.WARMUP + 2)()  # the warm-up steps, compilation and the recording
+            sync(device)
         warmup[name] = time.perf_counter() - t0
     r = alternate({k: (chunk(fn, data, n), n) for k, fn in steps.items()}, s.rounds, device)
     ms = {k: 1e3 / statistics.median(v) for k, v in r.items()}
@@ -209,6 +219,7 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         **{f"{k}_ms": v for k, v in ms.items()},
         **{f"{k}_speedup": median_ratio(r[k], r["eager"]) for k in r if k != "eager"},
         **{f"{k}_warmup_s": v for k, v in warmup.items() if k != "eager"},
+        tf32_speedup=median_ratio(r["captured_tf32"], r["captured"]),  # the captured step, TF32 against float32
         eager_kernels=kernels["eager"],
         captured_kernels=kernels["captured"],
         captured_us_per_kernel=1e3 * ms["captured"] / kernels["captured"],
@@ -217,6 +228,17 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         # grows with the members far less than linearly, as the step does
         eval_s=evaluation_seconds(model, E, None, s.rounds, device),
     )
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """torch.set_float32_matmul_precision inside the block, restored after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def hf_rows(s: Settings, device) -> list[dict]:

@@ -16,8 +16,10 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     its training step on this device, engine.compile_by_default) a method's compiled rate at that E is used where
     the run measured one, plus its measured compile warm-up; on CUDA the captured step's rate at the widest stack
     the run captured (`training_rate`; `captured_at`), and its evaluation time at that stack where measured (eager:
-    evaluation is never compiled or captured). Pretraining is not included (it is cached and shared by the
-    methods). None when the run has no throughput row of `arch`."""
+    evaluation is never compiled or captured). Where a method's step was also captured with TF32 matmuls, its
+    `tf32_total_s` is the total at that rate (evaluation as measured, in float32), and `tf32_total_s` of the table
+    the sum when every method has one: what TF32 would save, not what qlbench runs. Pretraining is not included (it
+    is cached and shared by the methods). None when the run has no throughput row of `arch`."""
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
     if not rows:
@@ -45,9 +47,14 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
         at = c if c is not None and "eval_s" in c else dict(eval_s=r["eval_s"], members=E)
         evaluation = evaluations * at["eval_s"] * members / at["members"]
         methods[r["method"]] = dict(train_s=train, eval_s=evaluation, total_s=train + evaluation, mode=mode)
+        if c is not None and "captured_tf32_ms" in c:  # what TF32 matmuls would give (measured captured, eager forward)
+            tf32 = members * steps * c["captured_tf32_ms"] / 1e3 / c["members"] + c["captured_tf32_warmup_s"]
+            methods[r["method"]]["tf32_total_s"] = tf32 + evaluation
     out = dict(
         arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
     )
+    if methods and all("tf32_total_s" in m for m in methods.values()):
+        out["tf32_total_s"] = sum(m["tf32_total_s"] for m in methods.values())
     if cap:
         out["captured_at"] = max(r["members"] for r in cap.values())
         if all("eval_s" in r for r in cap.values()):

@@ -53,6 +53,7 @@ ESTIMATE = [  # rows: est["methods"], one per method
     Column("evaluation h", "eval_s", hours),
     Column("total h", "total_s", hours),
     Column("training step", "mode"),
+    Column("total h, captured with TF32 matmuls", "tf32_total_s", hours, optional=True),
 ]
 
 # after the estimate, in this order
@@ -142,13 +143,16 @@ TABLES = [
     ),
     Table(
         "capture",
-        "CUDA graphs: the training step eager, captured whole in a CUDA graph (and compiled, when the run compiles); "
-        "ms per step, CUDA kernels per step (torch.profiler)",
+        "CUDA graphs: the training step eager, captured whole in a CUDA graph, captured with TF32 matmuls (speed-up "
+        "against the float32 captured step; qlbench trains in float32), and compiled, when the run compiles; ms per "
+        "step, CUDA kernels per step (torch.profiler)",
         STACK
         + [
             Column("eager ms", "eager_ms", digits(3)),
             Column("captured ms", "captured_ms", digits(3)),
             Column("captured speed-up", "captured_speedup", partial(times, digits=1)),
+            Column("captured TF32 ms", "captured_tf32_ms", digits(3), optional=True),
+            Column("TF32 speed-up", "tf32_speedup", partial(times, digits=2), optional=True),
             Column("compiled ms", "compiled_ms", digits(3), optional=True),
             Column("compiled + captured ms", "compiled_captured_ms", digits(3), optional=True),
             Column(
@@ -274,11 +278,16 @@ def estimate(est: dict) -> list[str]:
     rows = [dict(method=m, mode="eager") | v for m, v in est["methods"].items()]
     evaluated = " and their evaluations" if "evaluated_at" in est else ""
     captured = f" (captured steps{evaluated} at E = {est['captured_at']})" if "captured_at" in est else ""
+    tf32 = ""
+    if "tf32_total_s" in est:  # measured, not run: qlbench trains in float32
+        tf32 = f"; {est['tf32_total_s'] / 3600:.2f} h if the captured steps' matmuls used TF32 (not what qlbench runs)"
     out = [
         f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
         f"from the rates at E = {est['measured_at']}{captured}, linear in members; training steps as the paper "
         f"budget runs them on this device (compiled where `--compile auto` compiles it, captured on CUDA), warm-up "
-        f"included; one process; pretraining not included): {est['total_s'] / 3600:.2f} h for the methods measured\n",
+        f"included; one process; pretraining not included): {est['total_s'] / 3600:.2f} h for the methods measured"
+        + tf32
+        + "\n",
         table(rows, ESTIMATE),
     ]
     if par := est.get("parallel"):

@@ -37,10 +37,16 @@ class Settings:
     side_by_side_s: float = 8.0  # seconds per timed window of `side_by_side`
 
     @classmethod
-    def make(cls, quick: bool, threads: int | None = None) -> Settings:
+    def make(cls, quick: bool, threads: int | None = None, compile: bool | None = None) -> Settings:
+        """The quick or the full settings; `compile` (None: the full run's only) whether the torch.compile variants
+        are measured too."""
         if quick:
-            return cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, 2, False, threads)
-        return cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, 9, True, threads)
+            s = cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, 2, False, threads)
+        else:
+            s = cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, 9, True, threads)
+        if compile is not None:
+            s.compile = compile
+        return s
 
     def threads_for(self, arch: str, E: int, device) -> int | None:
         """Intra-op threads of a stack of E members: `threads` if set, else the engine's choice (CPU only)."""

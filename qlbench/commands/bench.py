@@ -8,13 +8,21 @@ from qlbench.commands import UsageError, check_out, options, path_arg, split_lis
 from qlbench.store import Store, write_json, write_text
 
 
+COMPILE = {"auto": None, "on": True, "off": False}  # --compile -> Settings.make's compile
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
         help="speed benchmarks: stacked engine vs per-seed loop and plain PyTorch, matmul-peak share, inference",
         description="Speed, measured side by side in one process and reported as ratios.",
     )
-    p.add_argument("--quick", action="store_true", help="few steps, E = 5 only, no compile")
+    p.add_argument("--quick", action="store_true", help="few steps, E = 5 only (and 45 on CUDA), no compile")
+    p.add_argument(
+        "--compile",
+        default="auto",
+        help="also measure the torch.compile variants of the training step: auto (not with --quick), on, off",
+    )
     p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
     p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
     options.add_training_options(p, "device", "threads")
@@ -42,6 +50,8 @@ def run(args) -> int:
         if not only or (bad := sorted(only - set(bench.KINDS))):
             what = f"unknown measurement kind {', '.join(bad)}" if only else "--only is empty"
             raise UsageError(f"{what}; valid: {', '.join(bench.KINDS)}")
+    if args.compile not in COMPILE:
+        raise UsageError(f"unknown --compile {args.compile!r}; valid: {', '.join(COMPILE)}")
     with usage_errors():
         for m in methods:
             adapters.get(m)
@@ -50,7 +60,7 @@ def run(args) -> int:
         engine.check_threads(args.threads)
     out = args.out or Store("results").bench_dir
     check_out(out, "bench folder")
-    settings = bench.Settings.make(args.quick, args.threads)
+    settings = bench.Settings.make(args.quick, args.threads, compile=COMPILE[args.compile])
     # the rows measured so far, in bench.partial.json until the run ends (a run stopped at a time limit keeps them)
     partial = lambda report: write_json(report | {"partial": True}, out / "bench.partial.json")
     report = bench.run(archs, methods, settings, device, progress=not args.no_progress, only=only, partial=partial)
