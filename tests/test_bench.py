@@ -523,3 +523,37 @@ def test_bench_compile_option_chooses_whether_the_compiled_variants_are_measured
         assert seen.pop() is expected, flags
     line = one_line_error(capsys, ["bench", "--quick", "--compile", "yes", "--out", str(tmp_path / "b")])
     assert "unknown --compile 'yes'; valid: auto, on, off" in line and not seen
+
+
+def test_kernel_count_counts_launching_ops_not_views_or_allocations():
+    """The dispatch count of known ops: a copy to contiguous memory, an add and a sum launch one kernel each on CUDA;
+    a transpose, a view, an unsqueeze, an expand and an empty allocation launch none."""
+    from qlbench.bench.dispatch import KernelCount
+
+    a, b = torch.ones(3, 4, device="meta"), torch.ones(4, 3, device="meta")
+    with KernelCount() as seen:
+        y = (a.t().contiguous() + b).view(-1)
+        torch.empty(3, device="meta")
+        y.unsqueeze(0).expand(2, 12).sum()
+    assert seen.counts == {"clone": 1, "add": 1, "sum": 1}
+
+
+def test_a_steps_kernels_follow_the_layers_ops():
+    """deep-narrow fully fine-tuned (full-adamw), by hand from its layers: an input layer, 32 hidden layers and a
+    head, each a linear (one baddbmm) and all but the head followed by a GELU; backward, every linear's weight
+    gradient (a bmm) and bias gradient (a sum), every input gradient but the input layer's (a bmm), every GELU's
+    backward. A planted extra op in the backbone's GELU (x * 1.0) adds it and its backward's mul once per GELU."""
+    from qlbench.bench.dispatch import step_kernels
+
+    linears = 1 + 32 + 1
+    full = step_kernels("deep-narrow", "full-adamw", 2)
+    assert full["baddbmm"] == linears and full["gelu"] == full["gelu_backward"] == linears - 1
+    assert full["bmm"] == linears + (linears - 1)
+    assert full["sum"] == linears + 1  # the bias gradients and the loss's sum over members
+    gelu = torch.nn.functional.gelu
+    try:
+        torch.nn.functional.gelu = lambda x, **k: gelu(x * 1.0, **k)  # the backbone calls F.gelu
+        planted = step_kernels("deep-narrow", "full-adamw", 2)
+    finally:
+        torch.nn.functional.gelu = gelu
+    assert sum(planted.values()) - sum(full.values()) == 2 * (linears - 1)

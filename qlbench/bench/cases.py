@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 from qlbench import adapters, engine, multitask, pareto_stack, results, suites, zoo
+from qlbench.bench.dispatch import step_kernels
 from qlbench.bench.estimate import paper_estimate
 from qlbench.bench.models import (
     batches,
@@ -228,6 +229,17 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         # grows with the members far less than linearly, as the step does
         eval_s=evaluation_seconds(model, E, None, s.rounds, device),
     )
+
+
+def dispatch_rows(arch: str, methods: list[str], E: int) -> list[dict]:
+    """Kernels per training step's forward and backward, counted without a GPU (`dispatch.step_kernels`: the meta
+    device), per trained method, with its ratio to LoRA's where LoRA is among them. The same on every machine."""
+    counts = {m: sum(step_kernels(arch, m, E).values()) for m in methods}
+    lora = counts.get("lora")
+    return [
+        dict(arch=arch, method=m, members=E, kernels=n) | ({"vs_lora": n / lora} if lora else {})
+        for m, n in counts.items()
+    ]
 
 
 @contextlib.contextmanager
@@ -608,6 +620,8 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                 )
         for m in pair:
             out.append((f"{arch} padding {m}", add("padding", lambda a=arch, m=m: padding_row(a, m, s, device))))
+        row = lambda a=arch: report["dispatch"].extend(dispatch_rows(a, trained, min(s.members)))
+        out.append((f"{arch} kernels dispatched", kind("dispatch", row)))
         for m in (m for m in pair if pareto_stack.stackable(m)):  # a Pareto grid's k stacked (Queryable LoRA)
             out.append(
                 (f"{arch} pareto stack {m}", add("pareto_stack", lambda a=arch, m=m: pareto_stack_row(a, m, s, device)))
@@ -651,8 +665,8 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
 # what `qlbench bench --only` selects: a measurement's kind, the report's key it writes (plain: the plain PyTorch loop
 # and the kernel floor)
 KINDS = (
-    "plain", "throughput", "overhead", "profile", "padding", "pareto_stack", "suite", "soap", "compile", "side_by_side",
-    "capture", "inference", "hf",
+    "plain", "throughput", "overhead", "profile", "dispatch", "padding", "pareto_stack", "suite", "soap", "compile",
+    "side_by_side", "capture", "inference", "hf",
 )  # fmt: skip
 
 
@@ -686,6 +700,7 @@ def run(
         compile=[],
         inference=[],
         profile=[],
+        dispatch=[],
         soap=[],
         padding=[],
         suite=[],

@@ -71,6 +71,19 @@ TABLES = [
         ],
     ),
     Table(
+        "dispatch",
+        "Kernels per training step's forward and backward, counted without a GPU (the ATen ops that launch one, "
+        "dispatched on the meta device, which takes CUDA's code paths; an estimate of CUDA's count, the optimiser's "
+        "update not included)",
+        [
+            Column("arch", "arch"),
+            Column("method", "method"),
+            Column("E", "members"),
+            Column("kernels", "kernels", digits(0)),
+            Column("vs LoRA", "vs_lora", partial(times, digits=2), optional=True),
+        ],
+    ),
+    Table(
         "profile",
         "Profile of one training step (torch.profiler; ops include nested calls)",
         STACK
