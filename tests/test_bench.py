@@ -557,3 +557,29 @@ def test_a_steps_kernels_follow_the_layers_ops():
     finally:
         torch.nn.functional.gelu = gelu
     assert sum(planted.values()) - sum(full.values()) == 2 * (linears - 1)
+
+
+TRAINED = [m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains]
+
+
+@pytest.mark.parametrize(
+    "arch, methods", [("deep-narrow", TRAINED), ("transformer", ["instruct-queryable"])]
+)
+def test_stacked_copies_train_as_separately_built_stacks(arch, methods):
+    """`capture_row`'s variants are one drawn stack and its copies: each copy, with its own optimizer, takes the same
+    step as a stack `stacked_model` draws afresh, bit for bit, and training one leaves the others untouched (no
+    tensor, shared memory included, is shared between copies)."""
+    from qlbench.bench import models
+
+    data = models.batches(2, "cpu", n=2)
+    for m in methods:
+        fresh, fresh_opt = models.stacked_model(arch, m, 2, "cpu")
+        (a, a_opt), (b, b_opt) = models.stacked_copies(arch, m, 2, "cpu", 2)
+        before = {k: v.clone() for k, v in b.state_dict().items()}
+        steps = [engine.make_step(mod, opt) for mod, opt in ((fresh, fresh_opt), (a, a_opt))]
+        for xb, yb in data:  # two steps: SOAP's first only gathers its statistics
+            losses = [step(xb, yb) for step in steps]
+            assert torch.equal(losses[0], losses[1]), m
+        assert all(torch.equal(v, a.state_dict()[k]) for k, v in fresh.state_dict().items()), m
+        assert all(torch.equal(v, b.state_dict()[k]) for k, v in before.items()), m  # b untouched by a's step
+        assert any(not torch.equal(v, a.state_dict()[k]) for k, v in before.items()), m  # a did train

@@ -29,6 +29,7 @@ from qlbench.bench.models import (
     lora_floor_step,
     plain_deep_narrow_lora,
     plain_step,
+    stacked_copies,
     stacked_model,
 )
 from qlbench.bench.parallel import side_by_side
@@ -200,8 +201,7 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     if s.compile:
         variants |= {"compiled": dict(compile=True), "compiled_captured": dict(compile=True, capture=True)}
     data, steps, warmup = batches(E, device), {}, {}
-    for name, how in variants.items():
-        model, opt = stacked_model(arch, method, E, device)
+    for (name, how), (model, opt) in zip(variants.items(), stacked_copies(arch, method, E, device, len(variants))):
         steps[name] = engine.make_step(model, opt, **how)
         sync(device)
         t0 = time.perf_counter()

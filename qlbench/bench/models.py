@@ -4,6 +4,7 @@ else)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -23,6 +24,14 @@ def stacked_model(
     """A randomly initialised stack with the method `method_name` built on it, and its optimizer (throughput does
     not depend on the values; `run` flushes denormals so tiny values do not slow the CPU). `tasks`: a
     task-conditioned method's task count (a suite's); `overrides`: config fields, where the method has them."""
+    return stacked_copies(arch, method_name, members, device, 1, tasks, **overrides)[0]
+
+
+def stacked_copies(
+    arch: str, method_name: str, members: int, device, n: int, tasks: int = 1, **overrides
+) -> list[tuple[nn.Module, object]]:
+    """n equal stacks as `stacked_model` builds them, each with its own optimizer: drawn once and copied (drawing a
+    Transformer stack of 45 members takes seconds on the host, member by member; a copy, far less)."""
     keys = [("bench", e) for e in range(members)]
     method = adapters.get(method_name)
     config = method.make_config(**({"tasks": tasks} if method.kind == "task" else {}), **overrides)
@@ -33,8 +42,8 @@ def stacked_model(
     # what depends on the members beyond their data (instruct-queryable's e(c)): a real function's, member by member
     functions = [zoo.names()[e % len(zoo.names())] for e in range(members)]
     method.bind(model, [(f, e) for f, (_, e) in zip(functions, keys)], config)
-    opt = method.optimizer(model, config, 5e-4, 0.01) if method.trains else None
-    return model, opt
+    models = [model] + [copy.deepcopy(model) for _ in range(n - 1)]
+    return [(m, method.optimizer(m, config, 5e-4, 0.01) if method.trains else None) for m in models]
 
 
 def batches(members: int, device, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
