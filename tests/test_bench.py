@@ -562,9 +562,7 @@ def test_a_steps_kernels_follow_the_layers_ops():
 TRAINED = [m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains]
 
 
-@pytest.mark.parametrize(
-    "arch, methods", [("deep-narrow", TRAINED), ("transformer", ["instruct-queryable"])]
-)
+@pytest.mark.parametrize("arch, methods", [("deep-narrow", TRAINED), ("transformer", ["instruct-queryable"])])
 def test_stacked_copies_train_as_separately_built_stacks(arch, methods):
     """`capture_row`'s variants are one drawn stack and its copies: each copy, with its own optimizer, takes the same
     step as a stack `stacked_model` draws afresh, bit for bit, and training one leaves the others untouched (no
