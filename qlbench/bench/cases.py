@@ -648,8 +648,10 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             if torch.device(device).type == "cpu" and s.side_by_side_for(arch, E)[1] > 1 and paired:
                 row = lambda a=arch, E=E, p=paired: report["side_by_side"].extend(side_by_side(a, p, E, s, device))
                 out.append((f"{arch} side by side E={E}", kind("side_by_side", row)))
-        if torch.device(device).type == "cuda":  # the captured step of every trained method at every E and at the
-            for E in sorted(set(s.members) | {PAPER_MEMBERS}):  # paper's stack width, which the estimate uses
+        # on CUDA the captured step of every trained method at the paper's stack width, which the estimate uses, and
+        # then at every E of the run (widest first: a run stopped at a time limit has the estimate's rows first)
+        if torch.device(device).type == "cuda":
+            for E in sorted(set(s.members) | {PAPER_MEMBERS}, reverse=True):
                 for m in trained:
                     if arch == "transformer" and m == "full-soap" and E > 5:
                         continue  # 45 per-member SOAP states of a 6.3M-parameter model
