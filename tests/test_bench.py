@@ -583,3 +583,42 @@ def test_stacked_copies_train_as_separately_built_stacks(arch, methods):
         assert all(torch.equal(v, a.state_dict()[k]) for k, v in fresh.state_dict().items()), m
         assert all(torch.equal(v, b.state_dict()[k]) for k, v in before.items()), m  # b untouched by a's step
         assert any(not torch.equal(v, a.state_dict()[k]) for k, v in before.items()), m  # a did train
+
+
+@pytest.mark.parametrize("row", ["compile_row", "capture_row"])
+def test_no_variant_compiles_inside_the_timed_rounds(row, monkeypatch):
+    """Building a compiled step resets torch._dynamo (engine.compiled), which drops whatever was compiled before: the
+    rows with compiled variants build every variant before warming any up, so nothing compiles while the rounds are
+    timed. torch.compile with a counting backend (no Inductor) stands in for the real one; capture_row on the CPU
+    stand-in for CUDA graphs."""
+    from torch._dynamo.testing import CompileCounter
+
+    from qlbench.bench import cases
+    from qlbench.engine import loop
+    from qlbench.engine import step as step_module
+
+    from helpers import ReplayByRerun
+
+    counter = CompileCounter()
+
+    def counted(fn):
+        torch._dynamo.reset()
+        return torch.compile(fn, backend=counter)
+
+    monkeypatch.setattr(loop, "compiled", counted)
+    monkeypatch.setattr(step_module, "compiled_update", lambda opt: torch.compile(opt.step, backend=counter))
+    monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
+    monkeypatch.setattr(cases, "cuda_kernels", lambda step, data, device: 100.0)
+    during = []
+    real = cases.alternate
+
+    def timed(fns, rounds, device):
+        before = counter.frame_count
+        out = real(fns, rounds, device)
+        during.append(counter.frame_count - before)
+        return out
+
+    monkeypatch.setattr(cases, "alternate", timed)
+    s = bench.Settings.make(quick=True, compile=True)
+    getattr(cases, row)("deep-narrow", "lora", 2, s, torch.device("cpu"))
+    assert counter.frame_count > 0 and during == [0]

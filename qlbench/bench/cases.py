@@ -157,12 +157,16 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         "compiled": dict(compile=True),
         "compiled_forward": dict(compile=True, compile_update=False),
     }
-    data, steps, threads = batches(E, device), {}, s.threads_for(arch, E, device)
-    for name, how in variants.items():
-        model, opt = stacked_model(arch, method, E, device)
-        steps[name] = engine.make_step(model, opt, **how)
+    data, threads = batches(E, device), s.threads_for(arch, E, device)
+    # every variant built before any compiles: building a compiled step resets torch._dynamo (engine.compiled), which
+    # drops what was compiled before, so a variant warmed up in between would compile again inside the timed rounds
+    steps = {
+        name: engine.make_step(model, opt, **how)
+        for (name, how), (model, opt) in zip(variants.items(), stacked_copies(arch, method, E, device, len(variants)))
+    }
+    for name, step in steps.items():
         t0 = time.perf_counter()
-        chunk(steps[name], data, 2, threads)()  # compiles (one batch shape)
+        chunk(step, data, 2, threads)()  # compiles (one batch shape)
         if name == "compiled":
             warmup = time.perf_counter() - t0
     r = alternate({k: (chunk(fn, data, n, threads), E * n) for k, fn in steps.items()}, s.rounds, device)
@@ -200,13 +204,17 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     variants = {"eager": dict(), "captured": dict(capture=True), "captured_tf32": dict(capture=True)}
     if s.compile:
         variants |= {"compiled": dict(compile=True), "compiled_captured": dict(compile=True, capture=True)}
-    data, steps, warmup = batches(E, device), {}, {}
-    for (name, how), (model, opt) in zip(variants.items(), stacked_copies(arch, method, E, device, len(variants))):
-        steps[name] = engine.make_step(model, opt, **how)
+    data, warmup = batches(E, device), {}
+    stacks = stacked_copies(arch, method, E, device, len(variants))
+    # every variant built before any warms up: building a compiled step resets torch._dynamo (engine.compiled), which
+    # would drop an earlier variant's compiled forward (recompiled, then, inside the timed rounds)
+    steps = {name: engine.make_step(m, opt, **how) for (name, how), (m, opt) in zip(variants.items(), stacks)}
+    model = stacks[-1][0]  # the model whose evaluation is timed below
+    for name, step in steps.items():
         sync(device)
         t0 = time.perf_counter()
         with matmul_precision(PRECISION.get(name, "highest")):
-            chunk(steps[name], data, engine.step.WARMUP + 2)()  # the warm-up steps, compilation and the recording
+            chunk(step, data, engine.step.WARMUP + 2)()  # the warm-up steps, compilation and the recording
             sync(device)
         warmup[name] = time.perf_counter() - t0
     r = alternate({k: (chunk(fn, data, n), n) for k, fn in steps.items()}, s.rounds, device)
