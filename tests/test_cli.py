@@ -301,6 +301,7 @@ OWN = {  # (command, option) that is not the shared option of that name, and why
     ("report", "--budget"): "selects records",
     ("report", "--backbone-init"): "selects records",
     ("report", "--out"): "the report folder",
+    ("bench", "--compile"): "whether the torch.compile variants are measured (auto: not with --quick)",
     ("bench", "--out"): "the bench folder",
 }
 
