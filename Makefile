@@ -97,10 +97,12 @@ check-clean:
 # full-soap stack of 18 members takes about a minute per step on one core of the 2-core CPU: hours; docs/speed.md)
 SNAPSHOT_DN_METHODS ?= full-soap,lora,lora-matched,dora,hyra,replora,doran,vb-lora,moe-lora,lily,queryable,instruct-queryable,frozen,mean
 SNAPSHOT_TF_METHODS ?= lora,lora-matched,dora,hyra,replora,doran,queryable,instruct-queryable,frozen,mean
+# its own records folder, as the other snapshots have: a sweep resumes the finished cells of its folder, and ./results
+# holds whatever earlier commits wrote there (the report's provenance line names the commits of what it read)
 results-snapshot: check-clean setup
-	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(SNAPSHOT_DN_METHODS) --out results
-	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --methods $(SNAPSHOT_TF_METHODS) --out results
-	$(BIN)/qlbench report results --budget quick --out docs/results
+	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(SNAPSHOT_DN_METHODS) --out snapshot-results
+	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --methods $(SNAPSHOT_TF_METHODS) --out snapshot-results
+	$(BIN)/qlbench report snapshot-results --budget quick --out docs/results
 
 # the parameter-matched deep-narrow snapshot: LoRA, LoRA of instruct-queryable's size and the routed methods, nine
 # functions, quick budget, 3 seeds, one commit (README's first table)
