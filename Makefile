@@ -97,12 +97,23 @@ check-clean:
 # full-soap stack of 18 members takes about a minute per step on one core of the 2-core CPU: hours; docs/speed.md)
 SNAPSHOT_DN_METHODS ?= full-soap,lora,lora-matched,dora,hyra,replora,doran,vb-lora,moe-lora,lily,queryable,instruct-queryable,frozen,mean
 SNAPSHOT_TF_METHODS ?= lora,lora-matched,dora,hyra,replora,doran,queryable,instruct-queryable,frozen,mean
+# A committed snapshot's one-commit provenance line, "Provenance: every record from commit <hash> (clean tree).",
+# replaced by what was measured and how to reproduce it (the variable named by $(2)) in the Markdown files of $(1);
+# a line that warns of several commits or a dirty tree is left as it is.
+define describe_provenance
+	find $(1) -name '*.md' | \
+	  xargs sed -i 's|^Provenance: every record from commit [0-9a-f]* (clean tree)\.$$|$($(2))|'
+endef
+
 # its own records folder, as the other snapshots have: a sweep resumes the finished cells of its folder, and ./results
 # holds whatever earlier commits wrote there (the report's provenance line names the commits of what it read)
+RESULTS_PROVENANCE := Provenance: every record from one commit of a clean tree; the quick budget, nine functions, 3 \
+	seeds on deep-narrow and 2 on the Transformer; reproduce with `make results-snapshot`.
 results-snapshot: check-clean setup
 	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(SNAPSHOT_DN_METHODS) --out snapshot-results
 	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --methods $(SNAPSHOT_TF_METHODS) --out snapshot-results
 	$(BIN)/qlbench report snapshot-results --budget quick --out docs/results
+	$(call describe_provenance,docs/results/report.md docs/results/deep-narrow/quick docs/results/transformer/quick,RESULTS_PROVENANCE)
 
 # the parameter-matched deep-narrow snapshot: LoRA, LoRA of instruct-queryable's size and the routed methods, nine
 # functions, quick budget, 3 seeds, one commit (README's first table)
@@ -215,8 +226,7 @@ language-snapshot: check-clean setup
 	  xargs -I{} install -D {} $(CURDIR)/docs/results/language/{}
 	sed 's#](suites/#](language/suites/#g; s#](heldout/#](language/heldout/#g' results/language-report/report.md \
 	  > docs/results/language-report.md
-	find docs/results/language docs/results/language-report.md -name '*.md' | \
-	  xargs sed -i 's|^Provenance: every record from commit [0-9a-f]* (clean tree)\.$$|$(LANGUAGE_PROVENANCE)|'
+	$(call describe_provenance,docs/results/language docs/results/language-report.md,LANGUAGE_PROVENANCE)
 
 
 clean:
