@@ -40,13 +40,10 @@ class Settings:
     def make(cls, quick: bool, threads: int | None = None, compile: bool | None = None) -> Settings:
         """The quick or the full settings; `compile` (None: the full run's only) whether the torch.compile variants
         are measured too."""
+        compile = not quick if compile is None else compile
         if quick:
-            s = cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, 2, False, threads)
-        else:
-            s = cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, 9, True, threads)
-        if compile is not None:
-            s.compile = compile
-        return s
+            return cls({"deep-narrow": 4, "transformer": 1}, 2, (5,), 3, 2, compile, threads)
+        return cls({"deep-narrow": 40, "transformer": 3}, 3, (5, 45), 20, 9, compile, threads)
 
     def threads_for(self, arch: str, E: int, device) -> int | None:
         """Intra-op threads of a stack of E members: `threads` if set, else the engine's choice (CPU only)."""
