@@ -259,7 +259,7 @@ def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
         "transformer capture lora E=45",
         "transformer capture full-soap E=5",
     } <= set(labels)
-    assert "transformer capture full-soap E=45" not in labels
+    assert "transformer capture full-soap E=45" in labels  # on a GPU's memory (a row that does not fit is skipped)
     # the estimate's rows first: a bench stopped at a GPU call's time limit keeps them
     assert labels.index("deep-narrow capture full-soap E=45") < labels.index("deep-narrow capture lora E=5")
     cpu = [label for label, _ in cases.tasks(["deep-narrow"], ["lora"], s, "cpu", {})]
@@ -482,6 +482,60 @@ def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
     # the TF32 variant: recorded under "high" (a recording keeps the kernels chosen then), and the setting restored
     assert {"captured_tf32_ms", "captured_tf32_warmup_s", "tf32_speedup"} <= set(row)
     assert precisions == ["highest", "high"] and torch.get_float32_matmul_precision() == "highest"
+
+
+def test_a_capture_row_releases_its_recordings_even_when_it_fails(monkeypatch):
+    """`capture_row` closes every step it built once measured, as a training stage does at its end (engine.fit):
+    the recordings (on CUDA their graphs and memory pools) are released inside the row, not left to the next row's
+    torch._dynamo reset or to the interpreter's exit; also when a measurement inside the row raises."""
+    from qlbench.bench import cases
+    from qlbench.engine import step as step_module
+
+    from helpers import ReplayByRerun
+
+    monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
+    closed = []
+    close = step_module.CapturedStep.close
+    monkeypatch.setattr(step_module.CapturedStep, "close", lambda self: (close(self), closed.append(self)))
+    s = bench.Settings.make(quick=True)
+    monkeypatch.setattr(cases, "cuda_kernels", lambda step, data, device: 100.0)
+    cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
+    assert len(closed) == 2 and all(not step.graphs for step in closed)  # captured, captured_tf32
+
+    def fails(step, data, device):
+        raise RuntimeError("profiler failed")
+
+    closed.clear()
+    monkeypatch.setattr(cases, "cuda_kernels", fails)
+    with pytest.raises(RuntimeError, match="profiler failed"):
+        cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
+    assert len(closed) == 2 and all(not step.graphs for step in closed)
+
+
+def test_a_capture_row_that_runs_out_of_device_memory_is_skipped_with_a_line(monkeypatch, capsys):
+    """On CUDA every trained method is captured at the paper's 45 members, full-soap's Transformer with its SOAP
+    states included; a row the device has no memory for is one line on stderr and no row, and the rows after it are
+    still measured (the estimate then scales that method from its narrower stack)."""
+    from qlbench.bench import cases
+
+    def row(arch, method, E, s, device):
+        if (arch, method, E) == ("transformer", "full-soap", 45):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return dict(arch=arch, method=method, members=E)
+
+    monkeypatch.setattr(cases, "capture_row", row)
+    s = bench.Settings.make(quick=True)
+    report = {"capture": []}
+    for _, fn in cases.tasks(["transformer"], ["full-soap", "lora"], s, "cuda", report):
+        if fn.kind == "capture":
+            fn()
+    measured = [(r["method"], r["members"]) for r in report["capture"]]
+    assert measured == [("lora", 45), ("full-soap", 5), ("lora", 5)]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "qlbench bench: transformer capture full-soap E=45 skipped: the device ran out of memory "
+        "(CUDA out of memory. Tried to allocate 2.00 GiB)"
+    ]
 
 
 def test_a_stopped_bench_keeps_the_rows_it_measured(monkeypatch, tmp_path):

@@ -2,8 +2,8 @@
 graph as `--capture auto` does there; compiled for the routed and DoRA-family methods), the captured step trains
 exactly as the eager one (one recording per batch shape, not per epoch), CPU and CUDA agree on a smoke cell, a member
 trained alone equals the same member in a wider stack, a suite's sequential schedule trains, an interrupted sweep
-resumes to the numbers of a clean one, the quick run that once aborted at DoRA completes, and a step that cannot be
-captured is one line naming `--capture off`.
+resumes to the numbers of a clean one, the quick run that once aborted at DoRA completes, the bench that crashed at its
+exit ends cleanly, and a step that cannot be captured is one line naming `--capture off`.
 
 Skipped, with the reason, on a machine without CUDA (CI); `make test-cuda` runs them where a GPU is present.
 
@@ -15,6 +15,7 @@ cell, every method, median relative difference 4.7e-8, largest 1.9e-7; the tests
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -205,6 +206,20 @@ def test_the_quick_cuda_run_that_aborted_at_dora_completes(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr
+
+
+def test_bench_with_compiled_and_captured_steps_exits_cleanly(tmp_path):
+    """The bench that crashed the process on an NVIDIA H200 after it had measured and written its report ("free():
+    invalid pointer", then abort, in the interpreter's exit; a segmentation fault mid-run when both backbones were
+    measured): LoRA's and Queryable LoRA's deep-narrow steps compiled and captured, in a process of its own (a crash
+    cannot take the test run down), with Python's fault handler on, so a crash names where it happened."""
+    argv = ["bench", "--quick", "--compile", "on", "--device", "cuda", "--archs", "deep-narrow", "--methods",
+            "lora,queryable", "--only", "capture", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    code = "import sys; from qlbench.cli import main; sys.exit(main())"
+    env = os.environ | {"PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "bench.json").exists()
 
 
 def every_command(out, device: str) -> dict[str, int | str]:

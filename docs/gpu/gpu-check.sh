@@ -13,6 +13,7 @@
 # bench-compiled, LoRA's and Queryable LoRA's steps compiled + captured (what the paper budget runs on CUDA) at E = 5
 # and 45, for a second call: GPU_CHECK_PARTS=bench-compiled.
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1  # a process that crashes in native code prints every thread's Python stack first
 OUT=${GPU_CHECK_OUT:-gpu-check}
 RES=${GPU_CHECK_RESULTS:-gpu-check-results}
 WHEELS=${WHEELS:-.whl}
@@ -44,26 +45,26 @@ part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIM
   printf '%-18s rc=%-3s wall=%4d.%01d s%s\n' "$name" "$rc" $((wall / 1000)) $((wall % 1000 / 100)) "$note" >> "$S"
 }
 # the timed parts first, alone on the device; the paper cells show their progress (steps/s, ETA) in their logs
-part run-quick 95 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --no-progress --out $RES"
+part run-quick 85 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --no-progress --out $RES"
 # the paper-table estimate of every default method, one backbone per part (each part's report is written whole when
 # it ends; a part stopped at its limit leaves the rows measured so far in bench.partial.json): its training step
 # captured at E = 5 and at the paper's 45, kernels per step, evaluation time
 M=$($PY -c 'from qlbench import adapters; print(",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains))')
 for arch in deep-narrow transformer; do
-  part bench-$arch $([ $arch = transformer ] && echo 140 || echo 100) "$Q bench --quick --device cuda --archs $arch --methods $M --only throughput,capture --no-progress --out $OUT/bench-$arch"
+  part bench-$arch $([ $arch = transformer ] && echo 165 || echo 75) "$Q bench --quick --device cuda --archs $arch --methods $M --only throughput,capture --no-progress --out $OUT/bench-$arch"
 done
 # the paper budget's own training step on CUDA (compiled + captured) against captured eager, for the method pair
 # whose step ratio is a target, on both backbones; not in the default call
 part bench-compiled 240 "$Q bench --quick --compile on --device cuda --methods lora,queryable --only throughput,capture --no-progress --out $OUT/bench-compiled"
-part paper-deep-narrow 40 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
-part paper-transformer 50 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
+part paper-deep-narrow 35 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
+part paper-transformer 45 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
 # then the CUDA tests (not timed): on 6 processes where pytest-xdist is installed, each test's outcome on its own
 # line as it ends (-v), and each test under 140 s where pytest-timeout is, so the failures' reasons are printed before
 # the part's own limit (the thread method: it prints every thread's stack, even when the test waits in C code, where
 # the signal method waits for it); and each failure's traceback as it happens (tests/conftest.py)
 XDIST=""; $PY -c 'import xdist' 2>/dev/null && XDIST="-n 6"
 PER_TEST=""; $PY -c 'import pytest_timeout' 2>/dev/null && PER_TEST="--timeout 140 --timeout-method thread"
-part test-cuda 150 "QLBENCH_FAILURES_AT_ONCE=1 $PY -m pytest -v -m cuda -rs -p no:cacheprovider tests/test_cuda.py $XDIST $PER_TEST --durations=0"
+part test-cuda 170 "QLBENCH_FAILURES_AT_ONCE=1 $PY -m pytest -v -m cuda -rs -p no:cacheprovider tests/test_cuda.py $XDIST $PER_TEST --durations=0"
 cat "$S"
 for log in "$OUT"/*.log; do  # why a part failed, in the call's own output (progress lines left out)
   name=$(basename "$log" .log)

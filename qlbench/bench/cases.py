@@ -10,6 +10,8 @@ Over 500 lines: one function per measured case, kept together so that `tasks` re
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import os
 import statistics
 import sys
@@ -210,16 +212,21 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     # would drop an earlier variant's compiled forward (recompiled, then, inside the timed rounds)
     steps = {name: engine.make_step(m, opt, **how) for (name, how), (m, opt) in zip(variants.items(), stacks)}
     model = stacks[-1][0]  # the model whose evaluation is timed below
-    for name, step in steps.items():
-        sync(device)
-        t0 = time.perf_counter()
-        with matmul_precision(PRECISION.get(name, "highest")):
-            chunk(step, data, engine.step.WARMUP + 2)()  # the warm-up steps, compilation and the recording
+    try:
+        for name, step in steps.items():
             sync(device)
-        warmup[name] = time.perf_counter() - t0
-    r = alternate({k: (chunk(fn, data, n), n) for k, fn in steps.items()}, s.rounds, device)
-    ms = {k: 1e3 / statistics.median(v) for k, v in r.items()}
-    kernels = {k: cuda_kernels(steps[k], data, device) for k in ("eager", "captured")}
+            t0 = time.perf_counter()
+            with matmul_precision(PRECISION.get(name, "highest")):
+                chunk(step, data, engine.step.WARMUP + 2)()  # the warm-up steps, compilation and the recording
+                sync(device)
+            warmup[name] = time.perf_counter() - t0
+        r = alternate({k: (chunk(fn, data, n), n) for k, fn in steps.items()}, s.rounds, device)
+        ms = {k: 1e3 / statistics.median(v) for k, v in r.items()}
+        kernels = {k: cuda_kernels(steps[k], data, device) for k in ("eager", "captured")}
+    finally:  # the recordings released here, as a training stage releases them at its end (engine.fit)
+        for step in steps.values():
+            step.close()
+        sync(device)
     return stack_row(
         arch,
         method,
@@ -660,16 +667,27 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
         # then at every E of the run (widest first: a run stopped at a time limit has the estimate's rows first)
         if torch.device(device).type == "cuda":
             for E in sorted(set(s.members) | {PAPER_MEMBERS}, reverse=True):
-                for m in trained:
-                    if arch == "transformer" and m == "full-soap" and E > 5:
-                        continue  # 45 per-member SOAP states of a 6.3M-parameter model
-                    row = lambda a=arch, m=m, E=E: capture_row(a, m, E, s, device)
-                    out.append((f"{arch} capture {m} E={E}", add("capture", row)))
+                for m in trained:  # full-soap's 45 Transformers too (with their SOAP states, on a GPU's memory)
+                    label, row = f"{arch} capture {m} E={E}", functools.partial(capture_row, arch, m, E, s, device)
+                    out.append((label, kind("capture", lambda lb=label, r=row: if_it_fits(lb, report["capture"], r))))
         row = lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))
         out.append((f"{arch} inference", kind("inference", row)))
     if "lora" in methods and "queryable" in methods:  # the peft tuner against peft's LoRA
         out.append(("peft tuner", kind("hf", lambda: report["hf"].extend(hf_rows(s, device)))))
     return out
+
+
+def if_it_fits(label: str, rows: list, measure: Callable[[], dict]) -> None:
+    """rows.append(measure()), or, where the device runs out of memory (a wide stack of a large model, such as
+    full-soap's 45 Transformers with their SOAP states, on a smaller GPU), a line on stderr and no row: the estimate
+    then scales that method from its narrower stack."""
+    try:
+        rows.append(measure())
+    except torch.OutOfMemoryError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"qlbench bench: {label} skipped: the device ran out of memory ({first})", file=sys.stderr)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 # what `qlbench bench --only` selects: a measurement's kind, the report's key it writes (plain: the plain PyTorch loop
