@@ -160,7 +160,6 @@ class StackedSoap:
         beta1, beta2 = self.betas
         step = self.steps - 1
         step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        all_live = bool(self.live.all())
         for group, g in zip(self.groups, batches):
             state, params = group["state"], group["params"]
             m, v, Q = state["exp_avg"], state["exp_avg_sq"], state["Q"]
@@ -168,15 +167,14 @@ class StackedSoap:
             v.lerp_(self._project(g, Q).square(), 1.0 - beta2)
             update = self._project(self._project(m, Q) / (v.sqrt() + self.eps), Q, backward=True)  # (B, ...)
             update = update.unflatten(0, (len(params), self.members))  # (P, E, *member_shape)
-            decay = 1.0 - self.lr * self.weight_decay
-            if not all_live:  # a diverged member neither moves nor decays
-                keep = _expand(self.live, update, at=1).to(update.dtype)
-                update = update * keep
-                decay = 1.0 - self.lr * self.weight_decay * keep[0]
-            torch._foreach_add_(params, list(update.unbind(0)), alpha=-step_size)
-            if self.weight_decay and all_live:
-                torch._foreach_mul_(params, decay)
-            elif self.weight_decay:
+            # a diverged member neither moves nor decays: masked on the device whether or not one has diverged, so
+            # the step never waits for the device to say (on CUDA that wait stalled every step's launches). While
+            # every member is live the bits are those of the unmasked step: keep is 1, and the decay is 1 - lr wd
+            # rounded once to the parameters' dtype, as a Python scalar factor is
+            keep = _expand(self.live, update, at=1).to(update.dtype)  # (1, E, 1, ...)
+            torch._foreach_add_(params, list((update * keep).unbind(0)), alpha=-step_size)
+            if self.weight_decay:
+                decay = torch.full_like(keep[0], 1.0 - self.lr * self.weight_decay).masked_fill_(keep[0] == 0, 1.0)
                 torch._foreach_mul_(params, [decay] * len(params))
             self._precondition(state, g, step)
 

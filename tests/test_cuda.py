@@ -3,7 +3,8 @@ graph as `--capture auto` does there; compiled for the routed and DoRA-family me
 exactly as the eager one (one recording per batch shape, not per epoch), CPU and CUDA agree on a smoke cell, a member
 trained alone equals the same member in a wider stack, a suite's sequential schedule trains, an interrupted sweep
 resumes to the numbers of a clean one, the quick run that once aborted at DoRA completes, the bench that crashed at its
-exit ends cleanly, and a step that cannot be captured is one line naming `--capture off`.
+exit ends cleanly, full-soap's update never waits for the device, and a step that cannot be captured is one line
+naming `--capture off`.
 
 Skipped, with the reason, on a machine without CUDA (CI); `make test-cuda` runs them where a GPU is present.
 
@@ -220,6 +221,30 @@ def test_bench_with_compiled_and_captured_steps_exits_cleanly(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "bench.json").exists()
+
+
+def test_full_soaps_steps_after_the_first_never_wait_for_the_device():
+    """full-soap's update runs eagerly after the captured forward and backward; a step that reads the device back
+    (as one did, to ask whether every member was live) stalls the next step's launches. CUDA's sync debug mode
+    raises on any such read, over two refreshes of the eigenbases (the CPU tests check the same on the meta
+    device)."""
+    from qlbench.soap import StackedSoap
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(3, *s, device="cuda", generator=g)) for s in [(32, 2), (32,), (32, 32)]]
+    opt = StackedSoap(ps, lr=1e-3, precondition_frequency=10)
+    for p in ps:
+        p.grad = torch.randn(p.shape, device="cuda", generator=g)
+    opt.step()  # the first: its eigendecompositions may read the device (a batch that fails is retried)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(21):
+            for p in ps:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g)
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p).all() for p in ps)
 
 
 def every_command(out, device: str) -> dict[str, int | str]:

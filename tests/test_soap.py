@@ -1,6 +1,6 @@
 """StackedSoap (one batched step for every member) against pytorch_optimizer.SOAP run once per member: float64, the
 parameter shapes of both backbones, 60 steps with six eigenbasis refreshes; members never mix; a member whose
-gradient turns non-finite stops, the others go on."""
+gradient turns non-finite stops, the others go on; no step after the first reads the device."""
 
 from __future__ import annotations
 
@@ -101,6 +101,19 @@ def test_the_parameters_change_and_the_first_step_only_initialises():
     p.grad = torch.ones_like(p)
     opt.step()
     assert (p.detach() < 1).all()
+
+
+def test_an_ordinary_step_never_waits_for_the_device():
+    """After the first step (whose eigendecompositions may retry, which reads the device), no step reads a value back
+    to the host, a refresh of the eigenbases included: on CUDA such a read stalls every step's launches until the
+    device has caught up. The meta device stands in: its tensors have no values, so any read raises."""
+    ps = [torch.nn.Parameter(torch.empty(3, *s, device="meta")) for s in DEEP_NARROW]
+    opt = StackedSoap(ps, lr=LR, precondition_frequency=FREQ)
+    for _ in range(2 * FREQ + 2):  # two refreshes
+        for p in ps:
+            p.grad = torch.empty_like(p)
+        opt.step()
+    assert opt.steps == 2 * FREQ + 2
 
 
 def test_rejects_unstacked_parameters():

@@ -82,7 +82,10 @@ def training_rate(row: dict, comp: dict | None, cap: dict | None, compiled: bool
     if cap is not None:
         if compiled and "compiled_captured_ms" in cap:
             rate = cap["members"] * 1e3 / cap["compiled_captured_ms"]
-            return rate, cap["compiled_captured_warmup_s"], "compiled + captured"
+            # the compilation is timed in the compiled variant's warm-up (built and warmed first); the compiled +
+            # captured variant reuses it, so its own warm-up is the recording's alone. A run pays both
+            warmup = cap.get("compiled_warmup_s", 0.0) + cap["compiled_captured_warmup_s"]
+            return rate, warmup, "compiled + captured"
         return cap["captured_rate"], cap["captured_warmup_s"], "captured"
     if compiled and comp is not None:
         return comp["compiled"], comp["warmup_s"], "compiled"

@@ -13,8 +13,9 @@ How the captured step stays the same training as the eager one:
   real training steps, so nothing is run twice or skipped.
 - A stage's last partial batch is one more shape, recorded once for the stage (not once per epoch).
 - The optimiser must keep its step count on the device (AdamW's `capturable`, which `adapters.base.adamw` sets on
-  CUDA); an optimiser that does not (full-soap's SOAP, whose eigendecompositions synchronise with the host) has
-  the forward and backward captured and steps eagerly after the replay.
+  CUDA); an optimiser that does not (full-soap's SOAP: its step size and eigenbasis refreshes follow a step count
+  kept on the host, and its first step's eigendecompositions read the device) has the forward and backward
+  captured and steps eagerly after the replay, without waiting for the device (qlbench/soap.py).
 - The gradients a replay writes are the recording's own tensors; `inspect` (gradient diagnostics) is handed them,
   so it reads the step's gradients whichever shape was recorded last. An ordinary step (another shape's warm-up)
   first detaches them from the parameters, so its backward does not add to them; `close()` does the same when the
