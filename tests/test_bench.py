@@ -36,7 +36,8 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
     assert not (tmp_path / "bench.partial.json").exists()  # the rows so far, kept only while the run goes on
     assert report["peak_gflops"] > 0
     rows = {(r["method"], r["members"]): r for r in report["throughput"]}
-    assert set(rows) == {("lora", 5), ("queryable", 5), ("instruct-queryable", 5)}  # `mean` does not train
+    # `mean` does not train; the backbones' pretraining is timed for the estimate, whichever methods are named
+    assert set(rows) == {("pretraining", 5), ("lora", 5), ("queryable", 5), ("instruct-queryable", 5)}
     for r in rows.values():
         assert r["stacked"] > 0 and r["per_seed"] > 0 and r["step_gflop"] > 0
         assert r["gflops"] == pytest.approx(r["step_gflop"] * r["stacked"] / 5)
@@ -52,7 +53,8 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys):
         assert 0 < r["matmul_share"] < 1 and 0 < r["gelu_share"] < 1
     assert all(r["eval_s"] > 0 for r in rows.values())
     est = report["paper_estimate"]
-    assert set(est["methods"]) == {"lora", "queryable", "instruct-queryable"} and est["measured_at"] == 5
+    assert set(est["methods"]) == {"pretraining", "lora", "queryable", "instruct-queryable"}
+    assert est["measured_at"] == 5
     assert "Estimate: the full deep-narrow paper table" in (tmp_path / "bench.md").read_text()
     a = report["plain"]
     assert a["floor_e5"] > 0 and a["floor_e5_vs_plain"] > 0
@@ -204,6 +206,27 @@ def test_paper_estimate_on_cuda_uses_the_captured_rates():
     # compiled + captured one reuses) and the recording both paid
     assert est["lora"]["train_s"] == pytest.approx(45 * 35_000 / 18_000 + 30.0 + 1.5)
     assert est["lora"]["mode"] == "compiled + captured"
+
+
+def test_the_estimate_counts_the_backbones_pretraining_once_at_its_own_length():
+    """The `pretraining` row is the paper budget's pretraining of the 45 members (once per arch, shared by every
+    method): 300 epochs of the 2,400 source samples at batch 64 (11,400 steps per member, against an adaptation's
+    35,000), evaluated twice on the source's 3,000 samples (the timed evaluation is of the target's 1,200)."""
+    rows = [
+        dict(arch="deep-narrow", method=m, members=5, stacked=100.0, eval_s=0.4, threads=2)
+        for m in ("pretraining", "lora")
+    ]
+    est = bench.paper_estimate({"throughput": rows})
+    pre, lora = est["methods"]["pretraining"], est["methods"]["lora"]
+    assert pre["train_s"] == pytest.approx(45 * 300 * 38 / 100.0)  # ceil(2400 / 64) = 38 steps per epoch
+    assert lora["train_s"] == pytest.approx(45 * 5000 * 7 / 100.0)
+    assert pre["eval_s"] == pytest.approx(2 * 0.4 * 3000 / 1200 * 45 / 5)
+    assert est["total_s"] == pytest.approx(pre["total_s"] + lora["total_s"])
+    from qlbench.bench import models
+
+    (model, opt), _ = models.stacked_copies("deep-narrow", models.PRETRAINING, 3, "cpu", 2)
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert trained == {id(p) for p in model.parameters()} and opt.param_groups[0]["lr"] == 3e-3  # every weight
 
 
 def test_the_estimate_adds_what_tf32_matmuls_would_give_where_measured():
@@ -451,7 +474,7 @@ def test_only_runs_the_measurements_of_the_kinds_named(monkeypatch, tmp_path, ca
     report = bench.run(
         ["deep-narrow"], ["lora", "queryable"], s, torch.device("cpu"), progress=False, only={"throughput"}
     )
-    assert ran == ["deep-narrow lora E=5", "deep-narrow queryable E=5"]
+    assert ran == ["deep-narrow pretraining E=5", "deep-narrow lora E=5", "deep-narrow queryable E=5"]
     assert "### Inference" not in bench.markdown(report)
     full = bench.run(["deep-narrow"], ["lora"], s, torch.device("cpu"), progress=False)
     assert "### Inference" in bench.markdown(full)  # a full run shows it (rows or not)
@@ -532,7 +555,7 @@ def test_a_capture_row_that_runs_out_of_device_memory_is_skipped_with_a_line(mon
         if fn.kind == "capture":
             fn()
     measured = [(r["method"], r["members"]) for r in report["capture"]]
-    assert measured == [("lora", 45), ("full-soap", 5), ("lora", 5)]
+    assert measured == [("pretraining", 45), ("lora", 45), ("pretraining", 5), ("full-soap", 5), ("lora", 5)]
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "qlbench bench: transformer capture full-soap E=45 skipped: the device ran out of memory "
@@ -557,7 +580,8 @@ def test_a_stopped_bench_keeps_the_rows_it_measured(monkeypatch, tmp_path):
     s = bench.Settings.make(quick=True)
     bench.run(["deep-narrow"], ["lora", "queryable"], s, torch.device("cpu"), progress=False, only={"throughput"},
               partial=lambda report: seen.append([r["label"] for r in report["profile"]]))  # fmt: skip
-    assert seen == [["deep-narrow lora E=5"], ["deep-narrow lora E=5", "deep-narrow queryable E=5"]]
+    pre, lora, queryable = (f"deep-narrow {m} E=5" for m in ("pretraining", "lora", "queryable"))
+    assert seen == [[pre], [pre, lora], [pre, lora, queryable]]
 
 
 def test_bench_compile_option_chooses_whether_the_compiled_variants_are_measured(monkeypatch, tmp_path, capsys):

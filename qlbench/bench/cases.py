@@ -26,6 +26,7 @@ from qlbench import adapters, engine, multitask, pareto_stack, results, suites, 
 from qlbench.bench.dispatch import step_kernels
 from qlbench.bench.estimate import paper_estimate
 from qlbench.bench.models import (
+    PRETRAINING,
     batches,
     hf_step,
     lora_floor_step,
@@ -616,11 +617,12 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
     trained = [m for m in methods if adapters.get(m).trains]
     pair = [m for m in ("lora", "queryable") if m in methods]  # on purpose: Queryable LoRA against the LoRA it extends
     forwarded = [m for m in methods if m not in UNTIMED_FORWARDS]
+    timed = [PRETRAINING, *trained] if trained else []  # the stacks the paper-table estimate counts
     for arch in archs:
         for E in s.members:
-            for m in trained:
-                if arch == "transformer" and m == "full-soap" and E > 5:
-                    continue  # 45 per-member SOAP states of a 6.3M-parameter model
+            for m in timed:
+                if arch == "transformer" and m in ("full-soap", PRETRAINING) and E > 5:
+                    continue  # 45 copies of a 6.3M-parameter model with their optimizer states: a GPU's (capture)
                 out.append(
                     (f"{arch} {m} E={E}", add("throughput", lambda a=arch, m=m, E=E: throughput(a, m, E, s, device)))
                 )
@@ -654,7 +656,7 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                 out.append((f"{arch} SOAP E={E}", add("soap", lambda a=arch, E=E: soap_row(a, E, s, device))))
         if s.compile and arch == "deep-narrow":  # every trained method at the largest E: the paper estimate's rates
             E = max(s.members)
-            for m in trained:
+            for m in timed:
                 row = lambda a=arch, m=m, E=E: compile_row(a, m, E, s, device)
                 out.append((f"{arch} compile {m} E={E}", add("compile", row)))
             # on purpose: three tasks of unlike weight (full-soap's per-member SOAP step, LoRA, Queryable LoRA); the
@@ -667,7 +669,7 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
         # then at every E of the run (widest first: a run stopped at a time limit has the estimate's rows first)
         if torch.device(device).type == "cuda":
             for E in sorted(set(s.members) | {PAPER_MEMBERS}, reverse=True):
-                for m in trained:  # full-soap's 45 Transformers too (with their SOAP states, on a GPU's memory)
+                for m in timed:  # full-soap's and pretraining's 45 Transformers too (on a GPU's memory)
                     label, row = f"{arch} capture {m} E={E}", functools.partial(capture_row, arch, m, E, s, device)
                     out.append((label, kind("capture", lambda lb=label, r=row: if_it_fits(lb, report["capture"], r))))
         row = lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))

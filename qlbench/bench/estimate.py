@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from qlbench import engine, zoo
+from qlbench.bench.models import PRETRAINING
 
 
 def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = False) -> dict | None:
@@ -18,8 +19,10 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     the run captured (`training_rate`; `captured_at`), and its evaluation time at that stack where measured (eager:
     evaluation is never compiled or captured). Where a method's step was also captured with TF32 matmuls, its
     `tf32_total_s` is the total at that rate (evaluation as measured, in float32), and `tf32_total_s` of the table
-    the sum when every method has one: what TF32 would save, not what qlbench runs. Pretraining is not included (it
-    is cached and shared by the methods). None when the run has no throughput row of `arch`."""
+    the sum when every method has one: what TF32 would save, not what qlbench runs. The backbones' pretraining (once
+    per arch for the 45 members, cached and shared by every method) is the `pretraining` row where the run timed it:
+    300 epochs of the 2,400 source samples per member, evaluated at its start and end on the source's 3,000 samples.
+    None when the run has no throughput row of `arch`."""
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
     if not rows:
@@ -27,8 +30,9 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     E = max(r["members"] for r in rows)
     budget = engine.BUDGETS[arch]["paper"]
     members = 9 * budget.seeds
-    steps = engine.steps(budget.adapt, zoo.TARGET_TRAIN)  # per member
-    evaluations = budget.adapt.epochs // budget.eval_every + 1
+    # per method: steps per member, evaluations and their size against the timed one (the target's 1,200 samples)
+    adaptation = (engine.steps(budget.adapt, zoo.TARGET_TRAIN), budget.adapt.epochs // budget.eval_every + 1, 1.0)
+    pretraining = (engine.steps(budget.pretrain, zoo.SOURCE_TRAIN), 2, zoo.SOURCE_SIZE / zoo.TARGET_SIZE)
     comp = {r["method"]: r for r in report.get("compile", []) if r["arch"] == arch and r["members"] == E}
     # captured (CUDA): each method's widest measured stack, which may be wider than E (`tasks` adds the paper's 45
     # on CUDA, where a step's time barely grows with its members: linear scaling from E = 5 overstated it)
@@ -41,11 +45,12 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
         if r["members"] != E:
             continue
         c = cap.get(r["method"])
+        steps, evaluations, size = pretraining if r["method"] == PRETRAINING else adaptation
         rate, warmup, mode = training_rate(r, comp.get(r["method"]), c, compiled)
         train = members * steps / rate + warmup
         # an evaluation at the widest captured stack where the run timed one (CUDA), else at E, linear in members
         at = c if c is not None and "eval_s" in c else dict(eval_s=r["eval_s"], members=E)
-        evaluation = evaluations * at["eval_s"] * members / at["members"]
+        evaluation = evaluations * size * at["eval_s"] * members / at["members"]
         methods[r["method"]] = dict(train_s=train, eval_s=evaluation, total_s=train + evaluation, mode=mode)
         if c is not None and "captured_tf32_ms" in c:  # what TF32 matmuls would give (measured captured, eager forward)
             tf32 = members * steps * c["captured_tf32_ms"] / 1e3 / c["members"] + c["captured_tf32_warmup_s"]

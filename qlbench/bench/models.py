@@ -12,10 +12,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qlbench import adapters, zoo
+from qlbench.adapters.base import adamw
 from qlbench.backbones import build_backbone
 from qlbench.bench.timing import BATCH
+from qlbench.engine.budgets import BUDGETS
 from qlbench.seeding import generator
 from qlbench.stacked import bmm_add, stacked_linear
+
+# Not a method: the backbones' source pretraining (engine.cache.pretrain: every weight trained with AdamW at the paper
+# budget's pretraining rate), which a paper table runs once per arch, for every member, before any method adapts. It is
+# timed as a stack of its own, so that the paper-table estimate counts it (its `pretraining` row).
+PRETRAINING = "pretraining"
 
 
 def stacked_model(
@@ -33,6 +40,11 @@ def stacked_copies(
     """n equal stacks as `stacked_model` builds them, each with its own optimizer: drawn once and copied (drawing a
     Transformer stack of 45 members takes seconds on the host, member by member; a copy, far less)."""
     keys = [("bench", e) for e in range(members)]
+    if method_name == PRETRAINING:  # the backbone itself, every weight trained, as engine.cache.pretrain does
+        phase = BUDGETS[arch]["paper"].pretrain
+        models = [build_backbone(arch, keys, device=device)]
+        models += [copy.deepcopy(models[0]) for _ in range(n - 1)]
+        return [(m, adamw(m.parameters(), phase.lr, phase.weight_decay)) for m in models]
     method = adapters.get(method_name)
     config = method.make_config(**({"tasks": tasks} if method.kind == "task" else {}), **overrides)
     y = torch.zeros(members, BATCH, device=device)

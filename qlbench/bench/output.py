@@ -298,9 +298,8 @@ def estimate(est: dict) -> list[str]:
         f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
         f"from the rates at E = {est['measured_at']}{captured}, linear in members; training steps as the paper "
         f"budget runs them on this device (compiled where `--compile auto` compiles it, captured on CUDA), warm-up "
-        f"included; one process; pretraining not included): {est['total_s'] / 3600:.2f} h for the methods measured"
-        + tf32
-        + "\n",
+        f"included; one process; the backbones' pretraining, once per arch, its own row where measured): "
+        f"{est['total_s'] / 3600:.2f} h for the methods measured" + tf32 + "\n",
         table(rows, ESTIMATE),
     ]
     if par := est.get("parallel"):
