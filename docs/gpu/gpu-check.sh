@@ -58,11 +58,11 @@ done
 part bench-compiled 240 "$Q bench --quick --compile on --device cuda --methods lora,queryable --only throughput,capture --no-progress --out $OUT/bench-compiled"
 part paper-deep-narrow 35 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
 part paper-transformer 45 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
-# then the CUDA tests (not timed): on 6 processes where pytest-xdist is installed, each test's outcome on its own
+# then the CUDA tests (not timed): on 8 processes where pytest-xdist is installed, each test's outcome on its own
 # line as it ends (-v), and each test under 140 s where pytest-timeout is, so the failures' reasons are printed before
 # the part's own limit (the thread method: it prints every thread's stack, even when the test waits in C code, where
 # the signal method waits for it); and each failure's traceback as it happens (tests/conftest.py)
-XDIST=""; $PY -c 'import xdist' 2>/dev/null && XDIST="-n 6"
+XDIST=""; $PY -c 'import xdist' 2>/dev/null && XDIST="-n 8"
 PER_TEST=""; $PY -c 'import pytest_timeout' 2>/dev/null && PER_TEST="--timeout 140 --timeout-method thread"
 part test-cuda 170 "QLBENCH_FAILURES_AT_ONCE=1 $PY -m pytest -v -m cuda -rs -p no:cacheprovider tests/test_cuda.py $XDIST $PER_TEST --durations=0"
 cat "$S"
