@@ -229,6 +229,22 @@ def test_the_estimate_counts_the_backbones_pretraining_once_at_its_own_length():
     assert trained == {id(p) for p in model.parameters()} and opt.param_groups[0]["lr"] == 3e-3  # every weight
 
 
+def test_a_method_timed_only_at_a_narrower_stack_is_scaled_from_it_not_left_out():
+    """full-soap's and pretraining's Transformers are timed at E = 5 alone where the others run at 45 too: the
+    estimate scales each from its widest row (and says so) instead of dropping it from the table's total."""
+    rows = [dict(arch="transformer", method="lora", members=E, stacked=10.0 * E, eval_s=0.1 * E, threads=2)
+            for E in (5, 45)]  # fmt: skip
+    rows.append(dict(arch="transformer", method="full-soap", members=5, stacked=20.0, eval_s=0.5, threads=2))
+    est = bench.paper_estimate({"throughput": rows}, "transformer")
+    soap, lora = est["methods"]["full-soap"], est["methods"]["lora"]
+    assert soap["train_s"] == pytest.approx(45 * 35_000 / 20.0) and soap["measured_at"] == 5
+    assert lora["train_s"] == pytest.approx(45 * 35_000 / 450.0) and "measured_at" not in lora  # from its 45
+    assert est["total_s"] == pytest.approx(soap["total_s"] + lora["total_s"]) and est["measured_at"] == 45
+    from qlbench.bench import output
+
+    assert "(full-soap at E = 5)" in "".join(output.estimate(est))
+
+
 def test_the_estimate_adds_what_tf32_matmuls_would_give_where_measured():
     """A capture row with a TF32 step gives the method's total at that rate (the same evaluation), and the table's
     TF32 total only when every method has one; the training step the estimate reports stays float32's."""

@@ -291,6 +291,9 @@ def estimate(est: dict) -> list[str]:
     rows = [dict(method=m, mode="eager") | v for m, v in est["methods"].items()]
     evaluated = " and their evaluations" if "evaluated_at" in est else ""
     captured = f" (captured steps{evaluated} at E = {est['captured_at']})" if "captured_at" in est else ""
+    narrower = {m: v["measured_at"] for m, v in est["methods"].items() if "measured_at" in v}
+    if narrower:  # methods timed only at a narrower stack than the run's widest
+        captured += " (" + ", ".join(f"{m} at E = {e}" for m, e in narrower.items()) + ")"
     tf32 = ""
     if "tf32_total_s" in est:  # measured, not run: qlbench trains in float32
         tf32 = f"; {est['tf32_total_s'] / 3600:.2f} h if the captured steps' matmuls used TF32 (not what qlbench runs)"
