@@ -518,11 +518,13 @@ def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
 
     monkeypatch.setattr(step_module, "RECORDER", Spy)
     row = cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
-    assert row["members"] == 2 and row["eval_s"] > 0 and row["captured_rate"] > 0
+    assert row["members"] == 2 and row["eval_s"] > 0 and row["eval_eager_s"] > 0 and row["captured_rate"] > 0
     assert {"eager_ms", "captured_ms", "captured_speedup", "captured_warmup_s", "captured_us_per_kernel"} <= set(row)
     # the TF32 variant: recorded under "high" (a recording keeps the kernels chosen then), and the setting restored
     assert {"captured_tf32_ms", "captured_tf32_warmup_s", "tf32_speedup"} <= set(row)
-    assert precisions == ["highest", "high"] and torch.get_float32_matmul_precision() == "highest"
+    # then the evaluation's two sets, recorded as a captured stage records them (float32's precision)
+    assert precisions == ["highest", "high", "highest", "highest"]
+    assert torch.get_float32_matmul_precision() == "highest"
 
 
 def test_a_capture_row_releases_its_recordings_even_when_it_fails(monkeypatch):

@@ -361,7 +361,8 @@ def test_the_captured_step_finds_every_optimisers_parameters_and_records_adamw_o
 def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(monkeypatch, whole):
     """Every trained method's smoke adaptation through `CapturedStep`, with CUDA graphs replaced by a CPU stand-in
     (`ReplayByRerun`), gives the eager step's curves and gradient diagnostics bit for bit: the 4 epochs of 6 full
-    batches and one of 16 samples are recorded once per shape (2 recordings) after their warm-up steps. Both ways
+    batches and one of 16 samples are recorded once per shape (2 recordings) after their warm-up steps, and the
+    evaluations of the train and the test set once each (`CapturedEvaluation`: at epoch 2, after epoch 0's). Both ways
     the update runs: eager after the replay (full-soap's SOAP, any optimiser that is not capturable) and recorded
     with the step (AdamW on CUDA; here `capturable` is forced, for the AdamW methods). full-soap's missing
     param_groups once failed every full-soap cell on CUDA; this catches such a fault without a GPU."""
@@ -381,7 +382,8 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
     for method in methods:
         config = adapters.get(method).make_config()
         runs = {c: engine.adapt(pre, method, config, smoke, device="cpu", capture=c).curves for c in (False, True)}
-        assert sum(r.recorded for r in recorders) == 2, method
+        # the step: one recording per batch shape; each evaluation set (train, test): one for the stage
+        assert sorted(r.recorded for r in recorders) == [1, 1, 2], method
         recorders.clear()
         for field in ("train_mse", "test_mse", "grad_layers", "grad_shared"):
             eager, captured = getattr(runs[False], field), getattr(runs[True], field)
@@ -421,7 +423,9 @@ def test_a_compiled_forward_is_not_compiled_again_inside_a_recording(monkeypatch
     opt = lambda: method.optimizer(model, config, 1e-3, 0.01)
     stage = engine.Stage(data, engine.Phase(4, 1e-3), opt, [generator("order", *m) for m in members], 4)
     engine.fit(model, [stage], compile=True, capture=True)
-    assert inside == [0, 0]  # two batch shapes (64 and the last 16), recorded after their warm-ups
+    # two batch shapes (64 and the last 16), recorded after their warm-ups; then the two evaluation sets (the eager
+    # model's forward: nothing to compile)
+    assert inside == [0, 0, 0, 0]
 
 
 def test_the_syncing_script_of_the_cuda_tests_trains_eagerly_on_the_cpu():

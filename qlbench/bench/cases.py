@@ -90,22 +90,30 @@ def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
     )
 
 
-def evaluation_seconds(model, E: int, threads, rounds: int, device) -> float:
+def evaluation_seconds(model, E: int, threads, rounds: int, device, captured: bool = False) -> float:
     """Median seconds of one evaluation as the engine runs it every `eval_every` epochs: train and test MSE of all
-    E members on the target's 400 + 800 samples (zoo.TARGET_TRAIN of zoo.TARGET_SIZE)."""
-
+    E members on the target's 400 + 800 samples (zoo.TARGET_TRAIN of zoo.TARGET_SIZE); `captured`: each set's
+    evaluation recorded and replayed (engine.CapturedEvaluation, as a captured stage evaluates; CUDA)."""
     g = torch.Generator().manual_seed(1)
+    x = torch.rand(E, zoo.TARGET_SIZE, 2, generator=g).to(device)
+    y = torch.rand(E, x.shape[1], generator=g).to(device)
+    T = zoo.TARGET_TRAIN
+    sets = [lambda: engine.evaluate(model, x[:, :T], y[:, :T]), lambda: engine.evaluate(model, x[:, T:], y[:, T:])]
+    if captured:
+        sets = [engine.CapturedEvaluation(fn, torch.device(device)) for fn in sets]
+        for fn in sets:
+            fn(), fn()  # the ordinary evaluation before the recording, and the recording
     times = []
     for _ in range(rounds):
-        x = torch.rand(E, zoo.TARGET_SIZE, 2, generator=g).to(device)
-        y = torch.rand(E, x.shape[1], generator=g).to(device)
         sync(device)
         t0 = time.perf_counter()
         with torch.no_grad(), engine.num_threads(threads):
-            engine.evaluate(model, x[:, : zoo.TARGET_TRAIN], y[:, : zoo.TARGET_TRAIN])
-            engine.evaluate(model, x[:, zoo.TARGET_TRAIN :], y[:, zoo.TARGET_TRAIN :])
+            for fn in sets:
+                fn()
         sync(device)
         times.append(time.perf_counter() - t0)
+    for fn in sets if captured else ():
+        fn.close()
     return statistics.median(times)
 
 
@@ -199,7 +207,8 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     matmuls (`PRECISION`) and, when the run compiles, compiled and compiled + captured, alternating (ms per step,
     speed-up against eager, the recording's warm-up); and the CUDA kernels each executes per step (torch.profiler),
     with µs per kernel of the captured step. Every variant trains its own copy of the same stack on the same
-    batches; and one evaluation of the stack (the last variant's model), as `throughput` times it.
+    batches; and one evaluation of the stack (the last variant's model), captured as a captured stage evaluates
+    (`eval_s`, the estimate's) and eager (`eval_eager_s`).
 
     A variant's matmul precision is set while it warms up and records: a recording keeps the kernels chosen then,
     and every later step of the same batch shape replays them (`batches` are all one shape)."""
@@ -241,9 +250,10 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         captured_kernels=kernels["captured"],
         captured_us_per_kernel=1e3 * ms["captured"] / kernels["captured"],
         captured_rate=E * 1e3 / ms["captured"],  # model-steps/s, the paper estimate's rate on CUDA
-        # one evaluation of this stack (eager, as the engine evaluates): at E = 45 the estimate's, since on a GPU it
-        # grows with the members far less than linearly, as the step does
-        eval_s=evaluation_seconds(model, E, None, s.rounds, device),
+        # one evaluation of this stack, captured as a captured stage evaluates (at E = 45 the estimate's: on a GPU
+        # it grows with the members far less than linearly, as the step does), and eager
+        eval_s=evaluation_seconds(model, E, None, s.rounds, device, captured=True),
+        eval_eager_s=evaluation_seconds(model, E, None, s.rounds, device),
     )
 
 

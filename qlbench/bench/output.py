@@ -175,7 +175,8 @@ TABLES = [
             Column("kernels eager", "eager_kernels", digits(0)),
             Column("kernels captured", "captured_kernels", digits(0)),
             Column("µs per kernel captured", "captured_us_per_kernel", digits(2)),
-            Column("evaluation s", "eval_s", digits(4), optional=True),
+            Column("evaluation s, captured", "eval_s", digits(4), optional=True),
+            Column("evaluation s, eager", "eval_eager_s", digits(4), optional=True),
         ],
     ),
     Table(

@@ -41,12 +41,12 @@ from qlbench.engine.runtime import (
     resolve_device,
     use_capture,
 )
-from qlbench.engine.step import CapturedStep, Step
+from qlbench.engine.step import CapturedEvaluation, CapturedStep, Step
 
 __all__ = [
     "AdaptResult", "adapt", "build_model", "BUDGETS", "Budget", "Phase", "budget", "steps", "Pretrained", "pretrain",
     "Backbones", "DIVERGENCE_FACTOR", "MIN_STACK", "Curves", "Member", "StackedData", "Stage", "evaluate", "fit",
     "make_step", "padded", "squared_errors", "COMPILE_BUDGETS", "auto_threads", "check_threads", "compile_by_default",
     "compiled", "flush_denormals", "num_threads", "resolve_device", "CAPTURE_SETTINGS", "use_capture", "Step",
-    "CapturedStep",
+    "CapturedStep", "CapturedEvaluation",
 ]  # fmt: skip

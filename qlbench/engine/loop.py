@@ -17,7 +17,7 @@ import torch.nn as nn
 from qlbench import zoo
 from qlbench.engine.budgets import Phase
 from qlbench.engine.runtime import compiled
-from qlbench.engine.step import Step
+from qlbench.engine.step import CapturedEvaluation, Step
 from qlbench.engine.step import build as build_step
 
 Member = tuple[str, int]  # (function name, seed)
@@ -238,11 +238,14 @@ def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress
     # the scale divergence is measured against (E,): the larger of the epoch-0 train MSE and what predicting the
     # mean label scores (a model that starts near-perfect must not be called diverged for a small wobble)
     initial: list[torch.Tensor] = []
+    on_train = lambda: evaluate(model, data.x_train, data.y_train, instruction, task=data.task_train)  # (E,)
+    on_test = lambda: evaluate(model, data.x_test, data.y_test, instruction, task=data.task_test)  # (E,)
+    if getattr(step, "captured", False):  # recorded once per stage and replayed, as the step is (engine/step.py)
+        on_train, on_test = CapturedEvaluation(on_train, device), CapturedEvaluation(on_test, device)
 
     def record(epoch: int) -> None:
         model.eval()
-        tr = evaluate(model, data.x_train, data.y_train, instruction, task=data.task_train)
-        te = evaluate(model, data.x_test, data.y_test, instruction, task=data.task_test)
+        tr, te = on_train(), on_test()
         model.train()
         if not initial:
             initial.append(torch.maximum(tr, data.y_train.var(dim=1, unbiased=False)))
@@ -275,6 +278,9 @@ def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress
         if evaluated:
             record(epoch)
             running.zero_()
+    for evaluation in (on_train, on_test):
+        if isinstance(evaluation, CapturedEvaluation):
+            evaluation.close()
     curves = Curves(epochs, torch.stack(train_hist, 1).cpu(), torch.stack(test_hist, 1).cpu(), diverged)
     if grads:
         curves.grad_epochs = epochs[1:]

@@ -3,8 +3,9 @@
 `Step` is the step: forward, each member's batch-mean loss, backward of their sum, the optimiser's update.
 `CapturedStep` is the same step on CUDA, recorded once per batch shape (forward, backward and the optimiser's
 update, `torch.cuda.graph`) and replayed: one launch per step instead of one per kernel (a deep-narrow LoRA step is
-about 470 kernels, Queryable LoRA's about 1,470; docs/speed.md). Both are called as step(xb, yb, inspect, task)
-and return the members' losses (E,).
+about 370 kernels on an H200, Queryable LoRA's about 1,240; docs/speed.md). Both are called as step(xb, yb,
+inspect, task) and return the members' losses (E,). `CapturedEvaluation` records a captured stage's evaluation of
+its train and test sets the same way, once per stage.
 
 How the captured step stays the same training as the eager one:
 - Capture records kernels without running them. Each batch shape first trains WARMUP ordinary steps on a side
@@ -199,14 +200,7 @@ class CapturedStep(Step):
                 self.optimizer.step()
             return loss.detach(), [p.grad for p in self.params]
 
-        try:
-            graph, (loss, grads) = self.recorder.record(body, self.params, self.optimizer)
-        except RuntimeError as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            message = (
-                f"the training step could not be captured in a CUDA graph ({first}); --capture off trains it eagerly"
-            )
-            raise RuntimeError(message) from err
+        graph, (loss, grads) = _record(self.recorder, "training step", body, self.params, self.optimizer)
         return _Recording(graph, x, y, t, loss, grads)
 
     def close(self) -> None:
@@ -214,6 +208,48 @@ class CapturedStep(Step):
         that a later backward outside them (the next stage, a measurement) starts from no gradient."""
         self.optimizer.zero_grad(set_to_none=True)
         self.graphs.clear()
+
+
+EVALUATION_WARMUP = 1  # ordinary evaluations of a stage's data before it is recorded
+
+
+class CapturedEvaluation:
+    """A stage's evaluation of one fixed set (`evaluate` of its train or test data), recorded in a CUDA graph and
+    replayed: call() -> per-member MSE (E,). The data, the instruction and the parameters are the same tensors at
+    every evaluation of the stage (the optimiser updates the parameters in place), so each replay reads their
+    current values; the first EVALUATION_WARMUP evaluations run as they are (the first comes before any training
+    step: it loads the forward's kernels), the next is recorded. Evaluation is eager on either device otherwise:
+    at the paper budget's 501 evaluations per stage it was 8% of the deep-narrow paper table's estimate on an H200
+    (docs/speed.md)."""
+
+    def __init__(self, evaluate: Callable[[], torch.Tensor], device: torch.device):
+        self.evaluate, self.calls, self.recording = evaluate, 0, None
+        self.recorder = RECORDER(device)
+
+    def __call__(self) -> torch.Tensor:
+        if self.recording is None and self.calls < EVALUATION_WARMUP:
+            self.calls += 1
+            with self.recorder.warm_up():
+                return self.evaluate()
+        if self.recording is None:
+            self.recording = _record(self.recorder, "evaluation", lambda: (self.evaluate(), []), [], None)
+        graph, (mse, _) = self.recording
+        graph.replay()
+        return mse.clone()  # the recording's buffer is rewritten by the next replay
+
+    def close(self) -> None:
+        """Release the recording (its memory pool) once the stage has trained."""
+        self.recording = None
+
+
+def _record(recorder, what: str, body: Callable[[], tuple], params, optimizer) -> tuple:
+    """recorder.record(body, params, optimizer), a failure raised as one line naming `--capture off`."""
+    try:
+        return recorder.record(body, params, optimizer)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = f"the {what} could not be captured in a CUDA graph ({first}); --capture off runs it eagerly"
+        raise RuntimeError(message) from err
 
 
 class _Recording:
