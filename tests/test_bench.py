@@ -238,6 +238,7 @@ def test_a_method_timed_only_at_a_narrower_stack_is_scaled_from_it_not_left_out(
     est = bench.paper_estimate({"throughput": rows}, "transformer")
     soap, lora = est["methods"]["full-soap"], est["methods"]["lora"]
     assert soap["train_s"] == pytest.approx(45 * 35_000 / 20.0) and soap["measured_at"] == 5
+    assert soap["eval_s"] == pytest.approx(501 * 0.5 * 45 / 5)  # its evaluation scaled from its own 5 members too
     assert lora["train_s"] == pytest.approx(45 * 35_000 / 450.0) and "measured_at" not in lora  # from its 45
     assert est["total_s"] == pytest.approx(soap["total_s"] + lora["total_s"]) and est["measured_at"] == 45
     from qlbench.bench import output

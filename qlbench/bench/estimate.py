@@ -10,20 +10,20 @@ from qlbench.bench.models import PRETRAINING
 
 
 def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = False) -> dict | None:
-    """Wall time of the full paper table of `arch` (nine functions x five seeds = 45 members per method) predicted
-    from the measured rates at the largest E of the run (a method timed only narrower, at its widest: its
-    `measured_at`): per method, the adaptation steps (5,000 epochs of the
-    400-sample target at batch 64 per member) at the stacked rate plus its evaluations (every 10 epochs and at 0) at
-    the measured evaluation time, scaled linearly from E to 45 members. With `compiled` (the paper budget compiles
-    its training step on this device, engine.compile_by_default) a method's compiled rate at that E is used where
-    the run measured one, plus its measured compile warm-up; on CUDA the captured step's rate at the widest stack
-    the run captured (`training_rate`; `captured_at`), and its evaluation time at that stack where measured (eager:
-    evaluation is never compiled or captured). Where a method's step was also captured with TF32 matmuls, its
-    `tf32_total_s` is the total at that rate (evaluation as measured, in float32), and `tf32_total_s` of the table
-    the sum when every method has one: what TF32 would save, not what qlbench runs. The backbones' pretraining (once
-    per arch for the 45 members, cached and shared by every method) is the `pretraining` row where the run timed it:
-    300 epochs of the 2,400 source samples per member, evaluated at its start and end on the source's 3,000 samples.
-    None when the run has no throughput row of `arch`."""
+    """Wall time of the full paper table of `arch` (nine functions x five seeds = 45 members per method) predicted from
+    the measured rates at the largest E of the run (a method timed only narrower, at its widest: its `measured_at`):
+    per method, the adaptation steps (5,000 epochs of the 400-sample target at batch 64 per member) at the stacked
+    rate plus its evaluations (every 10 epochs and at 0) at the measured evaluation time, scaled linearly from E to
+    45 members. With `compiled` (the paper budget compiles its training step on this device,
+    engine.compile_by_default) a method's compiled rate at that E is used where the run measured one, plus its
+    measured compile warm-up; on CUDA the captured step's rate at the widest stack the run captured
+    (`training_rate`; `captured_at`), and its evaluation time at that stack where measured (captured, as a captured
+    stage evaluates; never compiled). Where a method's step was also captured with TF32 matmuls, its `tf32_total_s`
+    is the total at that rate (evaluation as measured, in float32), and `tf32_total_s` of the table the sum when
+    every method has one: what TF32 would save, not what qlbench runs. The backbones' pretraining (once per arch for
+    the 45 members, cached and shared by every method) is the `pretraining` row where the run timed it: 300 epochs
+    of the 2,400 source samples per member, evaluated at its start and end on the source's 3,000 samples. None when
+    the run has no throughput row of `arch`."""
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
     if not rows:
@@ -53,8 +53,9 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
         steps, evaluations, size = pretraining if r["method"] == PRETRAINING else adaptation
         rate, warmup, mode = training_rate(r, comp.get(r["method"]), c, compiled)
         train = members * steps / rate + warmup
-        # an evaluation at the widest captured stack where the run timed one (CUDA), else at E, linear in members
-        at = c if c is not None and "eval_s" in c else dict(eval_s=r["eval_s"], members=E)
+        # an evaluation at the widest captured stack where the run timed one (CUDA), else at the row's E, linear in
+        # members
+        at = c if c is not None and "eval_s" in c else dict(eval_s=r["eval_s"], members=r["members"])
         evaluation = evaluations * size * at["eval_s"] * members / at["members"]
         methods[r["method"]] = dict(train_s=train, eval_s=evaluation, total_s=train + evaluation, mode=mode)
         if r["members"] != E:  # scaled from a narrower stack than the run's widest
