@@ -47,6 +47,7 @@ from qlbench.bench.timing import (
     step_flops,
     sync,
 )
+from qlbench.engine.step import first_line
 from qlbench.progress import bar as progress_bar
 
 
@@ -112,8 +113,9 @@ def evaluation_seconds(model, E: int, threads, rounds: int, device, captured: bo
                 fn()
         sync(device)
         times.append(time.perf_counter() - t0)
-    for fn in sets if captured else ():
-        fn.close()
+    if captured:
+        for fn in sets:
+            fn.close()
     return statistics.median(times)
 
 
@@ -700,8 +702,7 @@ def if_it_fits(label: str, rows: list, measure: Callable[[], dict]) -> None:
     try:
         rows.append(measure())
     except torch.OutOfMemoryError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"qlbench bench: {label} skipped: the device ran out of memory ({first})", file=sys.stderr)
+        print(f"qlbench bench: {label} skipped: the device ran out of memory ({first_line(err)})", file=sys.stderr)
         gc.collect()
         torch.cuda.empty_cache()
 

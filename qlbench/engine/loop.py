@@ -240,8 +240,9 @@ def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress
     initial: list[torch.Tensor] = []
     on_train = lambda: evaluate(model, data.x_train, data.y_train, instruction, task=data.task_train)  # (E,)
     on_test = lambda: evaluate(model, data.x_test, data.y_test, instruction, task=data.task_test)  # (E,)
-    if getattr(step, "captured", False):  # recorded once per stage and replayed, as the step is (engine/step.py)
-        on_train, on_test = CapturedEvaluation(on_train, device), CapturedEvaluation(on_test, device)
+    captured = [CapturedEvaluation(fn, device) for fn in (on_train, on_test)] if step.captured else []
+    if captured:  # recorded once per stage and replayed, as the step is (engine/step.py)
+        on_train, on_test = captured
 
     def record(epoch: int) -> None:
         model.eval()
@@ -278,9 +279,8 @@ def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress
         if evaluated:
             record(epoch)
             running.zero_()
-    for evaluation in (on_train, on_test):
-        if isinstance(evaluation, CapturedEvaluation):
-            evaluation.close()
+    for evaluation in captured:
+        evaluation.close()
     curves = Curves(epochs, torch.stack(train_hist, 1).cpu(), torch.stack(test_hist, 1).cpu(), diverged)
     if grads:
         curves.grad_epochs = epochs[1:]

@@ -247,9 +247,14 @@ def _record(recorder, what: str, body: Callable[[], tuple], params, optimizer) -
     try:
         return recorder.record(body, params, optimizer)
     except RuntimeError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        message = f"the {what} could not be captured in a CUDA graph ({first}); --capture off runs it eagerly"
+        message = f"the {what} could not be captured in a CUDA graph ({first_line(err)}); --capture off runs it eagerly"
         raise RuntimeError(message) from err
+
+
+def first_line(err: BaseException) -> str:
+    """A CUDA error's first line (they run to several), or its type's name when it has no message."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 class _Recording:
