@@ -8,6 +8,7 @@ the same config hash are skipped, so an interrupted run resumes where it stopped
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class Plan:
     eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
     noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
     stack_functions: int | None = None  # functions per stack where all do not fit the memory (None: all; not hashed)
+    at_once: int = 1  # methods' stacks trained at once, each in its own thread and CUDA stream (not hashed)
 
     noun = "cell"  # runner.Workload: a unit is a (method, function) cell
 
@@ -152,9 +154,12 @@ def plan(
     backbone_init: str = DEFAULT_INIT,
     eps: float = adapters.EPS,
     noise: str = zoo.DEFAULT_NOISE,
+    methods_at_once: int = 1,
 ) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults. `cuda`: whether
-    the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`)."""
+    the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`).
+    `methods_at_once`: how many methods' stacks train at once in this process (`engine.concurrently`); above 1
+    `compile` auto does not compile (torch.compile's caches are the process's) and `compile` on is refused."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, backbone_init)
@@ -185,12 +190,16 @@ def plan(
     sizes = dry_build(arch, configs)
     if compile not in ("auto", "on", "off"):
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
+    check_at_once(methods_at_once, compile)
     dev = engine.resolve_device(device, cuda)
     width = None
-    if cuda is None:  # trains on this machine (a Ray plan's workers are elsewhere)
-        width = cells_per_stack(sizes, n_seeds, len(set(functions)), dtype, dev)
+    if cuda is None:  # trains on this machine (a Ray plan's workers are elsewhere): every stack at once must fit
+        at_once = min(methods_at_once, len(methods))
+        width = cells_per_stack(sizes, n_seeds * at_once, len(set(functions)), dtype, dev)
     check_writable(Path(out_dir))
-    use_compile = compile == "on" or (compile == "auto" and engine.compile_by_default(dev, b.name))
+    use_compile = compile == "on" or (
+        compile == "auto" and methods_at_once == 1 and engine.compile_by_default(dev, b.name)
+    )
     use_capture = engine.use_capture(capture, dev)
     return Plan(
         functions=list(dict.fromkeys(functions)),
@@ -210,7 +219,21 @@ def plan(
         eps=float(eps),
         noise=noise,
         stack_functions=width if width is not None and width < len(set(functions)) else None,
+        at_once=methods_at_once,
     )
+
+
+def check_at_once(methods_at_once, compile: str) -> None:
+    """ValueError naming the valid values unless `methods_at_once` is an integer >= 1 that `compile` allows:
+    torch.compile is not used with stacks trained at once (its caches are the process's, and each training run resets
+    them)."""
+    if isinstance(methods_at_once, bool) or not isinstance(methods_at_once, int) or methods_at_once < 1:
+        raise ValueError(f"methods at once must be an integer >= 1, got {methods_at_once!r}")
+    if methods_at_once > 1 and compile == "on":
+        raise ValueError(
+            "--compile on trains one method at a time (torch.compile's caches are the process's); "
+            "valid with --methods-at-once above 1: --compile auto or off"
+        )
 
 
 def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -314,18 +337,35 @@ def record_paths(p: Plan) -> list[Path]:
 
 
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
-    """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells."""
-    if functions:
-        pre = pretrained(p, [(f, s) for f in functions for s in p.seeds], progress, log)
-        trained = [m for m in p.methods if todo[m] and adapters.get(m).trains]
-        total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
-        with progress_bar(total=total, desc="adapt", unit="step", disable=not progress) as bar:
-            for m in p.methods:
-                if not todo[m]:
-                    continue
-                bar.set_description(f"adapt {m} x{len(todo[m]) * len(p.seeds)}")
-                sub = pre.select([(f, s) for f in todo[m] for s in p.seeds])
-                run_method(p, m, sub, dtype, bar.update if adapters.get(m).trains else None, log)
+    """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells: one method
+    after another, or `p.at_once` at a time (`engine.concurrently`; their records are written in the plan's order
+    once all have trained, their costs measured then, one at a time)."""
+    if not functions:
+        return
+    pre = pretrained(p, [(f, s) for f in functions for s in p.seeds], progress, log)
+    methods = [m for m in p.methods if todo[m]]
+    trained = [m for m in methods if adapters.get(m).trains]
+    total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
+    stacks = {m: pre.select([(f, s) for f in todo[m] for s in p.seeds]) for m in methods}
+    with progress_bar(total=total, desc="adapt", unit="step", disable=not progress) as bar:
+        if p.at_once <= 1:
+            for m in methods:
+                bar.set_description(f"adapt {m} x{len(stacks[m].members)}")
+                run_method(p, m, stacks[m], dtype, bar.update if adapters.get(m).trains else None, log)
+            return
+        bar.set_description(f"adapt {len(methods)} methods, {min(p.at_once, len(methods))} at once")
+        lock = threading.Lock()
+
+        def update(n: int) -> None:
+            with lock:
+                bar.update(n)
+
+        jobs = [
+            lambda m=m: adapt_method(p, m, stacks[m], dtype, update if adapters.get(m).trains else None, log)
+            for m in methods
+        ]
+        for m, res in zip(methods, engine.concurrently(jobs, p.at_once, p.device)):
+            commit_method(p, m, stacks[m], res, dtype, log)
 
 
 def pretrained(p: Plan, members: list[engine.Member], progress: bool, log) -> engine.Pretrained:
@@ -372,16 +412,27 @@ def measure_cost(p: Plan, method: str, pre: engine.Pretrained, dtype, log) -> di
 def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:
     """Adapt `method` on the stack `pre` (its members: functions x the plan's seeds) and commit one record per
     function, its adapter weights first; a failure is recorded as failed cells. Both executors call this."""
+    commit_method(p, method, pre, adapt_method(p, method, pre, dtype, progress, log), dtype, log)
+
+
+def adapt_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> engine.AdaptResult | None:
+    """`method` adapted on the stack `pre`, or None once its failure is recorded as failed cells (`runner.attempt`)."""
     functions = list(dict.fromkeys(f for f, _ in pre.members))
     work = lambda: engine.adapt(
         pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype, progress=progress,
         compile=p.compile, capture=p.capture, eps=p.eps, noise=p.noise,
     )  # fmt: skip
     failed = lambda message, wall_time_s: write_failed(p, method, functions, message, wall_time_s)
-    if (res := runner.attempt(method, work, failed, log)) is None:
+    return runner.attempt(method, work, failed, log)
+
+
+def commit_method(p: Plan, method: str, pre: engine.Pretrained, res: engine.AdaptResult | None, dtype, log) -> None:
+    """The records of `method`'s cells from its adapted stack `res` (nothing when it failed: `adapt_method` wrote
+    those), with its cost measured first."""
+    if res is None:
         return
     costs = measure_cost(p, method, pre, dtype, log)
-    for f in functions:
+    for f in dict.fromkeys(f for f, _ in pre.members):
         commit_cell(p, method, f, res, [i for i, (g, _) in enumerate(res.members) if g == f], pre, costs, log)
 
 

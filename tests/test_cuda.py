@@ -3,8 +3,8 @@ graph as `--capture auto` does there; compiled for the routed and DoRA-family me
 exactly as the eager one (one recording per batch shape, not per epoch), CPU and CUDA agree on a smoke cell, a member
 trained alone equals the same member in a wider stack, a suite's sequential schedule trains, an interrupted sweep
 resumes to the numbers of a clean one, the quick run that once aborted at DoRA completes, the bench that crashed at its
-exit ends cleanly, full-soap's update never waits for the device, and a step that cannot be captured is one line
-naming `--capture off`.
+exit ends cleanly, full-soap's update never waits for the device, methods trained at once on their own streams train
+as one at a time, and a step that cannot be captured is one line naming `--capture off`.
 
 Skipped, with the reason, on a machine without CUDA (CI); `make test-cuda` runs them where a GPU is present.
 
@@ -193,6 +193,24 @@ def test_a_step_that_cannot_be_captured_is_one_line_naming_capture_off():
     message = proc.stdout.strip()
     assert "could not be captured in a CUDA graph" in message and "--capture off" in message
     assert "\n" not in message
+
+
+def test_methods_trained_at_once_on_cuda_streams_train_as_one_at_a_time(tmp_path):
+    """`--methods-at-once`: the captured methods' stacks trained at once, each in its own thread and stream, their
+    recordings made while the other threads launch; every curve equals the one-at-a-time run's to rounding (the
+    same kernels, on other streams)."""
+    one = cells(tmp_path / "one", "cuda", CAPTURED, capture="on")
+    plan = experiment.plan(
+        functions=["dropwave"], arch="deep-narrow", methods=CAPTURED, seeds=2, budget="smoke", device="cuda",
+        out_dir=tmp_path / "at-once", capture="on", methods_at_once=len(CAPTURED),
+    )  # fmt: skip
+    runner.run(plan, progress=False, log=lambda m: None)
+    for (function, method), per_seed in one.items():
+        rec = results.read_record(plan.record_path(function, method))
+        assert rec["train_info"]["status"] == "ok", (method, rec["train_info"]["message"])
+        for a, b in zip(rec["train_info"]["per_seed"], per_seed):
+            for field in ("train_curve", "test_curve"):
+                assert a[field] == pytest.approx(b[field], rel=CUDA_RTOL, nan_ok=True), (method, field)
 
 
 def test_the_quick_cuda_run_that_aborted_at_dora_completes(tmp_path):

@@ -84,6 +84,8 @@ def check_executor(args) -> str:
     """The executor, after its options are checked (UsageError naming the problem and the valid choices)."""
     executor = getattr(args, "executor", "local")
     valid = f"valid executors: {', '.join(EXECUTORS)}"
+    if executor == "ray" and args.methods_at_once != 1:
+        raise UsageError("--methods-at-once only applies to --executor local (Ray runs each method stack as a task)")
     if executor != "ray":
         for name in RAY_OPTIONS:
             if getattr(args, name, None) is not None:
@@ -107,6 +109,15 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         "--methods",
         metavar="M1,M2",
         help=f"comma-separated (default: {','.join(adapters.DEFAULT_METHODS)}). {methods_help}",
+    )
+    p.add_argument(
+        "--methods-at-once",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train up to N methods' stacks at once in this process, each in its own thread and, on CUDA, its own "
+        "stream, so that small stacks' kernels overlap on the GPU; the numbers do not change (default 1; not with "
+        "--compile on or --executor ray)",
     )
     options.add_training_options(p)
     options.add_output_options(p)
@@ -132,7 +143,11 @@ def run(args, functions: list[str]) -> int:
             raise UsageError("--instruction only changes instruct-queryable, which is not in --methods")
         shared["overrides"]["instruction"] = instruction
     kwargs = dict(
-        functions=functions, arch=args.arch, methods=split_list(args.methods) if args.methods else None, **shared
+        functions=functions,
+        arch=args.arch,
+        methods=split_list(args.methods) if args.methods else None,
+        methods_at_once=args.methods_at_once,
+        **shared,
     )
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()  # the wall time printed includes starting (or reaching) Ray

@@ -3,7 +3,7 @@
 The package's modules, each one concern, imported in this order (none imports a later one):
 
     budgets   Phase and Budget: the paper's protocol and the quick and smoke runs
-    runtime   device, intra-op threads, flush-denormal, torch.compile and CUDA-graph policy
+    runtime   device, intra-op threads, flush-denormal, torch.compile and CUDA-graph policy, stacks trained at once
     step      the training step, eager or captured whole in a CUDA graph
     loop      stacked data, the training step and `fit`, the one training loop (pretraining, adaptation, suite
               stages and the real model all train through it), evaluation and curves
@@ -36,6 +36,7 @@ from qlbench.engine.runtime import (
     check_threads,
     compile_by_default,
     compiled,
+    concurrently,
     flush_denormals,
     num_threads,
     resolve_device,
@@ -47,6 +48,6 @@ __all__ = [
     "AdaptResult", "adapt", "build_model", "BUDGETS", "Budget", "Phase", "budget", "steps", "Pretrained", "pretrain",
     "Backbones", "DIVERGENCE_FACTOR", "MIN_STACK", "Curves", "Member", "StackedData", "Stage", "evaluate", "fit",
     "make_step", "padded", "squared_errors", "COMPILE_BUDGETS", "auto_threads", "check_threads", "compile_by_default",
-    "compiled", "flush_denormals", "num_threads", "resolve_device", "CAPTURE_SETTINGS", "use_capture", "Step",
-    "CapturedStep", "CapturedEvaluation",
+    "compiled", "concurrently", "flush_denormals", "num_threads", "resolve_device", "CAPTURE_SETTINGS", "use_capture",
+    "Step", "CapturedStep", "CapturedEvaluation",
 ]  # fmt: skip

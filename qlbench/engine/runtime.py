@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -122,3 +126,44 @@ def use_capture(setting: str, device: torch.device) -> bool:
     if setting == "on" and not cuda:
         raise ValueError(f"--capture on needs a CUDA device (CUDA graphs), got {device}; valid here: auto, off")
     return cuda and setting != "off"
+
+
+T = TypeVar("T")
+_worker = threading.local()  # `concurrent` is set in the threads of `concurrently`
+
+
+def in_concurrent_worker() -> bool:
+    """Whether this thread is one of `concurrently`'s: its CUDA-graph recordings then restrict only its own thread's
+    CUDA calls (engine/step.py `CudaGraphs`), since the other workers keep launching while it records."""
+    return getattr(_worker, "concurrent", False)
+
+
+def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) -> list[T]:
+    """Each job's result, in order, with up to `width` jobs running at once, each in its own thread and, on CUDA,
+    on its own stream, so that the kernels of small stacks overlap on the device (a deep-narrow step at 45 members
+    is about 3 µs per kernel on an H200, on kernels far too small to fill it; docs/speed.md). width <= 1: one after
+    another in this thread, as before.
+
+    The threads share this one's intra-op thread count (a process-wide setting, tests/test_concurrent.py). Each waits
+    for its stream before it returns, so a result's tensors are ready on any stream. A job's exception is raised
+    here, after every job has ended. The jobs must not share mutable state: each trains its own stack with its own
+    generators, so its numbers are the ones it gives alone (tests/test_concurrent.py)."""
+    if width <= 1 or len(jobs) <= 1:
+        return [job() for job in jobs]
+    cuda = torch.device(device).type == "cuda"
+    caller = torch.cuda.current_stream(device) if cuda else None
+
+    def work(job: Callable[[], T]) -> T:
+        _worker.concurrent = True
+        if not cuda:
+            return job()
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(caller)  # what the caller queued before (pretraining)
+        with torch.cuda.stream(stream):
+            out = job()
+        stream.synchronize()
+        return out
+
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="qlbench-stack") as pool:
+        futures = [pool.submit(work, job) for job in jobs]
+    return [f.result() for f in futures]

@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from qlbench.engine.runtime import in_concurrent_worker
+
 WARMUP = 3  # ordinary steps per batch shape before it is recorded
 
 
@@ -135,7 +137,11 @@ class CudaGraphs:
         """(graph, body's outputs): body recorded, not run (its kernels run at each graph.replay(), on the same
         memory, so its outputs are the buffers every replay rewrites). `params`, `optimizer`: what body changes."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # recorded on this step's own side stream (torch.cuda.graph's default is one stream shared by every
+        # recording); where several stacks train at once (runtime.concurrently) the other threads keep launching,
+        # so only this thread's CUDA calls may break the recording ("thread_local"), not theirs ("global")
+        mode = "thread_local" if in_concurrent_worker() else "global"
+        with torch.cuda.graph(graph, stream=self.side, capture_error_mode=mode):
             out = body()
         return graph, out
 

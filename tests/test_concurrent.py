@@ -1,0 +1,120 @@
+"""Several methods' stacks trained at once (`--methods-at-once`, engine.concurrently): the records are those of one
+method at a time, bit for bit, eager and through the captured step (its CPU stand-in); a method that fails is a
+failed record and the others are written; bad settings are refused before any work; the memory check counts every
+stack that trains at once. What this cannot check without a GPU: CUDA streams and recordings made while other
+threads launch (tests/test_cuda.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from qlbench import cli, engine, experiment, planning
+from qlbench.engine import step
+
+from helpers import ReplayByRerun, one_line_error
+
+SWEEP = ["sweep", "--functions", "matyas,levy", "--budget", "smoke", "--seeds", "2",
+         "--methods", "full-soap,lora,queryable,instruct-queryable,frozen", "--no-progress"]  # fmt: skip
+
+
+def records(folder: Path) -> dict[str, tuple[str, list]]:
+    """Every record's status and per-seed entries under `folder`, by its path inside."""
+    out = {}
+    for path in sorted(folder.rglob("*.json")):
+        rec = json.loads(path.read_text())
+        if "train_info" in rec:
+            out[str(path.relative_to(folder))] = (rec["train_info"]["status"], rec["train_info"]["per_seed"])
+    return out
+
+
+def test_concurrently_keeps_the_order_the_callers_threads_and_raises_after_every_job_ended():
+    started, ended = threading.Barrier(3, timeout=30), []
+
+    def job(i: int):
+        started.wait()  # all three run at once, or this times out
+        ended.append(i)
+        if i == 1:
+            raise ValueError("planted")
+        return i, torch.get_num_threads(), threading.current_thread() is threading.main_thread()
+
+    for n in (1, 2):  # one of them differs from a new thread's default, whatever it is
+        started.reset()
+        with engine.num_threads(n):
+            out = engine.concurrently([lambda: job(0), lambda: job(2), lambda: job(3)], 3, "cpu")
+        assert out == [(0, n, False), (2, n, False), (3, n, False)]
+    started.reset()
+    ended.clear()
+    with pytest.raises(ValueError, match="planted"):
+        engine.concurrently([lambda i=i: job(i) for i in range(3)], 3, "cpu")
+    assert sorted(ended) == [0, 1, 2]  # the others ran to their end
+    assert engine.concurrently([lambda: threading.current_thread() is threading.main_thread()], 4, "cpu") == [True]
+
+
+@pytest.mark.parametrize("capture", ["off", "on"])
+def test_methods_trained_at_once_write_the_records_of_one_at_a_time(tmp_path, monkeypatch, capture):
+    if capture == "on":  # the captured step, with the CPU stand-in for CUDA graphs (tests/test_captured_commands.py)
+        monkeypatch.setattr(step, "RECORDER", ReplayByRerun)
+        monkeypatch.setattr(engine, "use_capture", lambda setting, device: setting == "on")
+    argv = [*SWEEP, "--capture", capture]
+    assert cli.main([*argv, "--out", str(tmp_path / "one")]) == 0
+    assert cli.main([*argv, "--methods-at-once", "4", "--out", str(tmp_path / "four")]) == 0
+    one, four = records(tmp_path / "one"), records(tmp_path / "four")
+    assert len(one) == 10 and one.keys() == four.keys()
+    for path in one:
+        assert four[path] == one[path], path
+
+
+def test_a_method_that_fails_among_those_at_once_is_a_failed_record_and_the_others_are_written(
+    tmp_path, monkeypatch, capsys
+):
+    adapt = engine.adapt
+
+    def failing(pre, method, *args, **kwargs):
+        if method == "queryable":
+            raise RuntimeError("planted failure")
+        return adapt(pre, method, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "adapt", failing)
+    assert cli.main([*SWEEP, "--methods-at-once", "3", "--out", str(tmp_path)]) == 1
+    status = {Path(p).parts[-2]: s for p, (s, _) in records(tmp_path).items()}  # records/<arch>/<function>/<method>
+    assert status.pop("queryable") == "failed" and set(status.values()) == {"ok"}, status
+    assert "queryable failed: RuntimeError: planted failure" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        (["--methods-at-once", "0"], "methods at once must be an integer >= 1, got 0"),
+        (["--methods-at-once", "2", "--compile", "on"], "valid with --methods-at-once above 1: --compile auto or off"),
+        (["--methods-at-once", "2", "--executor", "ray"], "--methods-at-once only applies to --executor local"),
+    ],
+)
+def test_bad_methods_at_once_is_one_line_before_any_work(tmp_path, capsys, extra, problem):
+    line = one_line_error(capsys, [*SWEEP, *extra, "--out", str(tmp_path)])
+    assert problem in line
+    assert not (tmp_path / "records").exists()
+
+
+def test_compile_auto_does_not_compile_stacks_trained_at_once(tmp_path):
+    kwargs = dict(functions=["matyas"], arch="deep-narrow", budget="paper", device="cpu", out_dir=tmp_path)
+    assert engine.compile_by_default(torch.device("cpu"), "paper")  # what auto gives one method at a time
+    assert experiment.plan(**kwargs).compile
+    assert not experiment.plan(**kwargs, methods_at_once=2).compile
+    assert not experiment.plan(**kwargs, methods_at_once=2, compile="auto").compile
+
+
+def test_the_memory_check_counts_every_stack_that_trains_at_once(tmp_path, monkeypatch):
+    kwargs = dict(functions=["matyas", "levy"], arch="deep-narrow", methods=["lora", "queryable"], seeds=2)
+    plan = experiment.plan(**kwargs, device="cpu", out_dir=tmp_path)
+    sizes = planning.dry_build("deep-narrow", plan.configs)
+    both = planning.plan_bytes(sizes, 2 * 2, "float32")  # the two functions' members in one stack
+    monkeypatch.setattr(planning, "available_bytes", lambda device: both)
+    assert experiment.plan(**kwargs, device="cpu", out_dir=tmp_path).stack_functions is None  # one stack fits
+    at_once = experiment.plan(**kwargs, device="cpu", out_dir=tmp_path, methods_at_once=2)
+    assert at_once.stack_functions == 1  # two stacks of both functions do not: a function per stack
+    assert experiment.plan(**kwargs, device="cpu", out_dir=tmp_path, methods_at_once=9).stack_functions == 1
