@@ -725,3 +725,81 @@ def test_no_variant_compiles_inside_the_timed_rounds(row, monkeypatch):
     s = bench.Settings.make(quick=True, compile=True)
     getattr(cases, row)("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert counter.frame_count > 0 and during == [0]
+
+
+def test_an_at_once_row_times_a_round_one_after_another_and_at_once(monkeypatch):
+    """`at_once_row` (CUDA only) on the CPU, with the stand-in for CUDA graphs and streams that only record what ran
+    on them: every method's captured step is recorded on its own stream, a round is one step of each, both ways are
+    timed, and every step is closed at the row's end."""
+    import contextlib
+
+    from qlbench.bench import cases
+    from qlbench.engine import step as step_module
+
+    from helpers import ReplayByRerun
+
+    current, ran = [None], []
+
+    class Stream:
+        def __init__(self, device=None):
+            self.synced = 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    @contextlib.contextmanager
+    def on(stream):
+        current[0] = stream
+        yield
+        current[0] = None
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
+    call = step_module.CapturedStep.__call__
+    monkeypatch.setattr(
+        step_module.CapturedStep, "__call__", lambda self, *a: (ran.append(current[0]), call(self, *a))[1]
+    )
+    closed = []
+    close = step_module.CapturedStep.close
+    monkeypatch.setattr(step_module.CapturedStep, "close", lambda self: (close(self), closed.append(self)))
+    s = bench.Settings.make(quick=True)
+    row = cases.at_once_row("deep-narrow", ["lora", "queryable", "full-soap"], 2, s, torch.device("cpu"))
+    assert row["methods"] == ["lora", "queryable", "full-soap"] and row["members"] == 2
+    assert row["one_after_another_ms"] > 0 and row["at_once_ms"] > 0 and row["at_once_speedup"] > 0
+    streams = list(dict.fromkeys(ran))
+    assert len(streams) == 3 and None not in streams  # every step ran on its method's own stream
+    n, warm = s.steps["deep-narrow"], step_module.WARMUP + 2
+    assert [ran.count(st) for st in streams] == [warm + 2 * s.rounds * n] * 3  # warm-up, then both ways each round
+    assert len(closed) == 3 and all(not step.graphs for step in closed)
+    labels = [label for label, _ in cases.tasks(["deep-narrow", "transformer"], ["full-soap", "lora", "dora"], s,
+              "cuda", {})]  # fmt: skip
+    assert "deep-narrow 3 methods at once E=45" in labels and "transformer 2 methods at once E=45" in labels
+    assert not any("at once" in label for label, _ in cases.tasks(["deep-narrow"], ["lora", "dora"], s, "cpu", {}))
+
+
+def test_the_estimate_with_methods_at_once_by_hand():
+    """With an `at_once` row the estimate adds the table's total with those methods trained at once: their 35,000
+    steps per member as rounds of the measured round time (scaled from its E to 45), plus each one's recording
+    warm-up and evaluations one after another, plus the methods outside the row (pretraining) as they are."""
+    from qlbench.bench import output
+
+    rows = [dict(arch="deep-narrow", method=m, members=45, stacked=100.0, eval_s=0.5, threads=1)
+            for m in ("pretraining", "lora", "queryable")]  # fmt: skip
+    rates = (("pretraining", 9000.0, 1.0), ("lora", 30_000.0, 2.0), ("queryable", 12_000.0, 3.0))
+    capture = [dict(arch="deep-narrow", method=m, members=45, captured_rate=rate, captured_warmup_s=w, eval_s=0.01)
+               for m, rate, w in rates]  # fmt: skip
+    at_once = [dict(arch="deep-narrow", members=15, methods=["lora", "queryable"], one_after_another_ms=5.0,
+                    at_once_ms=4.0, at_once_speedup=1.25)]  # fmt: skip
+    est = bench.paper_estimate({"throughput": rows, "capture": capture, "at_once": at_once})
+    methods = est["methods"]
+    pretraining = methods["pretraining"]["total_s"]
+    assert pretraining == pytest.approx(45 * 11_400 / 9000 + 1.0 + 2 * 2.5 * 0.01)
+    # 35,000 rounds of 4 ms at E = 15, x3 for 45 members; the warm-ups (2 + 3 s) and 501 evaluations of 0.01 s each
+    together = 35_000 * 4e-3 * 3 + 2.0 + 3.0 + 2 * 501 * 0.01
+    assert est["at_once"]["total_s"] == pytest.approx(pretraining + together)
+    assert est["at_once"]["methods"] == ["lora", "queryable"] and est["at_once"]["speedup"] == 1.25
+    assert "With the 2 adapted methods of the `at_once` row trained at once" in "".join(output.estimate(est))
+    assert "at_once" not in bench.paper_estimate({"throughput": rows, "capture": capture})
+    at_once[0]["methods"] = ["lora", "dora"]  # one of them not in the estimate: nothing to train at once
+    assert "at_once" not in bench.paper_estimate({"throughput": rows, "capture": capture, "at_once": at_once})

@@ -9,9 +9,11 @@
 # and the parts after it still run; at the end the last lines of every part that did not exit 0 are printed.
 # GPU_CHECK_PARTS (default, in this order: run-quick bench-deep-narrow bench-transformer paper-deep-narrow
 # paper-transformer test-cuda) runs only the parts it names, e.g. GPU_CHECK_PARTS="test-cuda run-quick" for a
-# functional check in a shorter call. One part is not in the default call (it would not fit in its 10 minutes):
+# functional check in a shorter call. Two parts are not in the default call (they would not fit in its 10 minutes),
+# for a second call, GPU_CHECK_PARTS="run-at-once bench-compiled": run-at-once, the quick run again with every method
+# at once (--methods-at-once, each its own thread and CUDA stream), timed, its records compared with run-quick's; and
 # bench-compiled, LoRA's and Queryable LoRA's steps compiled + captured (what the paper budget runs on CUDA) at E = 5
-# and 45, for a second call: GPU_CHECK_PARTS=bench-compiled.
+# and 45.
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # a process that crashes in native code prints every thread's Python stack first
 OUT=${GPU_CHECK_OUT:-gpu-check}
@@ -46,12 +48,16 @@ part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIM
 }
 # the timed parts first, alone on the device; the paper cells show their progress (steps/s, ETA) in their logs
 part run-quick 85 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --no-progress --out $RES"
+# the same run with its 11 methods at once, in a results folder of its own (the records of run-quick would be reused),
+# then every record against run-quick's (in the second call, run-quick's records are there from the first)
+part run-at-once 85 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --methods-at-once 11 --no-progress --out $RES-at-once && $PY docs/gpu/same-records.py $RES $RES-at-once"
 # the paper-table estimate of every default method, one backbone per part (each part's report is written whole when
 # it ends; a part stopped at its limit leaves the rows measured so far in bench.partial.json): its training step
-# captured at E = 5 and at the paper's 45, kernels per step, evaluation time
+# captured at E = 5 and at the paper's 45, kernels per step, evaluation time, and every method's stack at once on its
+# own stream (at_once)
 M=$($PY -c 'from qlbench import adapters; print(",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains))')
 for arch in deep-narrow transformer; do
-  part bench-$arch $([ $arch = transformer ] && echo 165 || echo 75) "$Q bench --quick --device cuda --archs $arch --methods $M --only throughput,capture --no-progress --out $OUT/bench-$arch"
+  part bench-$arch $([ $arch = transformer ] && echo 165 || echo 85) "$Q bench --quick --device cuda --archs $arch --methods $M --only throughput,capture,at_once --no-progress --out $OUT/bench-$arch"
 done
 # the paper budget's own training step on CUDA (compiled + captured) against captured eager, for the method pair
 # whose step ratio is a target, on both backbones; not in the default call

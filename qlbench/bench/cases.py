@@ -259,6 +259,52 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     )
 
 
+def at_once_row(arch: str, methods: list[str], E: int, s: Settings, device) -> dict:
+    """CUDA only: the captured steps of `methods`, each its own stack of E members on its own stream, as
+    `--methods-at-once` trains them: a round (one step of each) timed one method after another (each method's
+    steps, then the next's, as one method at a time trains) and all at once (the host launching each stream's step
+    in turn, the device overlapping them), alternating; ms per round and the speed-up, which the paper-table
+    estimate applies to the adapted methods (`at_once`)."""
+    n, data = s.steps[arch], batches(E, device)
+    streams = [torch.cuda.Stream(device=device) for _ in methods]
+    steps = []
+    try:
+        for m, stream in zip(methods, streams):
+            ((model, opt),) = stacked_copies(arch, m, E, device, 1)
+            steps.append(engine.make_step(model, opt, capture=True))
+            with torch.cuda.stream(stream):
+                chunk(steps[-1], data, engine.step.WARMUP + 2)()  # the warm-up steps and the recording
+        sync(device)
+
+        def one_after_another() -> None:
+            for step, stream in zip(steps, streams):
+                with torch.cuda.stream(stream):
+                    chunk(step, data, n)()
+                stream.synchronize()
+
+        def at_once() -> None:
+            for i in range(n):
+                for step, stream in zip(steps, streams):
+                    with torch.cuda.stream(stream):
+                        step(*data[i % len(data)])
+
+        r = alternate({"one_after_another": (one_after_another, n), "at_once": (at_once, n)}, s.rounds, device)
+    finally:  # the recordings released, as a training stage releases them
+        for step in steps:
+            step.close()
+        sync(device)
+    return stack_row(
+        arch,
+        None,
+        E,
+        None,
+        methods=list(methods),
+        one_after_another_ms=1e3 / statistics.median(r["one_after_another"]),
+        at_once_ms=1e3 / statistics.median(r["at_once"]),
+        at_once_speedup=median_ratio(r["at_once"], r["one_after_another"]),
+    )
+
+
 def dispatch_rows(arch: str, methods: list[str], E: int) -> list[dict]:
     """Kernels per training step's forward and backward, counted without a GPU (`dispatch.step_kernels`: the meta
     device), per trained method, with its ratio to LoRA's where LoRA is among them. The same on every machine."""
@@ -688,6 +734,12 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             for E, m in sorted(pairs, key=lambda pair, last=last: pair == last):  # stable: the others keep their order
                 label, row = f"{arch} capture {m} E={E}", functools.partial(capture_row, arch, m, E, s, device)
                 out.append((label, kind("capture", lambda lb=label, r=row: if_it_fits(lb, report["capture"], r))))
+            # every adapted method's stack at once (full-soap's 45 Transformers left out, as above: too large)
+            together = [m for m in trained if not (arch == "transformer" and m == "full-soap")]
+            if len(together) > 1:
+                label = f"{arch} {len(together)} methods at once E={PAPER_MEMBERS}"
+                row = functools.partial(at_once_row, arch, together, PAPER_MEMBERS, s, device)
+                out.append((label, kind("at_once", lambda lb=label, r=row: if_it_fits(lb, report["at_once"], r))))
         row = lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))
         out.append((f"{arch} inference", kind("inference", row)))
     if "lora" in methods and "queryable" in methods:  # the peft tuner against peft's LoRA
@@ -711,7 +763,7 @@ def if_it_fits(label: str, rows: list, measure: Callable[[], dict]) -> None:
 # and the kernel floor)
 KINDS = (
     "plain", "throughput", "overhead", "profile", "dispatch", "padding", "pareto_stack", "suite", "soap", "compile",
-    "side_by_side", "capture", "inference", "hf",
+    "side_by_side", "capture", "at_once", "inference", "hf",
 )  # fmt: skip
 
 
@@ -752,6 +804,7 @@ def run(
         side_by_side=[],
         pareto_stack=[],
         capture=[],
+        at_once=[],
         hf=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)

@@ -57,7 +57,9 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
         # members
         at = c if c is not None and "eval_s" in c else dict(eval_s=r["eval_s"], members=r["members"])
         evaluation = evaluations * size * at["eval_s"] * members / at["members"]
-        methods[r["method"]] = dict(train_s=train, eval_s=evaluation, total_s=train + evaluation, mode=mode)
+        methods[r["method"]] = dict(
+            train_s=train, eval_s=evaluation, total_s=train + evaluation, mode=mode, warmup_s=warmup
+        )
         if r["members"] != E:  # scaled from a narrower stack than the run's widest
             methods[r["method"]]["measured_at"] = r["members"]
         if c is not None and "captured_tf32_ms" in c:  # what TF32 matmuls would give (measured captured, eager forward)
@@ -68,6 +70,8 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     )
     if methods and all("tf32_total_s" in m for m in methods.values()):
         out["tf32_total_s"] = sum(m["tf32_total_s"] for m in methods.values())
+    if together := at_once(report, arch, methods, members, adaptation[0]):
+        out["at_once"] = together
     if cap:
         out["captured_at"] = max(r["members"] for r in cap.values())
         if all("eval_s" in r for r in cap.values()):
@@ -86,6 +90,23 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
             slowed = {m: dict(total_s=v["total_s"] / measured.get(m, mean)) for m, v in methods.items()}
             out["parallel"] |= dict(measured_total_s=list_schedule(slowed, workers), together_vs_alone=measured)
     return out
+
+
+def at_once(report: dict, arch: str, methods: dict[str, dict], members: int, steps: int) -> dict | None:
+    """The table's total with the adapted methods of the run's `at_once` row trained at once (`--methods-at-once`,
+    CUDA): every one takes `steps` steps per member, so their training is that many rounds of one step of each at the
+    round's measured time, scaled linearly from its E to `members`; their recordings' warm-ups and evaluations are
+    counted one after another (an upper bound: they overlap too), the other methods (the pretraining, which comes
+    first) as they are. None without such a row."""
+    rows = [r for r in report.get("at_once", []) if r["arch"] == arch]
+    inside = [m for m in rows[-1]["methods"] if m in methods] if rows else []
+    if len(inside) < 2:
+        return None
+    r = rows[-1]
+    train = steps * r["at_once_ms"] / 1e3 * members / r["members"]
+    one_by_one = sum(methods[m]["warmup_s"] + methods[m]["eval_s"] for m in inside)
+    rest = sum(v["total_s"] for m, v in methods.items() if m not in inside)
+    return dict(methods=inside, speedup=r["at_once_speedup"], total_s=train + one_by_one + rest)
 
 
 def training_rate(row: dict, comp: dict | None, cap: dict | None, compiled: bool) -> tuple[float, float, str]:

@@ -180,6 +180,19 @@ TABLES = [
         ],
     ),
     Table(
+        "at_once",
+        "CUDA streams: the adapted methods' captured steps, each its own stack on its own stream "
+        "(`--methods-at-once`); ms per round of one step of each, one method after another and all at once",
+        [
+            Column("arch", "arch"),
+            Column("E", "members"),
+            Column("methods", lambda r: len(r["methods"])),
+            Column("one after another ms", "one_after_another_ms", digits(3)),
+            Column("at once ms", "at_once_ms", digits(3)),
+            Column("at once speed-up", "at_once_speedup", partial(times, digits=2)),
+        ],
+    ),
+    Table(
         "side_by_side",
         "Tasks side by side (separate processes, as Ray's workers; rate of one process alone against each of them at "
         "once, paired)",
@@ -306,6 +319,13 @@ def estimate(est: dict) -> list[str]:
         f"{est['total_s'] / 3600:.2f} h for the methods measured" + tf32 + "\n",
         table(rows, ESTIMATE),
     ]
+    if together := est.get("at_once"):
+        out.append(
+            f"\nWith the {len(together['methods'])} adapted methods of the `at_once` row trained at once "
+            f"(`--methods-at-once {len(together['methods'])}`: a round of their captured steps measured "
+            f"x{together['speedup']:.2f} faster at once than one after another; their recordings and evaluations "
+            f"counted one after another): {together['total_s'] / 3600:.2f} h."
+        )
     if par := est.get("parallel"):
         measured = ""
         if "measured_total_s" in par:
