@@ -6,8 +6,10 @@ threads launch (tests/test_cuda.py)."""
 
 from __future__ import annotations
 
+import _thread
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,26 @@ def test_concurrently_keeps_the_order_the_callers_threads_and_raises_after_every
         engine.concurrently([lambda i=i: job(i) for i in range(3)], 3, "cpu")
     assert sorted(ended) == [0, 1, 2]  # the others ran to their end
     assert engine.concurrently([lambda: threading.current_thread() is threading.main_thread()], 4, "cpu") == [True]
+
+
+def test_an_interrupt_is_raised_at_once_and_no_job_starts_after_it():
+    """Ctrl-C (or SIGTERM, which the CLI turns into an exception in the main thread) while stacks train at once: the
+    caller gets it at once, not when the running jobs end, and the jobs not started never start."""
+    release, started = threading.Event(), []
+
+    def job(i: int) -> int:
+        started.append(i)
+        release.wait(30)
+        return i
+
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        engine.concurrently([lambda i=i: job(i) for i in range(3)], 2, "cpu")
+    assert time.perf_counter() - t0 < 5
+    release.set()
+    time.sleep(0.5)  # the two running jobs end; the third is not taken
+    assert sorted(started) == [0, 1]
 
 
 @pytest.mark.parametrize("capture", ["off", "on"])

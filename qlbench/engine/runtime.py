@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -144,17 +144,24 @@ def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) 
     is about 3 µs per kernel on an H200, on kernels far too small to fill it; docs/speed.md). width <= 1: one after
     another in this thread, as before.
 
-    The threads share this one's intra-op thread count (a process-wide setting, tests/test_concurrent.py). Each waits
-    for its stream before it returns, so a result's tensors are ready on any stream. A job's exception is raised
+    The threads share this one's intra-op thread count (a process-wide setting, tests/test_concurrent.py). Each job
+    waits for its stream before it ends, so a result's tensors are ready on any stream. A job's exception is raised
     here, after every job has ended. The jobs must not share mutable state: each trains its own stack with its own
-    generators, so its numbers are the ones it gives alone (tests/test_concurrent.py)."""
+    generators, so its numbers are the ones it gives alone. An interrupt (Ctrl-C, or SIGTERM through the CLI's
+    handler) is raised here at once: no job starts after it, and the threads (daemons) do not hold the process
+    open while the jobs running end."""
     if width <= 1 or len(jobs) <= 1:
         return [job() for job in jobs]
     cuda = torch.device(device).type == "cuda"
     caller = torch.cuda.current_stream(device) if cuda else None
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i, job in enumerate(jobs):
+        todo.put((i, job))
+    results: dict[int, T] = {}
+    errors: dict[int, BaseException] = {}
+    stop = threading.Event()
 
-    def work(job: Callable[[], T]) -> T:
-        _worker.concurrent = True
+    def one(job: Callable[[], T]) -> T:
         if not cuda:
             return job()
         stream = torch.cuda.Stream(device=device)
@@ -164,6 +171,30 @@ def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) 
         stream.synchronize()
         return out
 
-    with ThreadPoolExecutor(max_workers=width, thread_name_prefix="qlbench-stack") as pool:
-        futures = [pool.submit(work, job) for job in jobs]
-    return [f.result() for f in futures]
+    def worker() -> None:
+        _worker.concurrent = True
+        while not stop.is_set():
+            try:
+                i, job = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[i] = one(job)
+            except BaseException as err:  # raised in the caller's thread once every job has ended
+                errors[i] = err
+
+    threads = [
+        threading.Thread(target=worker, name=f"qlbench-stack-{k}", daemon=True) for k in range(min(width, len(jobs)))
+    ]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():  # woken every 0.2 s, so that an interrupt is raised here at once
+                t.join(0.2)
+    except BaseException:
+        stop.set()
+        raise
+    if errors:
+        raise errors[min(errors)]
+    return [results[i] for i in range(len(jobs))]
