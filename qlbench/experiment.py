@@ -338,21 +338,23 @@ def record_paths(p: Plan) -> list[Path]:
 
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
     """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells: one method
-    after another, or `p.at_once` at a time (`engine.concurrently`; their records are written in the plan's order
-    once all have trained, their costs measured then, one at a time)."""
+    after another, or `p.at_once` at a time (`engine.concurrently`: each commits its records as it ends; their costs,
+    which time forwards and read the device's memory peak, are measured first, one at a time, while nothing else
+    runs)."""
     if not functions:
         return
     pre = pretrained(p, [(f, s) for f in functions for s in p.seeds], progress, log)
     methods = [m for m in p.methods if todo[m]]
     trained = [m for m in methods if adapters.get(m).trains]
     total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
-    stacks = {m: pre.select([(f, s) for f in todo[m] for s in p.seeds]) for m in methods}
+    stack = lambda m: pre.select([(f, s) for f in todo[m] for s in p.seeds])  # each method's, built when it starts
     with progress_bar(total=total, desc="adapt", unit="step", disable=not progress) as bar:
         if p.at_once <= 1:
             for m in methods:
-                bar.set_description(f"adapt {m} x{len(stacks[m].members)}")
-                run_method(p, m, stacks[m], dtype, bar.update if adapters.get(m).trains else None, log)
+                bar.set_description(f"adapt {m} x{len(todo[m]) * len(p.seeds)}")
+                run_method(p, m, stack(m), dtype, bar.update if adapters.get(m).trains else None, log)
             return
+        costs = {m: measure_cost(p, m, stack(m), dtype, log) for m in methods}
         bar.set_description(f"adapt {len(methods)} methods, {min(p.at_once, len(methods))} at once")
         lock = threading.Lock()
 
@@ -360,12 +362,12 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
             with lock:
                 bar.update(n)
 
-        jobs = [
-            lambda m=m: adapt_method(p, m, stacks[m], dtype, update if adapters.get(m).trains else None, log)
-            for m in methods
-        ]
-        for m, res in zip(methods, engine.concurrently(jobs, p.at_once, p.device)):
-            commit_method(p, m, stacks[m], res, dtype, log)
+        def job(m: str) -> None:
+            sub = stack(m)
+            if (res := adapt_method(p, m, sub, dtype, update if adapters.get(m).trains else None, log)) is not None:
+                commit_method(p, m, sub, res, costs[m], log)
+
+        engine.concurrently([lambda m=m: job(m) for m in methods], p.at_once, p.device)
 
 
 def pretrained(p: Plan, members: list[engine.Member], progress: bool, log) -> engine.Pretrained:
@@ -411,8 +413,10 @@ def measure_cost(p: Plan, method: str, pre: engine.Pretrained, dtype, log) -> di
 
 def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:
     """Adapt `method` on the stack `pre` (its members: functions x the plan's seeds) and commit one record per
-    function, its adapter weights first; a failure is recorded as failed cells. Both executors call this."""
-    commit_method(p, method, pre, adapt_method(p, method, pre, dtype, progress, log), dtype, log)
+    function, its adapter weights first, its cost measured once it has trained; a failure is recorded as failed
+    cells. Both executors call this."""
+    if (res := adapt_method(p, method, pre, dtype, progress, log)) is not None:
+        commit_method(p, method, pre, res, measure_cost(p, method, pre, dtype, log), log)
 
 
 def adapt_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> engine.AdaptResult | None:
@@ -426,12 +430,8 @@ def adapt_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, 
     return runner.attempt(method, work, failed, log)
 
 
-def commit_method(p: Plan, method: str, pre: engine.Pretrained, res: engine.AdaptResult | None, dtype, log) -> None:
-    """The records of `method`'s cells from its adapted stack `res` (nothing when it failed: `adapt_method` wrote
-    those), with its cost measured first."""
-    if res is None:
-        return
-    costs = measure_cost(p, method, pre, dtype, log)
+def commit_method(p: Plan, method: str, pre: engine.Pretrained, res: engine.AdaptResult, costs, log) -> None:
+    """The records of `method`'s cells from its adapted stack `res`, with its measured `costs` (`measure_cost`)."""
     for f in dict.fromkeys(f for f, _ in pre.members):
         commit_cell(p, method, f, res, [i for i, (g, _) in enumerate(res.members) if g == f], pre, costs, log)
 

@@ -800,6 +800,9 @@ def test_the_estimate_with_methods_at_once_by_hand():
     assert est["at_once"]["total_s"] == pytest.approx(pretraining + together)
     assert est["at_once"]["methods"] == ["lora", "queryable"] and est["at_once"]["speedup"] == 1.25
     assert "With the 2 adapted methods of the `at_once` row trained at once" in "".join(output.estimate(est))
+    (spec,) = [t for t in output.TABLES if t.key == "at_once"]
+    last = "".join(output.section(spec, {"at_once": at_once})).splitlines()[-1]
+    assert [c.strip() for c in last.strip("|").split("|")] == ["deep-narrow", "15", "2", "5.000", "4.000", "x1.25"]
     assert "at_once" not in bench.paper_estimate({"throughput": rows, "capture": capture})
     at_once[0]["methods"] = ["lora", "dora"]  # one of them not in the estimate: nothing to train at once
     assert "at_once" not in bench.paper_estimate({"throughput": rows, "capture": capture, "at_once": at_once})

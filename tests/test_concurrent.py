@@ -140,3 +140,19 @@ def test_the_memory_check_counts_every_stack_that_trains_at_once(tmp_path, monke
     at_once = experiment.plan(**kwargs, device="cpu", out_dir=tmp_path, methods_at_once=2)
     assert at_once.stack_functions == 1  # two stacks of both functions do not: a function per stack
     assert experiment.plan(**kwargs, device="cpu", out_dir=tmp_path, methods_at_once=9).stack_functions == 1
+
+
+def test_each_method_trained_at_once_writes_its_records_as_it_ends(tmp_path, monkeypatch):
+    """A method's adapted stack is not held until every method has trained (N stacks at once, not all of them, is
+    what the memory check counts): with two at once, when the fifth method starts, at least three have ended, and
+    their records are written."""
+    adapt, seen = engine.adapt, {}
+
+    def spy(pre, method, *args, **kwargs):
+        if method == "frozen":  # the fifth of SWEEP's methods
+            seen["written"] = {p.parts[-2] for p in (tmp_path / "records").rglob("*.json")}
+        return adapt(pre, method, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "adapt", spy)
+    assert cli.main([*SWEEP, "--methods-at-once", "2", "--out", str(tmp_path)]) == 0
+    assert len(seen["written"]) >= 3, seen
