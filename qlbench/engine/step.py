@@ -28,6 +28,7 @@ How the captured step stays the same training as the eager one:
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -138,15 +139,18 @@ class CudaGraphs:
         memory, so its outputs are the buffers every replay rewrites). `params`, `optimizer`: what body changes."""
         graph = torch.cuda.CUDAGraph()
         # recorded on this step's own side stream (torch.cuda.graph's default is one stream shared by every
-        # recording); where several stacks train at once (runtime.concurrently) the other threads keep launching,
-        # so only this thread's CUDA calls may break the recording ("thread_local"), not theirs ("global")
+        # recording). Where several stacks train at once (runtime.concurrently) the other threads keep launching,
+        # so only this thread's CUDA calls may break the recording ("thread_local"), not theirs ("global"); and one
+        # recording at a time in the process, so that no thread's torch.cuda.graph (which first synchronises the
+        # device and empties the allocator's cache) starts while another thread records
         mode = "thread_local" if in_concurrent_worker() else "global"
-        with torch.cuda.graph(graph, stream=self.side, capture_error_mode=mode):
+        with RECORDING, torch.cuda.graph(graph, stream=self.side, capture_error_mode=mode):
             out = body()
         return graph, out
 
 
 RECORDER = CudaGraphs  # built per captured step with the parameters' device
+RECORDING = threading.Lock()  # held while a CUDA graph is recorded (CudaGraphs.record)
 
 
 class CapturedStep(Step):
