@@ -806,3 +806,24 @@ def test_the_estimate_with_methods_at_once_by_hand():
     assert "at_once" not in bench.paper_estimate({"throughput": rows, "capture": capture})
     at_once[0]["methods"] = ["lora", "dora"]  # one of them not in the estimate: nothing to train at once
     assert "at_once" not in bench.paper_estimate({"throughput": rows, "capture": capture, "at_once": at_once})
+
+
+def test_an_at_once_row_that_fails_is_a_line_and_the_run_goes_on(monkeypatch, capsys):
+    """The `at_once` rows record CUDA graphs while other streams launch, which no GPU has run yet: a RuntimeError in
+    one is one line on stderr and no row, not the end of the bench (its later rows and the estimate still come)."""
+    from qlbench.bench import cases
+
+    def fails(arch, methods, E, s, device):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(cases, "at_once_row", fails)
+    report = {"at_once": []}
+    s = bench.Settings.make(quick=True)
+    for _, fn in cases.tasks(["deep-narrow"], ["lora", "dora"], s, "cuda", report):
+        if fn.kind == "at_once":
+            fn()
+    assert report["at_once"] == []
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "qlbench bench: deep-narrow 2 methods at once E=45 failed: RuntimeError: CUDA error: operation not permitted "
+        "when stream is capturing"
+    ]
