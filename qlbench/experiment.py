@@ -112,7 +112,13 @@ class Plan:
     @property
     def chosen(self) -> dict:
         """The settings beyond the config that every record states, defaults included (results.settings)."""
-        return {"eps": self.eps, "backbone_init": self.backbone_init, "noise": self.noise, "capture": self.capture}
+        return {
+            "eps": self.eps,
+            "backbone_init": self.backbone_init,
+            "noise": self.noise,
+            "capture": self.capture,
+            "methods_at_once": self.at_once,
+        }
 
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused.

@@ -89,6 +89,8 @@ def test_methods_trained_at_once_write_the_records_of_one_at_a_time(tmp_path, mo
     assert len(one) == 10 and one.keys() == four.keys()
     for path in one:
         assert four[path] == one[path], path
+        settings = [json.loads((tmp_path / run / path).read_text())["run_info"]["settings"] for run in ("one", "four")]
+        assert [s["methods_at_once"] for s in settings] == [1, 4]  # stated: the wall time was shared
 
 
 def test_a_method_that_fails_among_those_at_once_is_a_failed_record_and_the_others_are_written(
