@@ -16,7 +16,15 @@ import torch
 
 from qlbench import adapters, cost, engine, results, runner, zoo
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
-from qlbench.planning import DTYPES, cells_per_stack, check_overrides, check_settings, dry_build, seed_count
+from qlbench.planning import (
+    DTYPES,
+    cells_per_stack,
+    check_at_once,
+    check_overrides,
+    check_settings,
+    dry_build,
+    seed_count,
+)
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.store import DamagedFile, Store, check_writable, load_torch, save_torch, set_aside, stable_hash, write_json
 
@@ -227,19 +235,6 @@ def plan(
         stack_functions=width if width is not None and width < len(set(functions)) else None,
         at_once=methods_at_once,
     )
-
-
-def check_at_once(methods_at_once, compile: str) -> None:
-    """ValueError naming the valid values unless `methods_at_once` is an integer >= 1 that `compile` allows:
-    torch.compile is not used with stacks trained at once (its caches are the process's, and each training run resets
-    them)."""
-    if isinstance(methods_at_once, bool) or not isinstance(methods_at_once, int) or methods_at_once < 1:
-        raise ValueError(f"methods at once must be an integer >= 1, got {methods_at_once!r}")
-    if methods_at_once > 1 and compile == "on":
-        raise ValueError(
-            "--compile on trains one method at a time (torch.compile's caches are the process's); "
-            "valid with --methods-at-once above 1: --compile auto or off"
-        )
 
 
 def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:

@@ -48,6 +48,19 @@ def check_settings(*, eps, dtype: str, threads) -> None:
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
 
 
+def check_at_once(methods_at_once, compile: str) -> None:
+    """ValueError naming the valid values unless `methods_at_once` is an integer >= 1 that `compile` allows:
+    torch.compile is not used with stacks trained at once (its caches are the process's, and each training run resets
+    them)."""
+    if isinstance(methods_at_once, bool) or not isinstance(methods_at_once, int) or methods_at_once < 1:
+        raise ValueError(f"methods at once must be an integer >= 1, got {methods_at_once!r}")
+    if methods_at_once > 1 and compile == "on":
+        raise ValueError(
+            "--compile on trains one method at a time (torch.compile's caches are the process's); "
+            "valid with --methods-at-once above 1: --compile auto or off"
+        )
+
+
 def seed_count(budget: engine.Budget, seeds: int | None) -> int:
     """The number of seeds: the budget's, or `seeds` (an integer >= 1; ValueError otherwise)."""
     n = budget.seeds if seeds is None else seeds
