@@ -35,6 +35,20 @@ def one_line_error(capsys, argv: list[str]) -> str:
     return lines[0]
 
 
+def fail_adapting(monkeypatch, failing: str) -> None:
+    """Make `engine.adapt` raise RuntimeError("planted failure") for the method `failing`; the others train."""
+    from qlbench import engine
+
+    adapt = engine.adapt
+
+    def planted(pre, method, *args, **kwargs):
+        if method == failing:
+            raise RuntimeError("planted failure")
+        return adapt(pre, method, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "adapt", planted)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Layer-level comparisons (peft, per-sample references): a few adapted layers of one (role, shape) outside a backbone.
 

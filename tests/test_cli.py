@@ -10,7 +10,7 @@ import pytest
 
 from qlbench import cli
 
-from helpers import one_line_error
+from helpers import fail_adapting, one_line_error
 
 
 @pytest.mark.parametrize(
@@ -226,16 +226,7 @@ def test_a_config_that_cannot_be_built_is_one_line_before_any_work(capsys, tmp_p
 
 @pytest.mark.parametrize("methods", ["lora,mean", "lora"])
 def test_a_failed_cell_is_one_line_per_cell_and_exit_1(capsys, tmp_path, monkeypatch, methods):
-    from qlbench import engine
-
-    adapt = engine.adapt
-
-    def failing(pre, method_name, *args, **kw):
-        if method_name == "lora":
-            raise RuntimeError("planted failure")
-        return adapt(pre, method_name, *args, **kw)
-
-    monkeypatch.setattr(engine, "adapt", failing)
+    fail_adapting(monkeypatch, "lora")
     code = cli.main(
         [
             "sweep",

@@ -18,7 +18,7 @@ import torch
 from qlbench import cli, engine, experiment, planning
 from qlbench.engine import step
 
-from helpers import ReplayByRerun, one_line_error
+from helpers import ReplayByRerun, fail_adapting, one_line_error
 
 SWEEP = ["sweep", "--functions", "matyas,levy", "--budget", "smoke", "--seeds", "2",
          "--methods", "full-soap,lora,queryable,instruct-queryable,frozen", "--no-progress"]  # fmt: skip
@@ -96,14 +96,7 @@ def test_methods_trained_at_once_write_the_records_of_one_at_a_time(tmp_path, mo
 def test_a_method_that_fails_among_those_at_once_is_a_failed_record_and_the_others_are_written(
     tmp_path, monkeypatch, capsys
 ):
-    adapt = engine.adapt
-
-    def failing(pre, method, *args, **kwargs):
-        if method == "queryable":
-            raise RuntimeError("planted failure")
-        return adapt(pre, method, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "adapt", failing)
+    fail_adapting(monkeypatch, "queryable")
     assert cli.main([*SWEEP, "--methods-at-once", "3", "--out", str(tmp_path)]) == 1
     status = {Path(p).parts[-2]: s for p, (s, _) in records(tmp_path).items()}  # records/<arch>/<function>/<method>
     assert status.pop("queryable") == "failed" and set(status.values()) == {"ok"}, status
