@@ -728,54 +728,40 @@ def test_no_variant_compiles_inside_the_timed_rounds(row, monkeypatch):
 
 
 def test_an_at_once_row_times_a_round_one_after_another_and_at_once(monkeypatch):
-    """`at_once_row` (CUDA only) on the CPU, with the stand-in for CUDA graphs and streams that only record what ran
-    on them: every method's captured step is recorded on its own stream, a round is one step of each, both ways are
-    timed, and every step is closed at the row's end."""
-    import contextlib
+    """`at_once_row` on the CPU: every method's step runs its warm-up, then each round its n steps twice, once one
+    method after another in this thread and once each method in a thread of its own (`engine.concurrently`, at most
+    `width` at a time), and every step is closed at the row's end. The tasks: on CUDA every adapted method at the
+    paper's 45 members, all at once; on the CPU as many at once as the cores hold at the narrowest E."""
+    import threading
 
     from qlbench.bench import cases
-    from qlbench.engine import step as step_module
 
-    from helpers import ReplayByRerun
+    ran: list[tuple[int, bool]] = []  # (the step, whether it ran in the caller's thread)
+    call, close, closed = engine.Step.__call__, engine.Step.close, []
+    main = threading.main_thread()
 
-    current, ran = [None], []
+    def spy(self, *args, **kwargs):
+        ran.append((id(self), threading.current_thread() is main))
+        return call(self, *args, **kwargs)
 
-    class Stream:
-        def __init__(self, device=None):
-            self.synced = 0
-
-        def synchronize(self):
-            self.synced += 1
-
-    @contextlib.contextmanager
-    def on(stream):
-        current[0] = stream
-        yield
-        current[0] = None
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
-    call = step_module.CapturedStep.__call__
-    monkeypatch.setattr(
-        step_module.CapturedStep, "__call__", lambda self, *a: (ran.append(current[0]), call(self, *a))[1]
-    )
-    closed = []
-    close = step_module.CapturedStep.close
-    monkeypatch.setattr(step_module.CapturedStep, "close", lambda self: (close(self), closed.append(self)))
+    monkeypatch.setattr(engine.Step, "__call__", spy)
+    monkeypatch.setattr(engine.Step, "close", lambda self: (close(self), closed.append(self)))
     s = bench.Settings.make(quick=True)
-    row = cases.at_once_row("deep-narrow", ["lora", "queryable", "full-soap"], 2, s, torch.device("cpu"))
-    assert row["methods"] == ["lora", "queryable", "full-soap"] and row["members"] == 2
+    row = cases.at_once_row("deep-narrow", ["lora", "queryable", "full-soap"], 2, 2, s, torch.device("cpu"))
+    assert row["methods"] == ["lora", "queryable", "full-soap"] and row["members"] == 2 and row["width"] == 2
     assert row["one_after_another_ms"] > 0 and row["at_once_ms"] > 0 and row["at_once_speedup"] > 0
-    streams = list(dict.fromkeys(ran))
-    assert len(streams) == 3 and None not in streams  # every step ran on its method's own stream
-    n, warm = s.steps["deep-narrow"], step_module.WARMUP + 2
-    assert [ran.count(st) for st in streams] == [warm + 2 * s.rounds * n] * 3  # warm-up, then both ways each round
-    assert len(closed) == 3 and all(not step.graphs for step in closed)
+    steps = list(dict.fromkeys(step for step, _ in ran))
+    n, warm = s.steps["deep-narrow"], engine.step.WARMUP + 2
+    assert len(steps) == 3 and len(closed) == 3
+    for step in steps:
+        mine = [in_main for k, in_main in ran if k == step]
+        assert mine.count(True) == warm + s.rounds * n and mine.count(False) == s.rounds * n  # the threads' rounds
     labels = [label for label, _ in cases.tasks(["deep-narrow", "transformer"], ["full-soap", "lora", "dora"], s,
               "cuda", {})]  # fmt: skip
-    assert "deep-narrow 3 methods at once E=45" in labels and "transformer 2 methods at once E=45" in labels
-    assert not any("at once" in label for label, _ in cases.tasks(["deep-narrow"], ["lora", "dora"], s, "cpu", {}))
+    assert "deep-narrow 3 methods, 3 at once E=45" in labels and "transformer 2 methods, 2 at once E=45" in labels
+    cpu = [label for label, _ in cases.tasks(["deep-narrow"], ["lora", "dora"], s, "cpu", {}) if "at once" in label]
+    width = s.side_by_side_for("deep-narrow", 5)[1]  # the stack's one thread: as many as the cores
+    assert cpu == ([f"deep-narrow 2 methods, {width} at once E=5"] if width > 1 else [])
 
 
 def test_the_estimate_with_methods_at_once_by_hand():
@@ -789,8 +775,8 @@ def test_the_estimate_with_methods_at_once_by_hand():
     rates = (("pretraining", 9000.0, 1.0), ("lora", 30_000.0, 2.0), ("queryable", 12_000.0, 3.0))
     capture = [dict(arch="deep-narrow", method=m, members=45, captured_rate=rate, captured_warmup_s=w, eval_s=0.01)
                for m, rate, w in rates]  # fmt: skip
-    at_once = [dict(arch="deep-narrow", members=15, methods=["lora", "queryable"], one_after_another_ms=5.0,
-                    at_once_ms=4.0, at_once_speedup=1.25)]  # fmt: skip
+    at_once = [dict(arch="deep-narrow", members=15, threads=1, methods=["lora", "queryable"], width=2,
+                    one_after_another_ms=5.0, at_once_ms=4.0, at_once_speedup=1.25)]  # fmt: skip
     est = bench.paper_estimate({"throughput": rows, "capture": capture, "at_once": at_once})
     methods = est["methods"]
     pretraining = methods["pretraining"]["total_s"]
@@ -799,10 +785,11 @@ def test_the_estimate_with_methods_at_once_by_hand():
     together = 35_000 * 4e-3 * 3 + 2.0 + 3.0 + 2 * 501 * 0.01
     assert est["at_once"]["total_s"] == pytest.approx(pretraining + together)
     assert est["at_once"]["methods"] == ["lora", "queryable"] and est["at_once"]["speedup"] == 1.25
-    assert "With the 2 adapted methods of the `at_once` row trained at once" in "".join(output.estimate(est))
+    assert "With the 2 adapted methods of the `at_once` row trained 2 at a time" in "".join(output.estimate(est))
     (spec,) = [t for t in output.TABLES if t.key == "at_once"]
     last = "".join(output.section(spec, {"at_once": at_once})).splitlines()[-1]
-    assert [c.strip() for c in last.strip("|").split("|")] == ["deep-narrow", "15", "2", "5.000", "4.000", "x1.25"]
+    assert [c.strip() for c in last.strip("|").split("|")] == ["deep-narrow", "15", "1", "2", "2", "5.000", "4.000",
+                                                                "x1.25"]  # fmt: skip
     assert "at_once" not in bench.paper_estimate({"throughput": rows, "capture": capture})
     at_once[0]["methods"] = ["lora", "dora"]  # one of them not in the estimate: nothing to train at once
     assert "at_once" not in bench.paper_estimate({"throughput": rows, "capture": capture, "at_once": at_once})
@@ -813,7 +800,7 @@ def test_an_at_once_row_that_fails_is_a_line_and_the_run_goes_on(monkeypatch, ca
     one is one line on stderr and no row, not the end of the bench (its later rows and the estimate still come)."""
     from qlbench.bench import cases
 
-    def fails(arch, methods, E, s, device):
+    def fails(arch, methods, E, width, s, device):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
 
     monkeypatch.setattr(cases, "at_once_row", fails)
@@ -824,6 +811,6 @@ def test_an_at_once_row_that_fails_is_a_line_and_the_run_goes_on(monkeypatch, ca
             fn()
     assert report["at_once"] == []
     assert capsys.readouterr().err.strip().splitlines() == [
-        "qlbench bench: deep-narrow 2 methods at once E=45 failed: RuntimeError: CUDA error: operation not permitted "
-        "when stream is capturing"
+        "qlbench bench: deep-narrow 2 methods, 2 at once E=45 failed: RuntimeError: CUDA error: operation not "
+        "permitted when stream is capturing"
     ]

@@ -259,35 +259,24 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     )
 
 
-def at_once_row(arch: str, methods: list[str], E: int, s: Settings, device) -> dict:
-    """CUDA only: the captured steps of `methods`, each its own stack of E members on its own stream, as
-    `--methods-at-once` trains them: a round (one step of each) timed one method after another (each method's
-    steps, then the next's, as one method at a time trains) and all at once (the host launching each stream's step
-    in turn, the device overlapping them), alternating; ms per round and the speed-up, which the paper-table
-    estimate applies to the adapted methods (`at_once`)."""
+def at_once_row(arch: str, methods: list[str], E: int, width: int, s: Settings, device) -> dict:
+    """`methods`' training steps, each its own stack of E members, as `--methods-at-once` trains them (captured on
+    CUDA; eager on the CPU, with the stack's intra-op threads): a round, one step of each method, timed one method
+    after another (each method's steps, then the next's, as one method at a time trains) and `width` at a time,
+    each in its own thread and, on CUDA, its own stream (`engine.concurrently`, the engine's own mechanism),
+    alternating; ms per round and the speed-up, which the paper-table estimate applies to the adapted methods
+    (`at_once`)."""
     n, data = s.steps[arch], batches(E, device)
-    streams = [torch.cuda.Stream(device=device) for _ in methods]
+    threads = s.threads_for(arch, E, device)
     steps = []
     try:
-        for m, stream in zip(methods, streams):
+        for m in methods:
             ((model, opt),) = stacked_copies(arch, m, E, device, 1)
-            steps.append(engine.make_step(model, opt, capture=True))
-            with torch.cuda.stream(stream):
-                chunk(steps[-1], data, engine.step.WARMUP + 2)()  # the warm-up steps and the recording
+            steps.append(engine.make_step(model, opt, capture=torch.device(device).type == "cuda"))
+            chunk(steps[-1], data, engine.step.WARMUP + 2, threads)()  # the warm-up steps (and the recording)
         sync(device)
-
-        def one_after_another() -> None:
-            for step, stream in zip(steps, streams):
-                with torch.cuda.stream(stream):
-                    chunk(step, data, n)()
-                stream.synchronize()
-
-        def at_once() -> None:
-            for i in range(n):
-                for step, stream in zip(steps, streams):
-                    with torch.cuda.stream(stream):
-                        step(*data[i % len(data)])
-
+        one_after_another = lambda: [chunk(step, data, n, threads)() for step in steps]
+        at_once = lambda: engine.concurrently([chunk(step, data, n, threads) for step in steps], width, device)
         r = alternate({"one_after_another": (one_after_another, n), "at_once": (at_once, n)}, s.rounds, device)
     finally:  # the recordings released, as a training stage releases them
         for step in steps:
@@ -297,8 +286,9 @@ def at_once_row(arch: str, methods: list[str], E: int, s: Settings, device) -> d
         arch,
         None,
         E,
-        None,
+        threads,
         methods=list(methods),
+        width=width,
         one_after_another_ms=1e3 / statistics.median(r["one_after_another"]),
         at_once_ms=1e3 / statistics.median(r["at_once"]),
         at_once_speedup=median_ratio(r["at_once"], r["one_after_another"]),
@@ -734,12 +724,17 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             for E, m in sorted(pairs, key=lambda pair, last=last: pair == last):  # stable: the others keep their order
                 label, row = f"{arch} capture {m} E={E}", functools.partial(capture_row, arch, m, E, s, device)
                 out.append((label, kind("capture", lambda lb=label, r=row: if_it_fits(lb, report["capture"], r))))
-            # every adapted method's stack at once (full-soap's 45 Transformers left out, as above: too large)
-            together = [m for m in trained if not (arch == "transformer" and m == "full-soap")]
-            if len(together) > 1:
-                label = f"{arch} {len(together)} methods at once E={PAPER_MEMBERS}"
-                row = functools.partial(at_once_row, arch, together, PAPER_MEMBERS, s, device)
-                out.append((label, kind("at_once", lambda lb=label, r=row: if_it_runs(lb, report["at_once"], r))))
+        # every adapted method's stack, as many at once as `--methods-at-once` would train: on CUDA all of them at the
+        # paper's 45 members (full-soap's 45 Transformers left out, as above: too large); on the CPU as many as its
+        # cores hold at the stacks' intra-op threads, at the run's narrowest E (a deep-narrow stack of 5 runs on one)
+        cuda = torch.device(device).type == "cuda"
+        E = PAPER_MEMBERS if cuda else min(s.members)
+        together = [m for m in trained if not (arch == "transformer" and m == "full-soap" and E > 5)]
+        width = len(together) if cuda else s.side_by_side_for(arch, E)[1]
+        if len(together) > 1 and width > 1:
+            label = f"{arch} {len(together)} methods, {width} at once E={E}"
+            row = functools.partial(at_once_row, arch, together, E, width, s, device)
+            out.append((label, kind("at_once", lambda lb=label, r=row: if_it_runs(lb, report["at_once"], r))))
         row = lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))
         out.append((f"{arch} inference", kind("inference", row)))
     if "lora" in methods and "queryable" in methods:  # the peft tuner against peft's LoRA

@@ -93,11 +93,11 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
 
 
 def at_once(report: dict, arch: str, methods: dict[str, dict], members: int, steps: int) -> dict | None:
-    """The table's total with the adapted methods of the run's `at_once` row trained at once (`--methods-at-once`,
-    CUDA): every one takes `steps` steps per member, so their training is that many rounds of one step of each at the
-    round's measured time, scaled linearly from its E to `members`; their recordings' warm-ups and evaluations are
-    counted one after another (an upper bound: they overlap too), the other methods (the pretraining, which comes
-    first) as they are. None without such a row."""
+    """The table's total with the adapted methods of the run's `at_once` row trained as it trained them, its `width`
+    at a time (`--methods-at-once`): every one takes `steps` steps per member, so their training is that many rounds
+    of one step of each at the round's measured time, scaled linearly from its E to `members`; their warm-ups
+    (recordings, compilation) and evaluations are counted one after another (an upper bound: they overlap too), the
+    other methods (the pretraining, which comes first) as they are. None without such a row."""
     rows = [r for r in report.get("at_once", []) if r["arch"] == arch]
     inside = [m for m in rows[-1]["methods"] if m in methods] if rows else []
     if len(inside) < 2:
@@ -106,7 +106,7 @@ def at_once(report: dict, arch: str, methods: dict[str, dict], members: int, ste
     train = steps * r["at_once_ms"] / 1e3 * members / r["members"]
     one_by_one = sum(methods[m]["warmup_s"] + methods[m]["eval_s"] for m in inside)
     rest = sum(v["total_s"] for m, v in methods.items() if m not in inside)
-    return dict(methods=inside, speedup=r["at_once_speedup"], total_s=train + one_by_one + rest)
+    return dict(methods=inside, width=r["width"], speedup=r["at_once_speedup"], total_s=train + one_by_one + rest)
 
 
 def training_rate(row: dict, comp: dict | None, cap: dict | None, compiled: bool) -> tuple[float, float, str]:

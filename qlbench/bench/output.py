@@ -181,12 +181,14 @@ TABLES = [
     ),
     Table(
         "at_once",
-        "CUDA streams: the adapted methods' captured steps, each its own stack on its own stream "
-        "(`--methods-at-once`); ms per round of one step of each, one method after another and all at once",
-        [
-            Column("arch", "arch"),
-            Column("E", "members"),
+        "Methods at once: the adapted methods' steps, each its own stack in its own thread and, on CUDA, on its own "
+        "stream and captured (`--methods-at-once`); ms per round of one step of each, one method after another and "
+        "as many at a time as the `at once` column says",
+        STACK[:1]
+        + STACK[2:]
+        + [
             Column("methods", lambda r: len(r["methods"])),
+            Column("at once", "width"),
             Column("one after another ms", "one_after_another_ms", digits(3)),
             Column("at once ms", "at_once_ms", digits(3)),
             Column("at once speed-up", "at_once_speedup", partial(times, digits=2)),
@@ -321,10 +323,10 @@ def estimate(est: dict) -> list[str]:
     ]
     if together := est.get("at_once"):
         out.append(
-            f"\nWith the {len(together['methods'])} adapted methods of the `at_once` row trained at once "
-            f"(`--methods-at-once {len(together['methods'])}`: a round of their captured steps measured "
-            f"x{together['speedup']:.2f} faster at once than one after another; their recordings and evaluations "
-            f"counted one after another): {together['total_s'] / 3600:.2f} h."
+            f"\nWith the {len(together['methods'])} adapted methods of the `at_once` row trained "
+            f"{together['width']} at a time (`--methods-at-once {together['width']}`: a round of their steps measured "
+            f"x{together['speedup']:.2f} faster so than one after another; their warm-ups and evaluations counted one "
+            f"after another): {together['total_s'] / 3600:.2f} h."
         )
     if par := est.get("parallel"):
         measured = ""
