@@ -50,7 +50,7 @@ class Plan:
     eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
     noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
     stack_functions: int | None = None  # functions per stack where all do not fit the memory (None: all; not hashed)
-    at_once: int = 1  # methods' stacks trained at once, each in its own thread and CUDA stream (not hashed)
+    methods_at_once: int = 1  # methods' stacks trained at once, each in its own thread and CUDA stream (not hashed)
 
     noun = "cell"  # runner.Workload: a unit is a (method, function) cell
 
@@ -125,7 +125,7 @@ class Plan:
             "backbone_init": self.backbone_init,
             "noise": self.noise,
             "capture": self.capture,
-            "methods_at_once": self.at_once,
+            "methods_at_once": self.methods_at_once,
         }
 
     def cell_config(self, function: str, method: str) -> dict:
@@ -233,7 +233,7 @@ def plan(
         eps=float(eps),
         noise=noise,
         stack_functions=width if width is not None and width < len(set(functions)) else None,
-        at_once=methods_at_once,
+        methods_at_once=methods_at_once,
     )
 
 
@@ -339,9 +339,9 @@ def record_paths(p: Plan) -> list[Path]:
 
 def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
     """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells: one method
-    after another, or `p.at_once` at a time (`engine.concurrently`: each commits its records as it ends; their costs,
-    which time forwards and read the device's memory peak, are measured first, one at a time, while nothing else
-    runs)."""
+    after another, or `p.methods_at_once` at a time (`engine.concurrently`: each commits its records as it ends;
+    their costs, which time forwards and read the device's memory peak, are measured first, one at a time, while
+    nothing else runs)."""
     if not functions:
         return
     pre = pretrained(p, [(f, s) for f in functions for s in p.seeds], progress, log)
@@ -350,13 +350,13 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
     total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
     stack = lambda m: pre.select([(f, s) for f in todo[m] for s in p.seeds])  # each method's, built when it starts
     with progress_bar(total=total, desc="adapt", unit="step", disable=not progress) as bar:
-        if p.at_once <= 1:
+        if p.methods_at_once <= 1:
             for m in methods:
                 bar.set_description(f"adapt {m} x{len(todo[m]) * len(p.seeds)}")
                 run_method(p, m, stack(m), dtype, bar.update if adapters.get(m).trains else None, log)
             return
         costs = {m: measure_cost(p, m, stack(m), dtype, log) for m in methods}
-        bar.set_description(f"adapt {len(methods)} methods, {min(p.at_once, len(methods))} at once")
+        bar.set_description(f"adapt {len(methods)} methods, {min(p.methods_at_once, len(methods))} at once")
         lock = threading.Lock()
 
         def update(n: int) -> None:
@@ -368,7 +368,7 @@ def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) 
             if (res := adapt_method(p, m, sub, dtype, update if adapters.get(m).trains else None, log)) is not None:
                 commit_method(p, m, sub, res, costs[m], log)
 
-        engine.concurrently([lambda m=m: job(m) for m in methods], p.at_once, p.device)
+        engine.concurrently([lambda m=m: job(m) for m in methods], p.methods_at_once, p.device)
 
 
 def pretrained(p: Plan, members: list[engine.Member], progress: bool, log) -> engine.Pretrained:

@@ -275,8 +275,13 @@ def at_once_row(arch: str, methods: list[str], E: int, width: int, s: Settings, 
             steps.append(engine.make_step(model, opt, capture=torch.device(device).type == "cuda"))
             chunk(steps[-1], data, engine.step.WARMUP + 2, threads)()  # the warm-up steps (and the recording)
         sync(device)
-        one_after_another = lambda: [chunk(step, data, n, threads)() for step in steps]
-        at_once = lambda: engine.concurrently([chunk(step, data, n, threads) for step in steps], width, device)
+        chunks = [chunk(step, data, n, threads) for step in steps]  # each: n steps of its method
+
+        def one_after_another() -> None:
+            for run in chunks:
+                run()
+
+        at_once = lambda: engine.concurrently(chunks, width, device)
         r = alternate({"one_after_another": (one_after_another, n), "at_once": (at_once, n)}, s.rounds, device)
     finally:  # the recordings released, as a training stage releases them
         for step in steps:
@@ -734,7 +739,8 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
         if len(together) > 1 and width > 1:
             label = f"{arch} {len(together)} methods, {width} at once E={E}"
             row = functools.partial(at_once_row, arch, together, E, width, s, device)
-            out.append((label, kind("at_once", lambda lb=label, r=row: if_it_runs(lb, report["at_once"], r))))
+            fits = lambda lb=label, r=row: if_it_fits(lb, report["at_once"], r, failing=(RuntimeError,))
+            out.append((label, kind("at_once", fits)))
         row = lambda a=arch: report["inference"].extend(inference(a, forwarded, s, device))
         out.append((f"{arch} inference", kind("inference", row)))
     if "lora" in methods and "queryable" in methods:  # the peft tuner against peft's LoRA
@@ -742,29 +748,21 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
     return out
 
 
-def if_it_fits(label: str, rows: list, measure: Callable[[], dict]) -> None:
+def if_it_fits(label: str, rows: list, measure: Callable[[], dict], failing: tuple[type, ...] = ()) -> None:
     """rows.append(measure()), or, where the device runs out of memory (a wide stack of a large model, such as
     full-soap's 45 Transformers with their SOAP states, on a smaller GPU), a line on stderr and no row: the estimate
-    then scales that method from its narrower stack."""
+    then scales that method from its narrower stack. `failing`: further errors that are likewise a line and no row,
+    so that the rows after them are still measured and the estimate still made (the `at_once` rows record CUDA
+    graphs while other streams run, which no GPU has run yet: RuntimeError, docs/speed.md)."""
     try:
         rows.append(measure())
+        return
     except torch.OutOfMemoryError as err:
         print(f"qlbench bench: {label} skipped: the device ran out of memory ({first_line(err)})", file=sys.stderr)
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
-def if_it_runs(label: str, rows: list, measure: Callable[[], dict]) -> None:
-    """rows.append(measure()), or, where it raises a RuntimeError (CUDA's errors, running out of memory among them),
-    a line on stderr and no row: the `at_once` rows record CUDA graphs while other streams run, which no GPU has run
-    yet (docs/speed.md), and the rows after them are still measured and the estimate still made."""
-    try:
-        rows.append(measure())
-    except RuntimeError as err:
+    except failing as err:
         print(f"qlbench bench: {label} failed: {type(err).__name__}: {first_line(err)}", file=sys.stderr)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 # what `qlbench bench --only` selects: a measurement's kind, the report's key it writes (plain: the plain PyTorch loop
