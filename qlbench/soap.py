@@ -17,6 +17,13 @@ preconditioning of 1-D parameters, bias correction, decoupled weight decay scale
                      every `precondition_frequency` steps: Q_i = qr(GG_i Q_i sorted by its estimated eigenvalues)
                      (one power iteration, QR in float32 as pytorch_optimizer does), v permuted to the new order
 
+On CUDA (`capturable`, which `adapters.full` sets there, as torch.optim's AdamW is) the update can be recorded in a
+CUDA graph (engine/step.py): the host keeps the step count and decides the refreshes, the device only reads fixed
+tensors. A step is then three parts: `before_update` (host: count the step, write its step size into a device
+scalar), `update` (device only: what a graph records and replays) and `after_update` (host: refresh the eigenbases
+when due, in place, eagerly). `step()` runs the three, so an eager CUDA step is the same kernels as a replayed one.
+Off CUDA the step size is a Python scalar, as before (the CPU's numbers are unchanged).
+
 Parameters with the same member shape (the deep-narrow MLP's 32 hidden weights, say) are processed as one batch of
 P x E matrices, so a step costs a few dozen batched ops whatever the depth. A member whose gradient turns non-finite
 stops updating from that step on (it is diverged; the others go on), as with one optimizer per member.
@@ -44,6 +51,7 @@ class StackedSoap:
         eps: float = 1e-8,
         shampoo_beta: float | None = None,
         max_precondition_dim: int = 10000,
+        capturable: bool = False,
     ):
         params = list(params)
         if not params:
@@ -61,6 +69,9 @@ class StackedSoap:
             groups.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
         self.groups = [{"params": ps, "state": {}} for ps in groups.values()]
         self.live = torch.ones(self.members, dtype=torch.bool, device=params[0].device)  # (E,)
+        # capturable: minus the step size on the device (written by before_update), else None (a Python scalar)
+        self.capturable = capturable
+        self.neg_step_size = torch.zeros((), dtype=params[0].dtype, device=params[0].device) if capturable else None
 
     # ----------------------------------------------------------------------------------------------------------
     # Batched pieces. X is (B, s_0, ..., s_{k-1}) with B = P x E; Q[i] is (B, s_i, s_i) or None (identity).
@@ -118,49 +129,60 @@ class StackedSoap:
             power = torch.gather(product, 2, order.unsqueeze(1).expand_as(product))  # columns in that order
             q, _ = torch.linalg.qr(power.to(torch.float32))
             new.append(q.to(power.dtype))
-        state["exp_avg_sq"] = v
-        state["Q"] = new
+        # in place: a recorded update reads these tensors at every replay
+        state["exp_avg_sq"].copy_(v)
+        for old, q in zip(state["Q"], new):
+            if old is not None:
+                old.copy_(q)
 
-    def _precondition(self, state: dict, g: torch.Tensor, step: int) -> None:
+    def _accumulate(self, state: dict, g: torch.Tensor) -> None:
+        """GG_i = lerp(GG_i, G_(i) G_(i)^T, 1 - beta_s): every step, on the device."""
         for i, m in enumerate(state["GG"]):
             if m is not None:
                 m.lerp_(self._outer(g, i).to(m.dtype), 1.0 - self.shampoo_beta)
-        if state["Q"] is None:
-            state["Q"] = self._eigenbases(state["GG"])
-        if step > 0 and step % self.frequency == 0:
-            self._refresh(state)
 
     # ----------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self) -> None:
         """One SOAP step of every live member. Every trainable parameter must have a gradient."""
-        for group in self.groups:
-            if any(p.grad is None for p in group["params"]):
-                raise ValueError("StackedSoap: a parameter has no gradient (full fine-tuning trains every weight)")
-        stacked = [torch.stack([p.grad for p in group["params"]]) for group in self.groups]  # (P, E, *member_shape)
-        for g in stacked:
-            self.live &= torch.isfinite(g).transpose(0, 1).flatten(1).all(dim=1)  # (E,)
-        zero = torch.zeros((), dtype=stacked[0].dtype, device=stacked[0].device)
-        batches = [torch.where(_expand(self.live, g, at=1), g, zero).flatten(0, 1) for g in stacked]  # (B, ...)
-        for group, g in zip(self.groups, batches):  # pytorch_optimizer's init_group
-            state = group["state"]
-            if not state:
+        if self.steps == 0:  # pytorch_optimizer's init_group: the state, and the first eigenbases; no update
+            batches = self._gradients()
+            for group, g in zip(self.groups, batches):
+                state = group["state"]
                 state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(g), torch.zeros_like(g)
                 state["GG"] = [
                     torch.zeros(g.shape[0], s, s, device=g.device, dtype=g.dtype) if use else None
                     for s, use in zip(g.shape[1:], self._factor_dims(g.shape[1:]))
                 ]
-                state["Q"] = None
-                self._precondition(state, g, self.steps)
-        self.steps += 1
-        if self.steps == 1:
+                self._accumulate(state, g)
+                state["Q"] = self._eigenbases(state["GG"])
+            self.steps = 1
             return
+        self.before_update()
+        self.update()
+        self.after_update()
 
+    def before_update(self) -> None:
+        """The host's part before an update: count the step; on CUDA, write its step size to the device."""
+        if self.steps == 0:
+            raise RuntimeError("StackedSoap: the first step() initialises the state; it cannot be recorded")
+        self.steps += 1
+        if self.capturable:
+            self.neg_step_size.fill_(-self._step_size())
+
+    def _step_size(self) -> float:
         beta1, beta2 = self.betas
         step = self.steps - 1
-        step_size = self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        for group, g in zip(self.groups, batches):
+        return self.lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """The update itself, on the device alone when `capturable` (what a CUDA graph records): the moments, the
+        preconditioned step, the decay and the Kronecker factors' running averages."""
+        beta1, beta2 = self.betas
+        step_size = None if self.capturable else self._step_size()
+        for group, g in zip(self.groups, self._gradients()):
             state, params = group["state"], group["params"]
             m, v, Q = state["exp_avg"], state["exp_avg_sq"], state["Q"]
             m.lerp_(g, 1.0 - beta1)
@@ -172,11 +194,45 @@ class StackedSoap:
             # every member is live the bits are those of the unmasked step: keep is 1, and the decay is 1 - lr wd
             # rounded once to the parameters' dtype, as a Python scalar factor is
             keep = _expand(self.live, update, at=1).to(update.dtype)  # (1, E, 1, ...)
-            torch._foreach_add_(params, list((update * keep).unbind(0)), alpha=-step_size)
+            if step_size is None:
+                torch._foreach_add_(params, list((update * (keep * self.neg_step_size)).unbind(0)))
+            else:
+                torch._foreach_add_(params, list((update * keep).unbind(0)), alpha=-step_size)
             if self.weight_decay:
                 decay = torch.full_like(keep[0], 1.0 - self.lr * self.weight_decay).masked_fill_(keep[0] == 0, 1.0)
                 torch._foreach_mul_(params, [decay] * len(params))
-            self._precondition(state, g, step)
+            self._accumulate(state, g)
+
+    def after_update(self) -> None:
+        """The host's part after an update: every `precondition_frequency` steps, refresh the eigenbases (eagerly,
+        in place: QR is not recorded, and a recorded update reads the same tensors)."""
+        step = self.steps - 1
+        if step % self.frequency == 0:
+            for group in self.groups:
+                self._refresh(group["state"])
+
+    def _gradients(self) -> list[torch.Tensor]:
+        """Each group's gradients as one batch (B = P x E, *member_shape), a diverged member's zeroed; a member
+        whose gradient is not finite is marked diverged first (on the device)."""
+        for group in self.groups:
+            if any(p.grad is None for p in group["params"]):
+                raise ValueError("StackedSoap: a parameter has no gradient (full fine-tuning trains every weight)")
+        stacked = [torch.stack([p.grad for p in group["params"]]) for group in self.groups]  # (P, E, *member_shape)
+        for g in stacked:
+            self.live &= torch.isfinite(g).transpose(0, 1).flatten(1).all(dim=1)  # (E,)
+        zero = torch.zeros((), dtype=stacked[0].dtype, device=stacked[0].device)
+        return [torch.where(_expand(self.live, g, at=1), g, zero).flatten(0, 1) for g in stacked]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the optimiser's state, `live` and the device step size included (what a recorded update
+        reads and writes; a snapshot of these restores the optimiser)."""
+        out = [self.live] + ([self.neg_step_size] if self.capturable else [])
+        for group in self.groups:
+            state = group["state"]
+            if state:
+                out += [state["exp_avg"], state["exp_avg_sq"]]
+                out += [t for t in state["GG"] + state["Q"] if t is not None]
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:

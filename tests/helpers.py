@@ -161,9 +161,12 @@ class ReplayByRerun:
         self.recorded += 1
         saved = [p.detach().clone() for p in params]
         state = copy.deepcopy(optimizer.state_dict()) if hasattr(optimizer, "load_state_dict") else None
+        # soap.StackedSoap: no load_state_dict; its tensors restored in place (a recorded update reads them)
+        tensors = optimizer.tensors() if hasattr(optimizer, "tensors") else []
+        kept = [t.clone() for t in tensors]
         out = body()
         with torch.no_grad():
-            for p, v in zip(params, saved):
+            for p, v in zip(params + tensors, saved + kept):
                 p.copy_(v)
         if state is not None:
             optimizer.load_state_dict(state)

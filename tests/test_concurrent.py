@@ -151,3 +151,50 @@ def test_each_method_trained_at_once_writes_its_records_as_it_ends(tmp_path, mon
     monkeypatch.setattr(engine, "adapt", spy)
     assert cli.main([*SWEEP, "--methods-at-once", "2", "--out", str(tmp_path)]) == 0
     assert len(seen["written"]) >= 3, seen
+
+
+def test_a_recording_runs_alone_while_the_other_jobs_wait_at_their_next_step():
+    """engine.runtime.Gate, as `concurrently` and the captured step use it on CUDA: two jobs hold the gate and step
+    (pausing at each step's start); a third asks for it alone, as a recording does. It must get it while the
+    others are still running (they stop at their next step rather than run to their end), no other job may step
+    while it holds it, and they go on after. A recording while other threads launched broke a CUDA run (the
+    Gate's docstring)."""
+    from qlbench.engine.runtime import Gate
+
+    gate, recording, finished = Gate(), threading.Event(), threading.Event()
+    steps_while_recording, steps_after, alive_at_recording = [], [], []
+
+    def job(k: int) -> None:
+        deadline = time.monotonic() + 10  # a gate that never lets the recording in: the jobs end on their own
+        with gate.held():
+            while not finished.is_set() and time.monotonic() < deadline:
+                gate.pause()
+                if recording.is_set():
+                    steps_while_recording.append(k)
+                if finished.is_set():
+                    steps_after.append(k)
+                time.sleep(0.001)  # a step's launches
+            gate.pause()
+            steps_after.append(k)
+
+    jobs = [threading.Thread(target=job, args=(k,), daemon=True) for k in range(2)]
+    for t in jobs:
+        t.start()
+
+    def recorder() -> None:
+        with gate.held():
+            time.sleep(0.05)  # the others stepping meanwhile
+            with gate.alone():
+                alive_at_recording.extend(t.is_alive() for t in jobs)
+                recording.set()
+                time.sleep(0.05)
+                recording.clear()
+            finished.set()
+
+    r = threading.Thread(target=recorder, daemon=True)
+    r.start()
+    for t in [r, *jobs]:
+        t.join(30)
+    assert alive_at_recording == [True, True]  # it did not wait for the jobs to end
+    assert steps_while_recording == []
+    assert sorted(set(steps_after)) == [0, 1]  # they went on after it

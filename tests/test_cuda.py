@@ -141,7 +141,7 @@ def test_every_method_trains_a_transformer_smoke_cell_on_cuda_eager(tmp_path):
     every_method_trains_a_smoke_cell(tmp_path, "transformer")
 
 
-# full-soap: an optimiser that is not capturable (forward and backward recorded, the update eager); moe-lora and the
+# full-soap: an optimiser whose step is split around its recorded update (soap.StackedSoap); moe-lora and the
 # routed methods: top-k routing inside the recording; task-lora: a task-conditioned method
 CAPTURED = ["full-soap", "lora", "dora", "moe-lora", "task-lora", "queryable", "instruct-queryable"]
 
@@ -241,16 +241,17 @@ def test_bench_with_compiled_and_captured_steps_exits_cleanly(tmp_path):
     assert (tmp_path / "bench.json").exists()
 
 
-def test_full_soaps_steps_after_the_first_never_wait_for_the_device():
-    """full-soap's update runs eagerly after the captured forward and backward; a step that reads the device back
-    (as one did, to ask whether every member was live) stalls the next step's launches. CUDA's sync debug mode
-    raises on any such read, over two refreshes of the eigenbases (the CPU tests check the same on the meta
-    device)."""
+@pytest.mark.parametrize("capturable", [False, True], ids=["host-step-size", "capturable"])
+def test_full_soaps_steps_after_the_first_never_wait_for_the_device(capturable):
+    """full-soap's update (eager, or as full-soap builds it on CUDA, `capturable`: its refreshes eager after each
+    replay); a step that reads the device back (as one did, to ask whether every member was live) stalls the next
+    step's launches. CUDA's sync debug mode raises on any such read, over two refreshes of the eigenbases (the CPU
+    tests check the same on the meta device)."""
     from qlbench.soap import StackedSoap
 
     g = torch.Generator(device="cuda").manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(3, *s, device="cuda", generator=g)) for s in [(32, 2), (32,), (32, 32)]]
-    opt = StackedSoap(ps, lr=1e-3, precondition_frequency=10)
+    opt = StackedSoap(ps, lr=1e-3, precondition_frequency=10, capturable=capturable)
     for p in ps:
         p.grad = torch.randn(p.shape, device="cuda", generator=g)
     opt.step()  # the first: its eigendecompositions may read the device (a batch that fails is retried)

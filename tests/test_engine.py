@@ -355,6 +355,7 @@ def test_the_captured_step_finds_every_optimisers_parameters_and_records_adamw_o
     assert [id(p) for p in step_module.parameters(adam)] == [id(b), id(a)]
     assert not step_module.capturable(adam)  # CPU AdamW keeps its step count on the host
     assert step_module.capturable(torch.optim.AdamW([a], lr=1e-3, capturable=True))
+    assert step_module.capturable(StackedSoap([a, b], lr=1e-3, capturable=True))  # as adapters.full builds it on CUDA
 
 
 @pytest.mark.parametrize("whole", [False, True], ids=["update-after-replay", "update-recorded"])
@@ -363,9 +364,11 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
     (`ReplayByRerun`), gives the eager step's curves and gradient diagnostics bit for bit: the 4 epochs of 6 full
     batches and one of 16 samples are recorded once per shape (2 recordings) after their warm-up steps, and the
     evaluations of the train and the test set once each (`CapturedEvaluation`: at epoch 2, after epoch 0's). Both ways
-    the update runs: eager after the replay (full-soap's SOAP, any optimiser that is not capturable) and recorded
-    with the step (AdamW on CUDA; here `capturable` is forced, for the AdamW methods). full-soap's missing
-    param_groups once failed every full-soap cell on CUDA; this catches such a fault without a GPU."""
+    the update runs: eager after the replay (any optimiser that is not capturable) and recorded with the step (AdamW
+    and full-soap's StackedSoap on CUDA, the latter's host parts around each replay; here `capturable` is forced).
+    full-soap's missing param_groups once failed every full-soap cell on CUDA; this catches such a fault without a
+    GPU."""
+    from qlbench.adapters import full
     from qlbench.engine import step as step_module
 
     recorders = []
@@ -373,12 +376,13 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
         step_module, "RECORDER", lambda device: recorders.append(ReplayByRerun(device)) or recorders[-1]
     )
     if whole:
-        monkeypatch.setattr(step_module, "capturable", lambda optimizer: hasattr(optimizer, "param_groups"))
+        forced = lambda optimizer: hasattr(optimizer, "param_groups") or getattr(optimizer, "capturable", False)
+        monkeypatch.setattr(step_module, "capturable", forced)
+        soap = full.StackedSoap
+        monkeypatch.setattr(full, "StackedSoap", lambda *a, **k: soap(*a, **(k | {"capturable": True})))
     smoke = engine.budget("smoke", "deep-narrow")
     pre = engine.pretrain(engine.Backbones("deep-narrow", smoke.pretrain), [("dropwave", 0), ("levy", 1)], device="cpu")
     methods = [m for m in adapters.names() if adapters.get(m).trains]
-    if whole:
-        methods = [m for m in methods if m != "full-soap"]
     for method in methods:
         config = adapters.get(method).make_config()
         runs = {c: engine.adapt(pre, method, config, smoke, device="cpu", capture=c).curves for c in (False, True)}

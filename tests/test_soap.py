@@ -29,12 +29,13 @@ def gradient(p: torch.Tensor, target: torch.Tensor, g: torch.Generator) -> torch
     return (p - target) + 0.3 * noise
 
 
-def run_both(shapes, members: int, steps: int, nan_at: tuple[int, int] | None = None):
-    """(stacked params, per-member reference params) after `steps` steps from the same start and gradients."""
+def run_both(shapes, members: int, steps: int, nan_at: tuple[int, int] | None = None, capturable: bool = False):
+    """(stacked params, per-member reference params) after `steps` steps from the same start and gradients;
+    `capturable`: StackedSoap as full-soap builds it on CUDA (its step size on the device)."""
     start = [torch.randn(members, *s, generator=gens("soap-p", s, members=1)[0], dtype=F64) for s in shapes]
     targets = [torch.randn(members, *s, generator=gens("soap-t", s, members=1)[0], dtype=F64) for s in shapes]
     stacked = [torch.nn.Parameter(x.clone()) for x in start]
-    opt = StackedSoap(stacked, lr=LR, weight_decay=WD, precondition_frequency=FREQ)
+    opt = StackedSoap(stacked, lr=LR, weight_decay=WD, precondition_frequency=FREQ, capturable=capturable)
     reference = [[torch.nn.Parameter(x[e].clone()) for x in start] for e in range(members)]
     ref_opts = [SOAP(ps, lr=LR, weight_decay=WD, precondition_frequency=FREQ) for ps in reference]
     dead = [False] * members
@@ -66,6 +67,7 @@ def max_relative_error(stacked, reference, members) -> float:
     return worst
 
 
+@pytest.mark.parametrize("capturable", [False, True], ids=["host-step-size", "capturable"])
 @pytest.mark.parametrize(
     "shapes",
     [
@@ -75,9 +77,9 @@ def max_relative_error(stacked, reference, members) -> float:
     ],
     ids=["deep-narrow", "transformer", "transformer-full"],
 )
-def test_one_batched_step_equals_soap_per_member(shapes):
+def test_one_batched_step_equals_soap_per_member(shapes, capturable):
     members = 3 if shapes is DEEP_NARROW else 2
-    stacked, reference = run_both(shapes, members, steps=6 * FREQ)
+    stacked, reference = run_both(shapes, members, steps=6 * FREQ, capturable=capturable)
     assert max_relative_error(stacked, reference, range(members)) < 1e-6
     moved = [(p.detach() - torch.stack([r[i] for r in reference]).detach()).abs().max() for i, p in enumerate(stacked)]
     assert all(m < 1e-6 for m in moved)
@@ -103,17 +105,52 @@ def test_the_parameters_change_and_the_first_step_only_initialises():
     assert (p.detach() < 1).all()
 
 
-def test_an_ordinary_step_never_waits_for_the_device():
+@pytest.mark.parametrize("capturable", [False, True], ids=["host-step-size", "capturable"])
+def test_an_ordinary_step_never_waits_for_the_device(capturable):
     """After the first step (whose eigendecompositions may retry, which reads the device), no step reads a value back
     to the host, a refresh of the eigenbases included: on CUDA such a read stalls every step's launches until the
     device has caught up. The meta device stands in: its tensors have no values, so any read raises."""
     ps = [torch.nn.Parameter(torch.empty(3, *s, device="meta")) for s in DEEP_NARROW]
-    opt = StackedSoap(ps, lr=LR, precondition_frequency=FREQ)
+    opt = StackedSoap(ps, lr=LR, precondition_frequency=FREQ, capturable=capturable)
     for _ in range(2 * FREQ + 2):  # two refreshes
         for p in ps:
             p.grad = torch.empty_like(p)
         opt.step()
     assert opt.steps == 2 * FREQ + 2
+
+
+def test_a_capturable_update_reads_only_the_device_and_keeps_its_tensors_in_place():
+    """What a CUDA graph needs of full-soap's update on CUDA (`capturable`): `update()`, the part a graph records
+    and replays, reads the step's size from the device, never the host's step count (a recording holds the value it
+    read once); and every state tensor keeps its memory over refreshes of the eigenbases (a replay reads the
+    recorded addresses). Two optimisers step in lockstep from the same gradients; the second's host step count is
+    scrambled while its update runs, which must change nothing."""
+
+    def make():
+        ps = [torch.nn.Parameter(torch.randn(3, *s, generator=gens("soap-c", s, members=1)[0], dtype=F64))
+              for s in DEEP_NARROW]  # fmt: skip
+        return ps, StackedSoap(ps, lr=LR, weight_decay=WD, precondition_frequency=FREQ, capturable=True)
+
+    (pa, a), (pb, b) = make(), make()
+    addresses = None
+    for t in range(3 * FREQ + 1):  # three refreshes
+        noise = gens("soap-noise", t, members=1)[0]
+        grads = [torch.randn(p.shape, generator=noise, dtype=F64) for p in pa]
+        for p, q, g in zip(pa, pb, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if t == 0:
+            a.step(), b.step()
+            addresses = [x.data_ptr() for x in b.tensors()]
+            continue
+        a.step()
+        b.before_update()
+        counted, b.steps = b.steps, 10**6 + 7  # an update that read the host's count would use this
+        b.update()
+        b.steps = counted
+        b.after_update()
+        assert [x.data_ptr() for x in b.tensors()] == addresses, t
+    assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(pa, pb))
+    assert not all(torch.equal(p.detach(), q) for p, q in zip(pa, make()[0]))  # it trained
 
 
 def test_rejects_unstacked_parameters():

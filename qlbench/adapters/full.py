@@ -63,6 +63,7 @@ class FullSoap(FullFineTune):
             eps=eps,
             betas=config.betas,
             precondition_frequency=config.precondition_frequency,
+            capturable=bool(params) and all(p.device.type == "cuda" for p in params),  # as adamw's on CUDA
         )
 
 

@@ -325,7 +325,7 @@ def estimate(est: dict) -> list[str]:
         out.append(
             f"\nWith the {len(together['methods'])} adapted methods of the `at_once` row trained "
             f"{together['width']} at a time (`--methods-at-once {together['width']}`: a round of their steps measured "
-            f"x{together['speedup']:.2f} faster so than one after another; their warm-ups and evaluations counted one "
+            f"at x{together['speedup']:.2f} the speed of one after another; their warm-ups and evaluations counted one "
             f"after another): {together['total_s'] / 3600:.2f} h."
         )
     if par := est.get("parallel"):

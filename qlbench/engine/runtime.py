@@ -138,6 +138,77 @@ def in_concurrent_worker() -> bool:
     return getattr(_worker, "concurrent", False)
 
 
+class Gate:
+    """CUDA work against CUDA-graph recordings, where several stacks train at once (`concurrently`): each job holds
+    the gate (`held`) while it runs, and a recording (`alone`) waits until every other job has stopped at a step's
+    start (`pause`), then runs with the gate to itself.
+
+    Why: a recording in one thread while others launch broke the quick run with all 11 methods at once on an H200
+    (PyTorch 2.11): another thread's replay raised "Cannot prepare for replay during capturing stage", a
+    stream.synchronize() "operation not permitted when stream is capturing", and the recordings that followed hit
+    device-side asserts (docs/speed.md). Outside `concurrently` no thread holds the gate, and `alone` and `pause`
+    cost a lock each."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._holders = 0  # threads holding the gate
+        self._waiting = 0  # recordings waiting for it
+        self._alone = False  # a recording under way
+        self._mine = threading.local()
+
+    def _enter(self) -> None:
+        with self._cond:
+            while self._alone or self._waiting:
+                self._cond.wait()
+            self._holders += 1
+        self._mine.held = True
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._holders -= 1
+            self._mine.held = False
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def held(self):
+        """Held by a job for as long as it runs (its CUDA work)."""
+        self._enter()
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def pause(self) -> None:
+        """Where a job can let a waiting recording run: the start of each training step and evaluation."""
+        if getattr(self._mine, "held", False) and self._waiting:
+            self._leave()
+            self._enter()
+
+    @contextlib.contextmanager
+    def alone(self):
+        """The gate to this thread alone (a job's own hold given up meanwhile): for a recording."""
+        held = getattr(self._mine, "held", False)
+        if held:
+            self._leave()
+        with self._cond:
+            self._waiting += 1
+            while self._alone or self._holders:
+                self._cond.wait()
+            self._waiting -= 1
+            self._alone = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._alone = False
+                self._cond.notify_all()
+            if held:
+                self._enter()
+
+
+GATE = Gate()  # the process's one: every recording and every job of `concurrently` on CUDA
+
+
 def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) -> list[T]:
     """Each job's result, in order, with up to `width` jobs running at once, each in its own thread and, on CUDA,
     on its own stream, so that the kernels of small stacks overlap on the device (a deep-narrow step at 45 members
@@ -165,10 +236,11 @@ def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) 
         if not cuda:
             return job()
         stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(caller)  # what the caller queued before (pretraining)
-        with torch.cuda.stream(stream):
-            out = job()
-        stream.synchronize()
+        with GATE.held():  # no other thread records a CUDA graph while this one launches (`Gate`)
+            stream.wait_stream(caller)  # what the caller queued before (pretraining)
+            with torch.cuda.stream(stream):
+                out = job()
+            stream.synchronize()
         return out
 
     def worker() -> None:

@@ -14,9 +14,10 @@ How the captured step stays the same training as the eager one:
   real training steps, so nothing is run twice or skipped.
 - A stage's last partial batch is one more shape, recorded once for the stage (not once per epoch).
 - The optimiser must keep its step count on the device (AdamW's `capturable`, which `adapters.base.adamw` sets on
-  CUDA); an optimiser that does not (full-soap's SOAP: its step size and eigenbasis refreshes follow a step count
-  kept on the host, and its first step's eigendecompositions read the device) has the forward and backward
-  captured and steps eagerly after the replay, without waiting for the device (qlbench/soap.py).
+  CUDA), or split its step around a device part (full-soap's `soap.StackedSoap`, `capturable` on CUDA: the host
+  counts the step and writes its step size to the device before each replay, and refreshes the eigenbases in place
+  after it, every tenth step; its first step's eigendecompositions are a warm-up step's). An optimiser that does
+  neither has the forward and backward captured and steps eagerly after the replay.
 - The gradients a replay writes are the recording's own tensors; `inspect` (gradient diagnostics) is handed them,
   so it reads the step's gradients whichever shape was recorded last. An ordinary step (another shape's warm-up)
   first detaches them from the parameters, so its backward does not add to them; `close()` does the same when the
@@ -28,12 +29,11 @@ How the captured step stays the same training as the eager one:
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable
 
 import torch
 
-from qlbench.engine.runtime import in_concurrent_worker
+from qlbench.engine.runtime import GATE, in_concurrent_worker
 
 WARMUP = 3  # ordinary steps per batch shape before it is recorded
 
@@ -104,10 +104,18 @@ def compiled_update(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
 
 def capturable(optimizer) -> bool:
     """Whether the optimiser's update can be recorded in a CUDA graph (its state, step count included, lives on the
-    device: torch.optim's `capturable` flag). An optimiser without torch.optim's param_groups (full-soap's
-    `soap.StackedSoap`) is not."""
+    device): torch.optim's `capturable` flag, or full-soap's `soap.StackedSoap` built `capturable` (its update split
+    into host parts around a device part: `split`)."""
+    if split(optimizer):
+        return optimizer.capturable
     groups = getattr(optimizer, "param_groups", None)
     return bool(groups) and all(g.get("capturable", False) for g in groups)
+
+
+def split(optimizer) -> bool:
+    """Whether the optimiser's step is before_update() (host), update() (device: what a recording holds) and
+    after_update() (host), as `soap.StackedSoap`'s."""
+    return all(callable(getattr(optimizer, f, None)) for f in ("before_update", "update", "after_update"))
 
 
 def parameters(optimizer) -> list[torch.Tensor]:
@@ -139,18 +147,15 @@ class CudaGraphs:
         memory, so its outputs are the buffers every replay rewrites). `params`, `optimizer`: what body changes."""
         graph = torch.cuda.CUDAGraph()
         # recorded on this step's own side stream (torch.cuda.graph's default is one stream shared by every
-        # recording). Where several stacks train at once (runtime.concurrently) the other threads keep launching,
-        # so only this thread's CUDA calls may break the recording ("thread_local"), not theirs ("global"); and one
-        # recording at a time in the process, so that no thread's torch.cuda.graph (which first synchronises the
-        # device and empties the allocator's cache) starts while another thread records
+        # recording), with the process's gate to itself (`_record`); in a thread of runtime.concurrently only
+        # this thread's CUDA calls may break the recording ("thread_local"), not the other threads', which wait
         mode = "thread_local" if in_concurrent_worker() else "global"
-        with RECORDING, torch.cuda.graph(graph, stream=self.side, capture_error_mode=mode):
+        with torch.cuda.graph(graph, stream=self.side, capture_error_mode=mode):
             out = body()
         return graph, out
 
 
 RECORDER = CudaGraphs  # built per captured step with the parameters' device
-RECORDING = threading.Lock()  # held while a CUDA graph is recorded (CudaGraphs.record)
 
 
 class CapturedStep(Step):
@@ -162,11 +167,13 @@ class CapturedStep(Step):
         super().__init__(forward, optimizer, instruction)  # its own update: recorded, or eager after the replay
         self.params = parameters(optimizer)
         self.whole = capturable(optimizer)  # the update recorded too (else it steps eagerly after each replay)
+        self.split = self.whole and split(optimizer)  # its host parts run around each replay
         self.seen: dict[tuple, int] = {}  # batch shape -> ordinary steps taken
         self.graphs: dict[tuple, _Recording] = {}
         self.recorder = RECORDER(self.params[0].device)
 
     def __call__(self, xb, yb, inspect: Callable[[], None] | None = None, task=None) -> torch.Tensor:
+        GATE.pause()  # a recording in another thread goes first (runtime.Gate)
         key = (tuple(xb.shape), None if task is None else tuple(task.shape))
         if key not in self.graphs and self.seen.get(key, 0) < WARMUP:
             self.seen[key] = self.seen.get(key, 0) + 1
@@ -187,7 +194,11 @@ class CapturedStep(Step):
         rec.y.copy_(yb)
         if task is not None:
             rec.task.copy_(task)
+        if self.split:
+            self.optimizer.before_update()  # the host's part: the step count, its step size on the device
         rec.graph.replay()
+        if self.split:
+            self.optimizer.after_update()  # the eigenbases' refresh when due, eagerly, in place
         if inspect is not None or not self.whole:
             for p, g in zip(self.params, rec.grads):
                 p.grad = g
@@ -206,7 +217,9 @@ class CapturedStep(Step):
             self.optimizer.zero_grad(set_to_none=True)  # backward inside the recording allocates its own gradients
             loss = _loss(self.forward, self.instruction, x, y, t)
             loss.sum().backward()
-            if self.whole:
+            if self.split:
+                self.optimizer.update()  # the device part alone
+            elif self.whole:
                 self.optimizer.step()
             return loss.detach(), [p.grad for p in self.params]
 
@@ -237,6 +250,7 @@ class CapturedEvaluation:
         self.recorder = RECORDER(device)
 
     def __call__(self) -> torch.Tensor:
+        GATE.pause()
         if self.recording is None and self.calls < EVALUATION_WARMUP:
             self.calls += 1
             with self.recorder.warm_up():
@@ -255,7 +269,8 @@ class CapturedEvaluation:
 def _record(recorder, what: str, body: Callable[[], tuple], params, optimizer) -> tuple:
     """recorder.record(body, params, optimizer), a failure raised as one line naming `--capture off`."""
     try:
-        return recorder.record(body, params, optimizer)
+        with GATE.alone():  # no other thread launches while this one records (runtime.Gate)
+            return recorder.record(body, params, optimizer)
     except RuntimeError as err:
         message = f"the {what} could not be captured in a CUDA graph ({first_line(err)}); --capture off runs it eagerly"
         raise RuntimeError(message) from err
