@@ -303,12 +303,16 @@ def gpu_check_problems(script: str) -> list[str]:
     `--only` kinds known. The script runs only on a GPU machine, where a stale option costs a GPU call."""
     from qlbench import adapters, bench, cli, zoo
     from qlbench.commands import UsageError
+    from qlbench.engine.budgets import BUDGETS
 
     trained = ",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains)
-    values = {"$RES": "gpu-check-results", "$OUT": "gpu-check", "$arch": "deep-narrow", "$M": trained}
+    values = {f"${k}": v for k, v in re.findall(r'^([A-Z]+)="([^"]*)"$', script, re.M)}  # P="run ..." and the like
+    values |= {"$RES": "gpu-check-results", "$OUT": "gpu-check", "$arch": "deep-narrow", "$M": trained}
+    lines = []
+    for part in re.findall(r'"(\$Q [^"]+)"', script):  # each qlbench command of a part; a check after it is not one
+        lines += [cmd.removeprefix("$Q ") for cmd in part.split(" && ") if cmd.startswith("$Q ")]
     problems = []
-    for line in re.findall(r'"\$Q ([^"]+)"', script):
-        line = line.split(" && ")[0]  # the qlbench command; what follows it (a check of its output) is not one
+    for line in lines:
         for var, value in values.items():
             line = line.replace(var, value)
         argv = line.split()
@@ -325,6 +329,8 @@ def gpu_check_problems(script: str) -> list[str]:
         for k in (getattr(args, "only", None) or "").split(","):
             if k and k not in bench.KINDS:
                 problems.append(f"unknown measurement kind {k}: {line}")
+        if getattr(args, "budget", None) and args.budget not in BUDGETS["deep-narrow"]:
+            problems.append(f"unknown budget {args.budget}: {line}")
         if getattr(args, "compile", "auto") not in ("auto", "on", "off"):
             problems.append(f"unknown --compile {args.compile}: {line}")
     return problems

@@ -9,11 +9,13 @@
 # and the parts after it still run; at the end the last lines of every part that did not exit 0 are printed.
 # GPU_CHECK_PARTS (default, in this order: run-quick bench-deep-narrow bench-transformer paper-deep-narrow
 # paper-transformer test-cuda) runs only the parts it names, e.g. GPU_CHECK_PARTS="test-cuda run-quick" for a
-# functional check in a shorter call. Two parts are not in the default call (they would not fit in its 10 minutes),
-# for a second call, GPU_CHECK_PARTS="run-at-once bench-compiled": run-at-once, the quick run again with every method
-# at once (--methods-at-once, each its own thread and CUDA stream), timed, its records compared with run-quick's; and
-# bench-compiled, LoRA's and Queryable LoRA's steps compiled + captured (what the paper budget runs on CUDA) at E = 5
-# and 45.
+# functional check in a shorter call. Three parts are not in the default call (they would not fit in its 10 minutes):
+# for a second call, GPU_CHECK_PARTS="run-at-once paper-at-once" (at most 365 s): run-at-once, the quick run again
+# with every method at once (--methods-at-once, each its own thread and CUDA stream), timed, its records compared
+# with run-quick's (the first call's, or run-quick in the same call); paper-at-once, one function's paper-budget cells
+# of the nine trained methods, one at a time and then all at once (both captured, not compiled), each timed as a
+# whole process, their records compared; and for a third, GPU_CHECK_PARTS=bench-compiled (at most 240 s), LoRA's and
+# Queryable LoRA's steps compiled + captured (what the paper budget runs on CUDA) at E = 5 and 45.
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # a process that crashes in native code prints every thread's Python stack first
 OUT=${GPU_CHECK_OUT:-gpu-check}
@@ -53,12 +55,17 @@ part run-quick 85 "$Q run --function dropwave --arch deep-narrow --budget quick 
 part run-at-once 85 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --methods-at-once 11 --no-progress --out $RES-at-once && $PY docs/gpu/same-records.py $RES $RES-at-once"
 # the paper-table estimate of every default method, one backbone per part (each part's report is written whole when
 # it ends; a part stopped at its limit leaves the rows measured so far in bench.partial.json): its training step
-# captured at E = 5 and at the paper's 45, kernels per step, evaluation time, and every method's stack at once on its
-# own stream (at_once)
+# captured at E = 5 and at the paper's 45, kernels per step, evaluation time, and, on deep-narrow, every method's
+# stack at once on its own stream (at_once; the Transformer's steps at 45 members are bound by their arithmetic, and
+# with at_once its part did not reach its last rows in 165 s)
 M=$($PY -c 'from qlbench import adapters; print(",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains))')
-for arch in deep-narrow transformer; do
-  part bench-$arch $([ $arch = transformer ] && echo 165 || echo 85) "$Q bench --quick --device cuda --archs $arch --methods $M --only throughput,capture,at_once --no-progress --out $OUT/bench-$arch"
-done
+part bench-deep-narrow 85 "$Q bench --quick --device cuda --archs deep-narrow --methods $M --only throughput,capture,at_once --no-progress --out $OUT/bench-deep-narrow"
+part bench-transformer 165 "$Q bench --quick --device cuda --archs transformer --methods $M --only throughput,capture --no-progress --out $OUT/bench-transformer"
+# the paper budget with methods at once, where the quick run and the bench's at_once row disagreed (docs/speed.md):
+# dropwave's deep-narrow cells of the nine trained methods (5 seeds, 5,000 epochs), captured and not compiled (stacks
+# at once are never compiled), one at a time and then all at once, each a whole process; then their records compared
+P="run --function dropwave --arch deep-narrow --budget paper --methods $M --device cuda --compile off --no-progress"
+part paper-at-once 280 "$Q $P --out $RES-paper && $Q $P --methods-at-once 9 --out $RES-paper-at-once && $PY docs/gpu/same-records.py $RES-paper $RES-paper-at-once"
 # the paper budget's own training step on CUDA (compiled + captured) against captured eager, for the method pair
 # whose step ratio is a target, on both backbones; not in the default call
 part bench-compiled 240 "$Q bench --quick --compile on --device cuda --methods lora,queryable --only throughput,capture --no-progress --out $OUT/bench-compiled"
