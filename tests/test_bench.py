@@ -751,7 +751,7 @@ def test_an_at_once_row_times_a_round_one_after_another_and_at_once(monkeypatch)
     assert row["methods"] == ["lora", "queryable", "full-soap"] and row["members"] == 2 and row["width"] == 2
     assert row["one_after_another_ms"] > 0 and row["at_once_ms"] > 0 and row["at_once_speedup"] > 0
     steps = list(dict.fromkeys(step for step, _ in ran))
-    n, warm = s.steps["deep-narrow"], engine.step.WARMUP + 2
+    n, warm = s.steps["deep-narrow"] * cases.AT_ONCE_CHUNK, engine.step.WARMUP + 2
     assert len(steps) == 3 and len(closed) == 3
     for step in steps:
         mine = [in_main for k, in_main in ran if k == step]

@@ -259,6 +259,12 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     )
 
 
+# rounds per timed call of engine.concurrently in the at_once row, as multiples of the other rows' chunks: a run starts
+# its threads and streams once and trains on them for its whole length, while each timed call here starts them anew.
+# The H200's --quick rows (4 rounds a call) ran slower at once, where the quick run itself ran faster (docs/speed.md)
+AT_ONCE_CHUNK = 10
+
+
 def at_once_row(arch: str, methods: list[str], E: int, width: int, s: Settings, device) -> dict:
     """`methods`' training steps, each its own stack of E members, as `--methods-at-once` trains them (captured on
     CUDA; eager on the CPU, with the stack's intra-op threads): a round, one step of each method, timed one method
@@ -266,7 +272,7 @@ def at_once_row(arch: str, methods: list[str], E: int, width: int, s: Settings, 
     each in its own thread and, on CUDA, its own stream (`engine.concurrently`, the engine's own mechanism),
     alternating; ms per round and the speed-up, which the paper-table estimate applies to the adapted methods
     (`at_once`)."""
-    n, data = s.steps[arch], batches(E, device)
+    n, data = s.steps[arch] * AT_ONCE_CHUNK, batches(E, device)
     threads = s.threads_for(arch, E, device)
     steps = []
     try:
