@@ -59,8 +59,8 @@ part run-at-once 85 "$Q run --function dropwave --arch deep-narrow --budget quic
 # stack at once on its own stream (at_once; the Transformer's steps at 45 members are bound by their arithmetic, and
 # with at_once its part did not reach its last rows in 165 s)
 M=$($PY -c 'from qlbench import adapters; print(",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains))')
-part bench-deep-narrow 85 "$Q bench --quick --device cuda --archs deep-narrow --methods $M --only throughput,capture,at_once --no-progress --out $OUT/bench-deep-narrow"
-part bench-transformer 165 "$Q bench --quick --device cuda --archs transformer --methods $M --only throughput,capture --no-progress --out $OUT/bench-transformer"
+part bench-deep-narrow 95 "$Q bench --quick --device cuda --archs deep-narrow --methods $M --only throughput,capture,at_once --no-progress --out $OUT/bench-deep-narrow"
+part bench-transformer 155 "$Q bench --quick --device cuda --archs transformer --methods $M --only throughput,capture --no-progress --out $OUT/bench-transformer"
 # the paper budget with methods at once, where the quick run and the bench's at_once row disagreed (docs/speed.md):
 # dropwave's deep-narrow cells of the nine trained methods (5 seeds, 5,000 epochs), captured and not compiled (stacks
 # at once are never compiled), one at a time and then all at once, each a whole process; then their records compared
