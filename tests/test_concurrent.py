@@ -1,8 +1,9 @@
 """Several methods' stacks trained at once (`--methods-at-once`, engine.concurrently): the records are those of one
 method at a time, bit for bit, eager and through the captured step (its CPU stand-in); a method that fails is a
 failed record and the others are written; bad settings are refused before any work; the memory check counts every
-stack that trains at once. What this cannot check without a GPU: CUDA streams and recordings made while other
-threads launch (tests/test_cuda.py)."""
+stack that trains at once; a recording runs alone while the others wait at their next step (the gate, alone and as
+the engine wires it, through the stand-in). What this cannot check without a GPU: CUDA streams, and CUDA's own
+recordings beside other threads (tests/test_cuda.py, and `make gpu-check`'s run-at-once)."""
 
 from __future__ import annotations
 
@@ -198,3 +199,42 @@ def test_a_recording_runs_alone_while_the_other_jobs_wait_at_their_next_step():
     assert alive_at_recording == [True, True]  # it did not wait for the jobs to end
     assert steps_while_recording == []
     assert sorted(set(steps_after)) == [0, 1]  # they went on after it
+
+
+def test_no_method_replays_its_step_while_another_records_as_methods_train_at_once(tmp_path, monkeypatch):
+    """The gate as the engine wires it (`engine.concurrently` holds it for each job, a recording takes it alone, a
+    captured step pauses for it): methods at once through the captured step's CPU stand-in, each recording kept
+    open 20 ms. No method's replay may run while another's recording is open; on CUDA one did, and broke the run
+    (engine.runtime.Gate). Every method still records and replays."""
+    import types
+
+    recording, events = threading.Event(), []
+
+    class Watchful(ReplayByRerun):
+        def record(self, body, params, optimizer):
+            recording.set()
+            try:
+                time.sleep(0.02)  # the others keep stepping meanwhile, unless the gate holds them
+                graph, out = super().record(body, params, optimizer)
+            finally:
+                recording.clear()
+            events.append(("record", threading.get_ident()))
+
+            def replay():
+                events.append(("replay while recording" if recording.is_set() else "replay", threading.get_ident()))
+                graph.replay()
+
+            return types.SimpleNamespace(replay=replay), out
+
+    monkeypatch.setattr(step, "RECORDER", Watchful)
+    monkeypatch.setattr(engine, "use_capture", lambda setting, device: setting == "on")
+    argv = ["run", "--function", "matyas", "--budget", "smoke", "--seeds", "2", "--capture", "on", "--no-progress",
+            "--methods", "full-soap,lora,queryable,dora", "--methods-at-once", "4", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("replay while recording") == 0
+    main = threading.main_thread().ident  # the pretraining, recorded before the methods start
+    threads = {t for kind, t in events if kind == "record" and t != main}
+    assert len(threads) == 4  # each method in its own thread: 2 batch shapes and 2 evaluation sets recorded
+    assert all(sum(event == ("record", t) for event in events) == 4 for t in threads)
+    assert all(("replay", t) in events for t in threads)

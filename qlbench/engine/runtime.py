@@ -146,8 +146,9 @@ class Gate:
     Why: a recording in one thread while others launch broke the quick run with all 11 methods at once on an H200
     (PyTorch 2.11): another thread's replay raised "Cannot prepare for replay during capturing stage", a
     stream.synchronize() "operation not permitted when stream is capturing", and the recordings that followed hit
-    device-side asserts (docs/speed.md). Outside `concurrently` no thread holds the gate, and `alone` and `pause`
-    cost a lock each."""
+    device-side asserts (docs/speed.md). The jobs hold it on the CPU too, where only the tests' stand-in for CUDA
+    graphs records (tests/test_concurrent.py). Outside `concurrently` no thread holds the gate, and `alone` costs a
+    lock and `pause` a read."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -233,10 +234,10 @@ def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) 
     stop = threading.Event()
 
     def one(job: Callable[[], T]) -> T:
-        if not cuda:
-            return job()
-        stream = torch.cuda.Stream(device=device)
         with GATE.held():  # no other thread records a CUDA graph while this one launches (`Gate`)
+            if not cuda:
+                return job()
+            stream = torch.cuda.Stream(device=device)
             stream.wait_stream(caller)  # what the caller queued before (pretraining)
             with torch.cuda.stream(stream):
                 out = job()
