@@ -796,8 +796,9 @@ def test_the_estimate_with_methods_at_once_by_hand():
 
 
 def test_an_at_once_row_that_fails_is_a_line_and_the_run_goes_on(monkeypatch, capsys):
-    """The `at_once` rows record CUDA graphs while other streams launch, which no GPU has run yet: a RuntimeError in
-    one is one line on stderr and no row, not the end of the bench (its later rows and the estimate still come)."""
+    """The `at_once` rows train several threads' stacks at once, recording CUDA graphs among them (which once failed
+    every method on an H200): a RuntimeError in one is one line on stderr and no row, not the end of the bench (its
+    later rows and the estimate still come)."""
     from qlbench.bench import cases
 
     def fails(arch, methods, E, width, s, device):

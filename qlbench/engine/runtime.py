@@ -207,7 +207,7 @@ class Gate:
                 self._enter()
 
 
-GATE = Gate()  # the process's one: every recording and every job of `concurrently` on CUDA
+GATE = Gate()  # the process's one: every recording and every job of `concurrently`
 
 
 def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) -> list[T]:
