@@ -219,34 +219,94 @@ def test_queryable_rejects_targets_without_an_entry_projection():
         adapters.get("queryable").make_config(targets=("o",))
 
 
-def test_routed_linear_gradient_matches_finite_differences_and_the_plain_formula():
-    """The eager path's RoutedLinear (one autograd node with a written-out backward) against finite differences
-    (torch.autograd.gradcheck, float64, every input including the frozen W0 and b0) and against
+@pytest.mark.parametrize("node", ["RoutedLinear", "RoutedLinearDense"])
+def test_routed_linear_gradient_matches_finite_differences_and_the_plain_formula(node):
+    """The eager path's node (one autograd node with a written-out backward), for S in either of route()'s layouts
+    (RoutedLinear: samples-last S_t (E, r, r, N), the CPU's; RoutedLinearDense: (E, N, r, r), CUDA's), against
+    finite differences (torch.autograd.gradcheck, float64, every input including the frozen W0 and b0) and against
     W0 x + b0 + scale B (s + g S s) written with plain ops and differentiated by autograd."""
-    from qlbench.adapters.queryable import RoutedLinear
+    from qlbench.adapters import queryable
 
     g = torch.Generator().manual_seed(3)
     E, N, d_in, d_out, r = 2, 5, 4, 3, 2
     rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=F64, requires_grad=True)
-    x, s, S_t, W0, b0, B = (
+    x, s, S, W0, b0, B = (
         rnd(E, N, d_in),
         rnd(E, N, r),
-        rnd(E, r, r, N),
+        rnd(E, N, r, r),
         rnd(E, d_out, d_in),
         rnd(E, d_out),
         rnd(E, d_out, r),
     )
     gate = torch.rand(E, generator=g, dtype=F64).requires_grad_()
-    args = (x, s, S_t, gate, W0, b0, B)
-    assert torch.autograd.gradcheck(lambda *a: RoutedLinear.apply(*a, 1.5), args)
+    args = (x, s, S, gate, W0, b0, B)
+    stored = (lambda S: S.permute(0, 2, 3, 1).contiguous()) if node == "RoutedLinear" else (lambda S: S)
+    apply = lambda x, s, S, *rest: getattr(queryable, node).apply(x, s, stored(S), *rest, 1.5)
+    assert torch.autograd.gradcheck(apply, args)
 
-    def plain(x, s, S_t, gate, W0, b0, B):
-        S = S_t.permute(0, 3, 1, 2)  # (E, N, r, r)
+    def plain(x, s, S, gate, W0, b0, B):
         t = s + gate.view(-1, 1, 1) * (S @ s.unsqueeze(-1)).squeeze(-1)
         return x @ W0.transpose(1, 2) + b0.unsqueeze(1) + 1.5 * t @ B.transpose(1, 2)
 
-    ours, ref = RoutedLinear.apply(*args, 1.5), plain(*args)
+    ours, ref = apply(*args), plain(*args)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
     w = torch.randn(ours.shape, generator=g, dtype=F64)
     for a, b in zip(torch.autograd.grad((ours * w).sum(), args), torch.autograd.grad((ref * w).sum(), args)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("channels", [{}, {"instruction_dim": 6, "tau_lang": 1.0, "lambda_ctx": 1.0}])
+@pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
+def test_both_layouts_of_s_give_the_same_model(arch, channels, monkeypatch):
+    """route() stores S samples-last on the CPU and (E, N, r, r) elsewhere (routing.SAMPLES_LAST), and the eager
+    layers read it with the node of its layout. The same float64 model run both ways on the CPU (the second with
+    the CPU taken off SAMPLES_LAST) gives the same output, S and gradient of every trainable parameter, to
+    rounding, state-only and with both instruction channels; and the second did run the other layout (every S
+    contiguous; on deep-narrow, every layer's node RoutedLinearDense)."""
+    from qlbench.adapters import routing
+
+    x = inputs()
+    e = torch.randn(2, 6, generator=torch.Generator().manual_seed(1), dtype=F64)
+
+    def run():
+        model = adapted(arch, **channels)
+        randomize_B(model)
+        with torch.no_grad():  # an open gate, so S reaches the output
+            for name, p in model.named_parameters():
+                if name.endswith("queryable_eta"):
+                    p.fill_(0.5)
+        ctx = ForwardContext(model.shared, e if channels else None)
+        y = model(x, ctx=ctx)
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=F64)
+        ((w * y).sum() + 0.5 * (y**2).sum()).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return y, grads, [route.S for route in ctx.scratch["queryable"].routes.values()]
+
+    y_cpu, g_cpu, S_cpu = run()
+    monkeypatch.setattr(routing, "SAMPLES_LAST", ())
+    y_dense, g_dense, S_dense = run()
+    assert not any(S.is_contiguous() for S in S_cpu) and all(S.is_contiguous() for S in S_dense)
+    if arch == "deep-narrow":
+        assert y_dense.grad_fn.next_functions  # a graph to walk
+        nodes = {type(n).__name__ for n in _graph_nodes(y_dense.grad_fn)}
+        assert "RoutedLinearDenseBackward" in nodes and "RoutedLinearBackward" not in nodes
+    torch.testing.assert_close(y_dense, y_cpu, rtol=1e-12, atol=1e-12)
+    for a, b in zip(S_dense, S_cpu):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert g_dense.keys() == g_cpu.keys() and all(v is not None for v in g_cpu.values())
+    for name, want in g_cpu.items():
+        torch.testing.assert_close(g_dense[name], want, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _graph_nodes(fn, seen=None) -> list:
+    """Every autograd node reachable from `fn`."""
+    seen = set() if seen is None else seen
+    stack, out = [fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        out.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return out

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from qlbench.adapters.base import AdapterMethod, Site, check_nonnegative, check_positive, check_positive_int
 from qlbench.adapters.lora import LoraConfig, lora_factors, low_rank_update
-from qlbench.adapters.routing import Route, route
+from qlbench.adapters.routing import Route, route, samples_last
 from qlbench.stacked import ForwardContext, StackedLinear, memberwise, normal_members, param, rank_project
 
 NAME = "queryable"  # the method's name: its parameter prefix and its key in model.shared and ctx.scratch
@@ -240,12 +240,15 @@ class QueryableLinear(nn.Module):
         g = memberwise(torch.sigmoid, self.queryable_eta)  # (E,)
         if ROUTED_NODE and s.dim() == 3 and not torch.compiler.is_compiling():  # eager, one rank state per sample
             W0, b0 = self.base.weight, self.base.bias
-            return RoutedLinear.apply(x, s, S.permute(0, 2, 3, 1), g, W0, b0, self.queryable_B, self.scale)
+            if samples_last(x.device):
+                return RoutedLinear.apply(x, s, S.permute(0, 2, 3, 1), g, W0, b0, self.queryable_B, self.scale)
+            return RoutedLinearDense.apply(x, s, S, g, W0, b0, self.queryable_B, self.scale)
         g = g.view(-1, *([1] * (s.dim() - 1)))  # (E, 1, ...)
         if s.dim() == 3:  # (E, N, r): one rank state per sample (compiled: Inductor fuses these into few kernels)
-            # element-wise in a samples-last layout: route() stores S as (E, r, r, N) in memory, so the product and
-            # its gradients run over N-long contiguous rows (about 5x faster on CPU than r-long rows, and faster
-            # than a batched matmul of N r x r by r x 1 blocks)
+            # element-wise in a samples-last layout: on the CPU route() stores S as (E, r, r, N) in memory, so the
+            # product and its gradients run over N-long contiguous rows (about 5x faster on CPU than r-long rows,
+            # and faster than a batched matmul of N r x r by r x 1 blocks); elsewhere S is (E, N, r, r), which
+            # Inductor reads through the same view
             s_t = s.transpose(1, 2).contiguous()  # (E, r, N)
             t = s_t + g * (S.permute(0, 2, 3, 1) * s_t.unsqueeze(1)).sum(2)  # (E, r, N): s + g S s
             t = t.transpose(1, 2)  # (E, N, r) view
@@ -288,6 +291,47 @@ class RoutedLinear(torch.autograd.Function):
         grad_W0 = torch.bmm(grad_yT, x) if need[4] else None
         grad_b0 = grad_y.sum(1) if need[5] else None
         grad_B = torch.bmm(grad_yT, t).mul_(ctx.scale) if need[6] else None  # (E, d_out, r)
+        return grad_x, grad_s, grad_S, grad_g, grad_W0, grad_b0, grad_B, None
+
+
+class RoutedLinearDense(torch.autograd.Function):
+    """RoutedLinear for S stored (E, N, r, r), route()'s layout off the CPU (routing.SAMPLES_LAST): the per-sample
+    products are batched matmuls over the E N samples, and the scale rides in the matmuls (alpha), so a layer's
+    forward and backward launch 11 kernels where RoutedLinear launches 18.
+
+    x (E, N, d_in); s = A x (E, N, r); S (E, N, r, r) contiguous; g (E,); W0 (E, d_out, d_in), b0 (E, d_out),
+    B (E, d_out, r) -> y (E, N, d_out). The backward is checked against finite differences and the plain formula
+    (tests/test_queryable.py), and a whole model with this layout against the CPU's (tests/test_queryable.py).
+    """
+
+    @staticmethod
+    def forward(ctx, x, s, S, g, W0, b0, B, scale: float):
+        E, N, r = s.shape
+        u = torch.bmm(S.view(E * N, r, r), s.reshape(E * N, r, 1)).view(E, N, r)  # S s per sample
+        t = torch.addcmul(s, g.view(-1, 1, 1), u)  # (E, N, r): s + g S s
+        y = torch.baddbmm(b0.unsqueeze(1), x, W0.transpose(1, 2)).baddbmm_(t, B.transpose(1, 2), alpha=scale)
+        ctx.save_for_backward(x, s, u, t, S, g, W0, B)
+        ctx.scale = scale
+        return y  # (E, N, d_out)
+
+    @staticmethod
+    def backward(ctx, grad_y):  # grad_y (E, N, d_out)
+        x, s, u, t, S, g, W0, B = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        E, N, r = s.shape
+        unused = grad_y.new_empty(())  # the ignored input of a matmul with beta=0: scale (a @ b) in one kernel
+        grad_t = torch.baddbmm(unused, grad_y, B, beta=0, alpha=ctx.scale)  # (E, N, r)
+        grad_gt = grad_t * g.view(-1, 1, 1)  # g dL/dt
+        grad_x = torch.bmm(grad_y, W0) if need[0] else None  # the W0 path; the A path is autograd's (s = A x)
+        grad_s = None
+        if need[1]:  # (1 + g S^T) dL/dt per sample
+            St = S.view(E * N, r, r).transpose(1, 2)
+            grad_s = torch.baddbmm(grad_t.view(E * N, r, 1), St, grad_gt.view(E * N, r, 1)).view(E, N, r)
+        grad_S = grad_gt.unsqueeze(3) * s.unsqueeze(2) if need[2] else None  # (E, N, r, r): g dL/dt s^T
+        grad_g = torch.bmm(grad_t.view(E, 1, N * r), u.view(E, N * r, 1)).view(E) if need[3] else None
+        grad_W0 = torch.bmm(grad_y.transpose(1, 2), x) if need[4] else None
+        grad_b0 = grad_y.sum(1) if need[5] else None
+        grad_B = torch.baddbmm(unused, grad_y.transpose(1, 2), t, beta=0, alpha=ctx.scale) if need[6] else None
         return grad_x, grad_s, grad_S, grad_g, grad_W0, grad_b0, grad_B, None
 
 

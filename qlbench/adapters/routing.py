@@ -16,6 +16,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Devices where route() stores S samples-last, (E, r, r, N) in memory. On the CPU the layers' products S s run as
+# element-wise products and sums over N-long rows, about 5x faster than over r-long ones (docs/speed.md). Elsewhere
+# (CUDA, and the meta device that counts CUDA's kernels) S is stored (E, N, r, r): a layer's S s is then one batched
+# matmul, and so are its gradients' products, where the element-wise form launches a copy, products and sums; a
+# deep-narrow Queryable LoRA step launches 7 fewer kernels per layer (qlbench.bench.dispatch; docs/speed.md). The
+# values are the same sums; the bits may differ (a matmul adds in its own order), so the CPU keeps its layout and
+# its numbers. tests/test_queryable.py runs both layouts on the CPU and compares them.
+SAMPLES_LAST = ("cpu",)
+
+
+def samples_last(device: torch.device) -> bool:
+    """Whether route() stores S samples-last on `device` (SAMPLES_LAST), and the eager layer reads it so."""
+    return device.type in SAMPLES_LAST
+
 
 def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension; no learnable scale (paper Assumption 3)."""
@@ -135,7 +149,10 @@ def route(
         rho = scaled_similarity(instruction @ R_ctx.transpose(1, 2), keys, t_lang, eps)  # (E, 1 or N, M)
         logits = zeta + tau_lang * rho.log_softmax(dim=-1)
     alpha = topk_softmax(logits, top_k)  # (E, N, M)
-    # S (E, N, r, r) as a view of samples-last storage (E, r, r, N): the layers' per-sample products S s then run
-    # over N-long contiguous rows instead of r-long ones (QueryableLinear.routed_update)
-    S = torch.bmm(atoms.flatten(2).transpose(1, 2), alpha.transpose(1, 2)).view(E, r, r, N).permute(0, 3, 1, 2)
+    if samples_last(alpha.device):
+        # S (E, N, r, r) as a view of samples-last storage (E, r, r, N): the layers' per-sample products S s then
+        # run over N-long contiguous rows instead of r-long ones (QueryableLinear.routed_update)
+        S = torch.bmm(atoms.flatten(2).transpose(1, 2), alpha.transpose(1, 2)).view(E, r, r, N).permute(0, 3, 1, 2)
+    else:  # S (E, N, r, r) contiguous: a layer's S s is one batched matmul over the E N samples
+        S = torch.bmm(alpha, atoms.flatten(2)).view(E, N, r, r)
     return Route(q0, u, beta, q, zeta, rho, logits, alpha, S)

@@ -180,8 +180,9 @@ def loss_of(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @given(data=st.data())
 def test_routed_node_gradients_match_layer_update(data):
     """For y = RoutedLinear(x, s = A x, S_b, g = sigmoid(eta), W0, b0, B, scale), called as QueryableLinear calls it
-    (S_b in route()'s samples-last storage), dL/d of x, A, S_b, eta, W0, b0 and B equal autograd's derivatives of the
-    plain matrix formula y = W0 x + b0 + scale B (I + g S_b) A x, for a non-linear loss L."""
+    (S_b in route()'s samples-last storage), and the same through RoutedLinearDense (S_b stored (E, N, r, r), the
+    layout off the CPU), dL/d of x, A, S_b, eta, W0, b0 and B equal autograd's derivatives of the plain matrix
+    formula y = W0 x + b0 + scale B (I + g S_b) A x, for a non-linear loss L."""
     E, N = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4))
     d_in, d_out, r = (data.draw(st.integers(1, 4)) for _ in range(3))
     leaves = dict(
@@ -197,10 +198,12 @@ def test_routed_node_gradients_match_layer_update(data):
     for v in leaves.values():
         v.requires_grad_(True)
     x, A, S, eta, W0, b0, B = leaves.values()
-    s = torch.einsum("end,erd->enr", x, A)  # A x per sample
-    y = queryable.RoutedLinear.apply(x, s, S.permute(0, 2, 3, 1), torch.sigmoid(eta), W0, b0, B, scale)
+    s = lambda: torch.einsum("end,erd->enr", x, A)  # A x per sample
+    nodes = {  # the node of each of route()'s layouts of S: samples-last (the CPU's), (E, N, r, r) (CUDA's)
+        "RoutedLinear": lambda g: queryable.RoutedLinear.apply(x, s(), S.permute(0, 2, 3, 1), g, W0, b0, B, scale),
+        "RoutedLinearDense": lambda g: queryable.RoutedLinearDense.apply(x, s(), S, g, W0, b0, B, scale),
+    }
     y_ref = paper_layer_update(x, A, S, torch.sigmoid(eta), W0, b0, B, scale)
-    grads = torch.autograd.grad(loss_of(y, w), list(leaves.values()), allow_unused=True)
     refs = torch.autograd.grad(loss_of(y_ref, w), list(leaves.values()))
     # rounding allowance: the same sums with every term made non-negative bound the terms each result adds up
     mag_leaves = [
@@ -210,12 +213,15 @@ def test_routed_node_gradients_match_layer_update(data):
     mx, mA, mS, meta, mW0, mb0, mB = mag_leaves
     y_mag = paper_layer_update(mx, mA, mS, torch.sigmoid(meta), mW0, mb0, mB, scale)
     mags = torch.autograd.grad(((w.abs() + y_mag.detach()) * y_mag).sum(), mag_leaves)
-    close(y, y_ref, y_mag, ops=64)
-    for name, got, want, mag in zip(leaves, grads, refs, mags):
-        got = torch.zeros_like(want) if got is None else got
-        torch.testing.assert_close(
-            got, want, rtol=0, atol=tol(mag, ops=256), msg=lambda m, name=name: f"dL/d{name} through RoutedLinear: {m}"
-        )
+    for node, apply in nodes.items():
+        y = apply(torch.sigmoid(eta))
+        grads = torch.autograd.grad(loss_of(y, w), list(leaves.values()), allow_unused=True)
+        close(y, y_ref, y_mag, ops=64)
+        for name, got, want, mag in zip(leaves, grads, refs, mags):
+            got = torch.zeros_like(want) if got is None else got
+            torch.testing.assert_close(
+                got, want, rtol=0, atol=tol(mag, ops=256), msg=lambda m, n=name, node=node: f"dL/d{n}, {node}: {m}"
+            )
 
 
 def parameter_grads(model, x, e, w) -> dict[str, torch.Tensor | None]:
