@@ -518,3 +518,21 @@ def test_oracle_detects_the_mutant(arch, mutant, monkeypatch):
         y = model(x, instruction)
     assert len(calls) == case.n_blocks  # the mutant really ran, once per block
     assert mismatch(y, expected) > 1e4, f"the oracle does not see {mutant}"
+
+
+def test_every_source_mutant_still_patches_the_code(monkeypatch):
+    """tests/mutation/run_mutants.py patches each mutant's exact snippet, which must occur once in its file: a
+    snippet the code has moved away from would leave that mutant unrun (three had, after the router took
+    per-sample instructions and the gate became `memberwise`)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("run_mutants", root / "tests" / "mutation" / "run_mutants.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    assert module.MUTANTS
+    stale = {m.name: (root / m.file).read_text().count(m.original) for m in module.MUTANTS}
+    assert {k: n for k, n in stale.items() if n != 1} == {}

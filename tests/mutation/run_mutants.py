@@ -149,7 +149,7 @@ MUTANTS = [
         "instruction_after_depth_attention",
         ROUTING,
         """    if lambda_ctx:
-        q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))  # + (E, 1, d_k)
+        q0 = q0 + lambda_ctx * (instruction @ Q_ctx.transpose(1, 2))  # + (E, 1 or N, d_k)
     u = beta = None
     q = q0
     if summaries is not None:
@@ -162,14 +162,14 @@ MUTANTS = [
         u, beta = depth_summary(q0, summaries, Q_dep_q, Q_dep_k, t_dep, eps)
         q = q0 + u @ Q_dep.transpose(1, 2)  # (E, N, d_k)
     if lambda_ctx:
-        q = q + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))  # + (E, 1, d_k)
+        q = q + lambda_ctx * (instruction @ Q_ctx.transpose(1, 2))  # + (E, 1 or N, d_k)
 """,
     ),
     Mutant(
         "instruction_ignores_lambda_ctx",
         ROUTING,
-        "q0 = q0 + lambda_ctx * (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))",
-        "q0 = q0 + (instruction.unsqueeze(1) @ Q_ctx.transpose(1, 2))",
+        "q0 = q0 + lambda_ctx * (instruction @ Q_ctx.transpose(1, 2))",
+        "q0 = q0 + (instruction @ Q_ctx.transpose(1, 2))",
     ),
     Mutant(
         "summary_only_last_block",
@@ -181,7 +181,9 @@ MUTANTS = [
         "summary_sum_not_mean", QUERYABLE, "torch.stack(self.states[i]).mean(0)", "torch.stack(self.states[i]).sum(0)"
     ),
     # the adapted layer s B (I + g S_b) A
-    Mutant("gate_without_sigmoid", QUERYABLE, "g = torch.sigmoid(self.queryable_eta)", "g = self.queryable_eta"),
+    Mutant(
+        "gate_without_sigmoid", QUERYABLE, "g = memberwise(torch.sigmoid, self.queryable_eta)", "g = self.queryable_eta"
+    ),
     Mutant(
         "gate_gradient_dropped",
         QUERYABLE,
@@ -194,6 +196,13 @@ MUTANTS = [
         QUERYABLE,
         "u_t = (S_t * s_t.unsqueeze(1)).sum(2)",
         "u_t = (S_t * s_t.unsqueeze(2)).sum(1)",
+    ),
+    # the same in RoutedLinearDense, CUDA's node (S stored (E, N, r, r))
+    Mutant(
+        "S_transposed_dense",
+        QUERYABLE,
+        "u = torch.bmm(S.view(E * N, r, r), s.reshape(E * N, r, 1))",
+        "u = torch.bmm(S.view(E * N, r, r).transpose(1, 2), s.reshape(E * N, r, 1))",
     ),
     Mutant(
         "S_transposed_tokens",
