@@ -91,7 +91,8 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x (E, ..., d_in) @ weight (E, d_out, d_in)^T + bias (E, d_out) -> (E, ..., d_out), one batched matmul."""
     x2 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])  # (E, N, d_in); no reshape ops when 3-D
     if bias is None:
-        y = torch.bmm(x2, weight.transpose(1, 2))
+        wt = weight.transpose(1, 2)  # (E, d_in, d_out) view
+        y = LayoutBmm.apply(None, x2, wt, 1.0) if layout_grads(x) else torch.bmm(x2, wt)
     else:
         y = bmm_add(bias.unsqueeze(1), x2, weight.transpose(1, 2))  # (E, N, d_out)
     return y if x.dim() == 3 else y.reshape(*x.shape[:-1], weight.shape[1])
@@ -107,7 +108,55 @@ def bmm_add(input: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, alpha: floa
     if torch.compiler.is_compiling():
         y = torch.bmm(b1, b2)
         return input + (y if alpha == 1 else alpha * y)
+    if layout_grads(b1):
+        return LayoutBmm.apply(input, b1, b2, alpha)
     return torch.baddbmm(input, b1, b2, alpha=alpha)
+
+
+def layout_grads(t: torch.Tensor) -> bool:
+    """Whether the eager batched matmuls of `stacked_linear` and `bmm_add` run as LayoutBmm: off the CPU (CUDA, and
+    the meta device that counts CUDA's kernels) and outside torch.compile. On the CPU autograd's own backward runs,
+    as it always has, so the CPU's numbers keep their bits (a matmul in another layout may add in another order)."""
+    return t.device.type != "cpu" and not torch.compiler.is_compiling()
+
+
+class LayoutBmm(torch.autograd.Function):
+    """input + alpha * b1 @ b2 (input None: alpha * b1 @ b2) for b1 (E, n, k), b2 (E, k, m), input broadcastable to
+    (E, n, m), with a backward that launches fewer kernels than autograd's:
+
+    - each matrix's gradient is written in that matrix's own memory layout. A weight enters as a transposed view
+      (x @ W^T); autograd's gradient of the view is contiguous, so its transpose is not, and the parameter's
+      gradient accumulator copies it into W's layout: one copy per weight per step;
+    - alpha rides in the matmul (cuBLAS's alpha, with beta 0) instead of a separate multiplication per gradient.
+
+    The values are the same sums (tests/test_stacked.py compares them with autograd's, and counts the kernels)."""
+
+    @staticmethod
+    def forward(ctx, input, b1, b2, alpha: float):
+        ctx.save_for_backward(b1, b2)
+        ctx.alpha = alpha
+        if input is not None:
+            return torch.baddbmm(input, b1, b2, alpha=alpha)
+        return torch.bmm(b1, b2) if alpha == 1 else torch.baddbmm(b1.new_empty(()), b1, b2, beta=0, alpha=alpha)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (E, n, m)
+        b1, b2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_input = grad if need[0] else None  # autograd sums it over a broadcast input's expanded dimensions
+        grad_b1 = _scaled_bmm(grad, b2.transpose(1, 2), ctx.alpha, like=b1) if need[1] else None
+        grad_b2 = _scaled_bmm(b1.transpose(1, 2), grad, ctx.alpha, like=b2) if need[2] else None
+        return grad_input, grad_b1, grad_b2, None
+
+
+def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float, like: torch.Tensor) -> torch.Tensor:
+    """alpha * a @ b (E, n, m) in the memory layout of `like`: as the transpose of a contiguous (E, m, n) when `like`
+    is a transposed view, contiguous otherwise; one kernel."""
+    transposed = not like.is_contiguous() and like.transpose(1, 2).is_contiguous()
+    if transposed:
+        a, b = b.transpose(1, 2), a.transpose(1, 2)  # (a @ b)^T = b^T @ a^T
+    out = torch.bmm(a, b) if alpha == 1 else torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+    return out.transpose(1, 2) if transposed else out
 
 
 # Width, in elements, that every member's slice is padded to by `memberwise`: a multiple of the longest step of
