@@ -113,11 +113,16 @@ def bmm_add(input: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, alpha: floa
     return torch.baddbmm(input, b1, b2, alpha=alpha)
 
 
+# Devices whose stacked layers keep autograd's own matmul backward: on the CPU it runs as it always has, so the CPU's
+# numbers keep their bits (a matmul in another layout may add in another order). Elsewhere (CUDA, and the meta
+# device that counts CUDA's kernels) the eager matmuls run as LayoutBmm (`layout_grads`).
+AUTOGRAD_MATMUL_DEVICES = ("cpu",)
+
+
 def layout_grads(t: torch.Tensor) -> bool:
-    """Whether the eager batched matmuls of `stacked_linear` and `bmm_add` run as LayoutBmm: off the CPU (CUDA, and
-    the meta device that counts CUDA's kernels) and outside torch.compile. On the CPU autograd's own backward runs,
-    as it always has, so the CPU's numbers keep their bits (a matmul in another layout may add in another order)."""
-    return t.device.type != "cpu" and not torch.compiler.is_compiling()
+    """Whether the eager batched matmuls of `stacked_linear` and `bmm_add`, on `t`'s device, run as LayoutBmm: off
+    AUTOGRAD_MATMUL_DEVICES and outside torch.compile (whose own kernels lay gradients out as they fit)."""
+    return t.device.type not in AUTOGRAD_MATMUL_DEVICES and not torch.compiler.is_compiling()
 
 
 class LayoutBmm(torch.autograd.Function):

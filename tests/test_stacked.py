@@ -81,8 +81,9 @@ def test_layout_bmm_launches_no_copy_and_no_scaling():
 @pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
 def test_every_trained_method_gets_the_same_gradients_through_layout_bmm(arch, monkeypatch):
     """Every trained default method's stack (float64, 2 members): the loss and the gradient of every trainable
-    parameter with the stacked layers' matmuls as LayoutBmm (stacked.layout_grads forced on, as off the CPU)
-    equal those of autograd's own matmuls, the CPU's path, to rounding; and forcing it did route them through it."""
+    parameter with the stacked layers' matmuls as LayoutBmm (the CPU taken off stacked.AUTOGRAD_MATMUL_DEVICES, as
+    CUDA is; DoRA's merged weight with them) equal those of autograd's own matmuls, the CPU's path, to rounding;
+    and forcing it did route them through it."""
     xb, yb = (t.double() for t in batches(2, "cpu", n=1)[0])
     if arch == "transformer":
         xb, yb = xb[:, :8], yb[:, :8]
@@ -99,7 +100,7 @@ def test_every_trained_method_gets_the_same_gradients_through_layout_bmm(arch, m
         loss, want, nodes = grads(method)
         assert "LayoutBmmBackward" not in nodes
         with monkeypatch.context() as patch:
-            patch.setattr(stacked, "layout_grads", lambda t: True)
+            patch.setattr(stacked, "AUTOGRAD_MATMUL_DEVICES", ())
             got_loss, got, nodes = grads(method)
         assert "LayoutBmmBackward" in nodes, method
         torch.testing.assert_close(got_loss, loss, rtol=1e-12, atol=0)
@@ -113,13 +114,11 @@ def test_every_trained_method_gets_the_same_gradients_through_layout_bmm(arch, m
 def test_a_lora_step_off_the_cpu_launches_fewer_kernels():
     """deep-narrow LoRA's step on the meta device: its 32 merged weights W0 + s B A no longer multiply their two
     factor gradients by s apart (64 kernels fewer), nothing else changes; counted with autograd's matmuls
-    (layout_grads off) and as it runs off the CPU."""
+    (the meta device on AUTOGRAD_MATMUL_DEVICES) and as it runs off the CPU."""
     on = step_kernels("deep-narrow", "lora", 2)
-    try:
-        stacked.layout_grads, saved = (lambda t: False), stacked.layout_grads
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stacked, "AUTOGRAD_MATMUL_DEVICES", ("cpu", "meta"))
         off = step_kernels("deep-narrow", "lora", 2)
-    finally:
-        stacked.layout_grads = saved
     assert sum(off.values()) - sum(on.values()) == 64
     assert off["mul"] - on["mul"] == 64
 
