@@ -432,6 +432,42 @@ def test_a_compiled_forward_is_not_compiled_again_inside_a_recording(monkeypatch
     assert inside == [0, 0, 0, 0]
 
 
+def test_no_garbage_collection_runs_inside_a_recording(monkeypatch):
+    """Every recording of a captured run (two batch shapes, two evaluation sets) runs with Python's cyclic garbage
+    collector off, so that a collection cannot destroy an earlier CUDA graph while a stream captures; it is back on
+    after each, and after a recording that fails (CPU stand-in for CUDA graphs)."""
+    import gc
+
+    from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP
+    from qlbench.engine import step as step_module
+
+    inside, fail = [], []
+
+    class Watching(ReplayByRerun):
+        def record(self, body, params, optimizer):
+            inside.append(gc.isenabled())
+            if fail:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().record(body, params, optimizer)
+
+    monkeypatch.setattr(step_module, "RECORDER", Watching)
+    members, method = [("dropwave", 0), ("levy", 1)], adapters.get("lora")
+    config = method.make_config()
+    gens = [generator("test-gc", *m) for m in members]
+    backbone = DeepNarrowMLP(gens, DeepNarrowConfig(depth=2), dtype=torch.float32)
+    data = engine.StackedData.build(members, "target", device="cpu", dtype=torch.float32)
+    model = method.build(backbone, config, gens, data.y_train)
+    opt = lambda: method.optimizer(model, config, 1e-3, 0.01)
+    stage = engine.Stage(data, engine.Phase(4, 1e-3), opt, [generator("order", *m) for m in members], 4)
+    assert gc.isenabled()
+    engine.fit(model, [stage], capture=True)
+    assert inside == [False] * 4 and gc.isenabled()
+    fail.append(True)
+    with pytest.raises(RuntimeError, match="could not be captured"):
+        engine.fit(model, [stage], capture=True)
+    assert gc.isenabled()
+
+
 def test_the_syncing_script_of_the_cuda_tests_trains_eagerly_on_the_cpu():
     """helpers.SYNCING is run captured on CUDA only (tests/test_cuda.py); here it runs as written, eagerly on the
     CPU, so that a stale call in it (it once called a helper that had moved) shows on every machine, not only as a

@@ -29,6 +29,7 @@ How the captured step stays the same training as the eager one:
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 
 import torch
@@ -269,11 +270,31 @@ class CapturedEvaluation:
 def _record(recorder, what: str, body: Callable[[], tuple], params, optimizer) -> tuple:
     """recorder.record(body, params, optimizer), a failure raised as one line naming `--capture off`."""
     try:
-        with GATE.alone():  # no other thread launches while this one records (runtime.Gate)
+        # no other thread launches while this one records (runtime.Gate), and no garbage collection runs in it
+        with GATE.alone(), cyclic_gc_paused():
             return recorder.record(body, params, optimizer)
     except RuntimeError as err:
         message = f"the {what} could not be captured in a CUDA graph ({first_line(err)}); --capture off runs it eagerly"
         raise RuntimeError(message) from err
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused():
+    """Python's cyclic garbage collector off for the block, then as it was. A collection that starts inside a
+    CUDA-graph recording (any allocation can start one) and frees an earlier recording kept alive by a reference
+    cycle destroys that graph while a stream captures, which CUDA forbids: the recording is invalidated ("operation
+    not permitted when stream is capturing"), and the allocator asserts at its next allocation. torch.cuda.graph
+    collected garbage before every recording up to PyTorch 2.8 and has not since (pytorch/pytorch#158193); pausing
+    the collector during a recording is the remedy proposed there (pytorch/pytorch#161037). What it leaves
+    uncollected is collected at the next collection after the recording. Whether it played a part in the failures
+    seen on CUDA (docs/speed.md) was not measured."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def first_line(err: BaseException) -> str:
