@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if "torch" in sys.modules:  # a command that ran torch: its teardown before the interpreter's
+            from qlbench.engine.runtime import release
+
+            release()
 
 
 if __name__ == "__main__":

@@ -384,3 +384,33 @@ def test_the_shared_options_reach_the_plans_of_pareto_and_ablate(tmp_path):
         ("kaiming", "float64", 2.0)
     }
     assert plans["no-instruction"].configs["instruct-queryable"].tau_lang == 0.0
+
+
+def test_a_command_ends_with_the_engines_teardown(capsys, monkeypatch):
+    """main() ends every command with engine.runtime.release (before the interpreter's own teardown, which crashed
+    `bench --compile on` on CUDA after its report was written), also when the command fails; release collects
+    garbage, then stops Inductor's compile workers, once a process has loaded them (a stand-in module here), and
+    does nothing in a process that used neither CUDA nor Inductor."""
+    import gc
+    import sys
+    import types
+
+    from qlbench.engine import runtime
+
+    calls = []
+    real = runtime.release
+    monkeypatch.setattr(runtime, "release", lambda: calls.append("release"))
+    assert cli.main(["functions"]) == 0
+    assert cli.main(["run", "--function", "nope"]) == 2
+    assert calls == ["release", "release"]
+    capsys.readouterr()
+
+    calls.clear()
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect"))
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile", raising=False)
+    real()
+    assert calls == []  # neither CUDA nor Inductor in this process's view
+    workers = types.SimpleNamespace(shutdown_compile_workers=lambda: calls.append("shutdown"))
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", workers)
+    real()
+    assert calls == ["collect", "shutdown"]

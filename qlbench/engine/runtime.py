@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -126,6 +128,25 @@ def use_capture(setting: str, device: torch.device) -> bool:
     if setting == "on" and not cuda:
         raise ValueError(f"--capture on needs a CUDA device (CUDA graphs), got {device}; valid here: auto, off")
     return cuda and setting != "off"
+
+
+def release() -> None:
+    """Teardown before the interpreter's own: collect what is garbage, let the device finish, and stop Inductor's
+    compile workers, in that order, while torch and CUDA are whole (`qlbench.cli.main` calls it when a command ends).
+
+    On an H200 `bench --compile on` crashed twice after writing its report, in the interpreter's exit: "free():
+    invalid pointer" in atexit's weakref finalisers with an Inductor compile-worker thread alive, and a segmentation
+    fault in the final garbage collection (docs/speed.md). Both left that teardown to the interpreter, in its own
+    order. Whether this prevents them was not measured (no GPU since); tests/test_cuda.py runs the command that
+    crashed. A process that used neither CUDA nor Inductor skips it."""
+    cuda, workers = torch.cuda.is_initialized(), sys.modules.get("torch._inductor.async_compile")
+    if not (cuda or workers):
+        return
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+    if workers is not None:
+        workers.shutdown_compile_workers()
 
 
 T = TypeVar("T")
