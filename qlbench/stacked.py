@@ -122,7 +122,8 @@ AUTOGRAD_MATMUL_DEVICES = ("cpu",)
 def layout_grads(t: torch.Tensor) -> bool:
     """Whether the eager batched matmuls of `stacked_linear` and `bmm_add`, on `t`'s device, run as LayoutBmm: off
     AUTOGRAD_MATMUL_DEVICES and outside torch.compile (whose own kernels lay gradients out as they fit)."""
-    return t.device.type not in AUTOGRAD_MATMUL_DEVICES and not torch.compiler.is_compiling()
+    kind = "cpu" if t.is_cpu else t.device.type  # is_cpu: an attribute read, where .device builds an object
+    return kind not in AUTOGRAD_MATMUL_DEVICES and not torch.compiler.is_compiling()
 
 
 class LayoutBmm(torch.autograd.Function):

@@ -240,7 +240,7 @@ class QueryableLinear(nn.Module):
         g = memberwise(torch.sigmoid, self.queryable_eta)  # (E,)
         if ROUTED_NODE and s.dim() == 3 and not torch.compiler.is_compiling():  # eager, one rank state per sample
             W0, b0 = self.base.weight, self.base.bias
-            if samples_last(x.device):
+            if samples_last(x):
                 return RoutedLinear.apply(x, s, S.permute(0, 2, 3, 1), g, W0, b0, self.queryable_B, self.scale)
             return RoutedLinearDense.apply(x, s, S, g, W0, b0, self.queryable_B, self.scale)
         g = g.view(-1, *([1] * (s.dim() - 1)))  # (E, 1, ...)

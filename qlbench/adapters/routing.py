@@ -26,9 +26,9 @@ import torch.nn.functional as F
 SAMPLES_LAST = ("cpu",)
 
 
-def samples_last(device: torch.device) -> bool:
-    """Whether route() stores S samples-last on `device` (SAMPLES_LAST), and the eager layer reads it so."""
-    return device.type in SAMPLES_LAST
+def samples_last(t: torch.Tensor) -> bool:
+    """Whether route() stores S samples-last on `t`'s device (SAMPLES_LAST), and the eager layer reads it so."""
+    return ("cpu" if t.is_cpu else t.device.type) in SAMPLES_LAST  # is_cpu: no device object built
 
 
 def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,7 +149,7 @@ def route(
         rho = scaled_similarity(instruction @ R_ctx.transpose(1, 2), keys, t_lang, eps)  # (E, 1 or N, M)
         logits = zeta + tau_lang * rho.log_softmax(dim=-1)
     alpha = topk_softmax(logits, top_k)  # (E, N, M)
-    if samples_last(alpha.device):
+    if samples_last(alpha):
         # S (E, N, r, r) as a view of samples-last storage (E, r, r, N): the layers' per-sample products S s then
         # run over N-long contiguous rows instead of r-long ones (QueryableLinear.routed_update)
         S = torch.bmm(atoms.flatten(2).transpose(1, 2), alpha.transpose(1, 2)).view(E, r, r, N).permute(0, 3, 1, 2)
