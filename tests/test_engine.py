@@ -405,7 +405,6 @@ def test_a_compiled_forward_is_not_compiled_again_inside_a_recording(monkeypatch
     both recordings compile the forward again."""
     from torch._dynamo.utils import counters
 
-    from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP
     from qlbench.engine import step as step_module
 
     inside = []
@@ -418,18 +417,26 @@ def test_a_compiled_forward_is_not_compiled_again_inside_a_recording(monkeypatch
             return out
 
     monkeypatch.setattr(step_module, "RECORDER", Counting)
-    members, method = [("dropwave", 0), ("levy", 1)], adapters.get("lora")
-    config = method.make_config()
-    gens = [generator("test-compile", *m) for m in members]
-    backbone = DeepNarrowMLP(gens, DeepNarrowConfig(depth=2), dtype=torch.float32)
-    data = engine.StackedData.build(members, "target", device="cpu", dtype=torch.float32)
-    model = method.build(backbone, config, gens, data.y_train)
-    opt = lambda: method.optimizer(model, config, 1e-3, 0.01)
-    stage = engine.Stage(data, engine.Phase(4, 1e-3), opt, [generator("order", *m) for m in members], 4)
+    model, stage = tiny_lora_stage("test-compile")
     engine.fit(model, [stage], compile=True, capture=True)
     # two batch shapes (64 and the last 16), recorded after their warm-ups; then the two evaluation sets (the eager
     # model's forward: nothing to compile)
     assert inside == [0, 0, 0, 0]
+
+
+def tiny_lora_stage(tag: str) -> tuple[torch.nn.Module, engine.Stage]:
+    """LoRA on a depth-2 deep-narrow stack of two members (dropwave, levy), and one 4-epoch stage of it (CPU,
+    float32); `tag` names its initialisation's generators."""
+    from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP
+
+    members, method = [("dropwave", 0), ("levy", 1)], adapters.get("lora")
+    config = method.make_config()
+    gens = [generator(tag, *m) for m in members]
+    backbone = DeepNarrowMLP(gens, DeepNarrowConfig(depth=2), dtype=torch.float32)
+    data = engine.StackedData.build(members, "target", device="cpu", dtype=torch.float32)
+    model = method.build(backbone, config, gens, data.y_train)
+    opt = lambda: method.optimizer(model, config, 1e-3, 0.01)
+    return model, engine.Stage(data, engine.Phase(4, 1e-3), opt, [generator("order", *m) for m in members], 4)
 
 
 def test_no_garbage_collection_runs_inside_a_recording(monkeypatch):
@@ -438,7 +445,6 @@ def test_no_garbage_collection_runs_inside_a_recording(monkeypatch):
     after each, and after a recording that fails (CPU stand-in for CUDA graphs)."""
     import gc
 
-    from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP
     from qlbench.engine import step as step_module
 
     inside, fail = [], []
@@ -451,14 +457,7 @@ def test_no_garbage_collection_runs_inside_a_recording(monkeypatch):
             return super().record(body, params, optimizer)
 
     monkeypatch.setattr(step_module, "RECORDER", Watching)
-    members, method = [("dropwave", 0), ("levy", 1)], adapters.get("lora")
-    config = method.make_config()
-    gens = [generator("test-gc", *m) for m in members]
-    backbone = DeepNarrowMLP(gens, DeepNarrowConfig(depth=2), dtype=torch.float32)
-    data = engine.StackedData.build(members, "target", device="cpu", dtype=torch.float32)
-    model = method.build(backbone, config, gens, data.y_train)
-    opt = lambda: method.optimizer(model, config, 1e-3, 0.01)
-    stage = engine.Stage(data, engine.Phase(4, 1e-3), opt, [generator("order", *m) for m in members], 4)
+    model, stage = tiny_lora_stage("test-gc")
     assert gc.isenabled()
     engine.fit(model, [stage], capture=True)
     assert inside == [False] * 4 and gc.isenabled()
