@@ -141,9 +141,7 @@ class LayoutBmm(torch.autograd.Function):
     def forward(ctx, input, b1, b2, alpha: float):
         ctx.save_for_backward(b1, b2)
         ctx.alpha = alpha
-        if input is not None:
-            return torch.baddbmm(input, b1, b2, alpha=alpha)
-        return torch.bmm(b1, b2) if alpha == 1 else torch.baddbmm(b1.new_empty(()), b1, b2, beta=0, alpha=alpha)
+        return scaled_bmm(b1, b2, alpha) if input is None else torch.baddbmm(input, b1, b2, alpha=alpha)
 
     @staticmethod
     def backward(ctx, grad):  # grad (E, n, m)
@@ -155,13 +153,19 @@ class LayoutBmm(torch.autograd.Function):
         return grad_input, grad_b1, grad_b2, None
 
 
+def scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * a @ b for batched a (E, n, k), b (E, k, m), in one kernel: the scale rides in the matmul (cuBLAS's
+    alpha; the input of a baddbmm with beta 0 is ignored, so an empty one serves)."""
+    return torch.bmm(a, b) if alpha == 1 else torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+
+
 def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float, like: torch.Tensor) -> torch.Tensor:
     """alpha * a @ b (E, n, m) in the memory layout of `like`: as the transpose of a contiguous (E, m, n) when `like`
     is a transposed view, contiguous otherwise; one kernel."""
     transposed = not like.is_contiguous() and like.transpose(1, 2).is_contiguous()
     if transposed:
         a, b = b.transpose(1, 2), a.transpose(1, 2)  # (a @ b)^T = b^T @ a^T
-    out = torch.bmm(a, b) if alpha == 1 else torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+    out = scaled_bmm(a, b, alpha)
     return out.transpose(1, 2) if transposed else out
 
 

@@ -29,7 +29,15 @@ import torch.nn as nn
 from qlbench.adapters.base import AdapterMethod, Site, check_nonnegative, check_positive, check_positive_int
 from qlbench.adapters.lora import LoraConfig, lora_factors, low_rank_update
 from qlbench.adapters.routing import Route, route, samples_last
-from qlbench.stacked import ForwardContext, StackedLinear, memberwise, normal_members, param, rank_project
+from qlbench.stacked import (
+    ForwardContext,
+    StackedLinear,
+    memberwise,
+    normal_members,
+    param,
+    rank_project,
+    scaled_bmm,
+)
 
 NAME = "queryable"  # the method's name: its parameter prefix and its key in model.shared and ctx.scratch
 # Eager deep-narrow layers run as one RoutedLinear autograd node. The gradient-identity tests switch it off to read
@@ -319,8 +327,7 @@ class RoutedLinearDense(torch.autograd.Function):
         x, s, u, t, S, g, W0, B = ctx.saved_tensors
         need = ctx.needs_input_grad
         E, N, r = s.shape
-        unused = grad_y.new_empty(())  # the ignored input of a matmul with beta=0: scale (a @ b) in one kernel
-        grad_t = torch.baddbmm(unused, grad_y, B, beta=0, alpha=ctx.scale)  # (E, N, r)
+        grad_t = scaled_bmm(grad_y, B, ctx.scale)  # (E, N, r)
         grad_gt = grad_t * g.view(-1, 1, 1)  # g dL/dt
         grad_x = torch.bmm(grad_y, W0) if need[0] else None  # the W0 path; the A path is autograd's (s = A x)
         grad_s = None
@@ -331,7 +338,7 @@ class RoutedLinearDense(torch.autograd.Function):
         grad_g = torch.bmm(grad_t.view(E, 1, N * r), u.view(E, N * r, 1)).view(E) if need[3] else None
         grad_W0 = torch.bmm(grad_y.transpose(1, 2), x) if need[4] else None
         grad_b0 = grad_y.sum(1) if need[5] else None
-        grad_B = torch.baddbmm(unused, grad_y.transpose(1, 2), t, beta=0, alpha=ctx.scale) if need[6] else None
+        grad_B = scaled_bmm(grad_y.transpose(1, 2), t, ctx.scale) if need[6] else None  # (E, d_out, r)
         return grad_x, grad_s, grad_S, grad_g, grad_W0, grad_b0, grad_B, None
 
 
