@@ -11,6 +11,8 @@ import torch.nn as nn
 from qlbench import adapters, cost, experiment, report, results, runner
 from qlbench.report import tables
 
+pytestmark = pytest.mark.xdist_group("cost")  # its module fixture trains once: its tests, one worker
+
 F32 = torch.float32
 
 

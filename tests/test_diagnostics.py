@@ -17,6 +17,8 @@ from qlbench.theory import tracing
 
 from helpers import one_line_error
 
+pytestmark = pytest.mark.xdist_group("diagnostics")  # its module fixture trains once: its tests, one worker
+
 LOG2, LOG4 = math.log(2), math.log(4)
 
 

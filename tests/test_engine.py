@@ -3,6 +3,7 @@ is cached and shared."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -358,8 +359,18 @@ def test_the_captured_step_finds_every_optimisers_parameters_and_records_adamw_o
     assert step_module.capturable(StackedSoap([a, b], lr=1e-3, capturable=True))  # as adapters.full builds it on CUDA
 
 
+@pytest.fixture(scope="module")
+def eager_smoke():
+    """The smoke backbones of dropwave and levy, and each method's eager curves on them (filled as the tests ask):
+    the two captured-bookkeeping tests share them, the eager step being the same both ways (full-soap's aside)."""
+    smoke = engine.budget("smoke", "deep-narrow")
+    pre = engine.pretrain(engine.Backbones("deep-narrow", smoke.pretrain), [("dropwave", 0), ("levy", 1)], device="cpu")
+    return smoke, pre, {}
+
+
+@pytest.mark.xdist_group("captured-bookkeeping")  # one worker: its two cases share `eager_smoke`
 @pytest.mark.parametrize("whole", [False, True], ids=["update-after-replay", "update-recorded"])
-def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(monkeypatch, whole):
+def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(monkeypatch, whole, eager_smoke):
     """Every trained method's smoke adaptation through `CapturedStep`, with CUDA graphs replaced by a CPU stand-in
     (`ReplayByRerun`), gives the eager step's curves and gradient diagnostics bit for bit: the 4 epochs of 6 full
     batches and one of 16 samples are recorded once per shape (2 recordings) after their warm-up steps, and the
@@ -380,12 +391,15 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
         monkeypatch.setattr(step_module, "capturable", forced)
         soap = full.StackedSoap
         monkeypatch.setattr(full, "StackedSoap", lambda *a, **k: soap(*a, **(k | {"capturable": True})))
-    smoke = engine.budget("smoke", "deep-narrow")
-    pre = engine.pretrain(engine.Backbones("deep-narrow", smoke.pretrain), [("dropwave", 0), ("levy", 1)], device="cpu")
+    smoke, pre, eager_curves = eager_smoke
     methods = [m for m in adapters.names() if adapters.get(m).trains]
     for method in methods:
         config = adapters.get(method).make_config()
-        runs = {c: engine.adapt(pre, method, config, smoke, device="cpu", capture=c).curves for c in (False, True)}
+        train = functools.partial(engine.adapt, pre, method, config, smoke, device="cpu")
+        key = (method, whole and method == "full-soap")  # the eager step is the same both ways, but full-soap's
+        if key not in eager_curves:  # optimiser: capturable when its update is recorded
+            eager_curves[key] = train(capture=False).curves
+        runs = {False: eager_curves[key], True: train(capture=True).curves}
         # the step: one recording per batch shape; each evaluation set (train, test): one for the stage
         assert sorted(r.recorded for r in recorders) == [1, 1, 2], method
         recorders.clear()

@@ -13,6 +13,8 @@ from qlbench import ablation, cli, continual, multitask, results, runner, suite_
 
 from helpers import one_line_error
 
+pytestmark = pytest.mark.xdist_group("multitask")  # its module fixture trains once: its tests, one worker
+
 FAST = dict(budget="smoke", seeds=2, backbone_init="kaiming", threads=1)
 
 

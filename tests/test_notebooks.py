@@ -15,6 +15,7 @@ from qlbench import cli
 NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES_WRITTEN = {"01_function_zoo.ipynb": ["function_zoo.png"]}  # what each notebook must save
+pytestmark = pytest.mark.xdist_group("notebooks")  # one worker: 02 and 03 read one smoke sweep
 
 
 @pytest.fixture
@@ -29,7 +30,10 @@ def this_python_kernel(tmp_path, monkeypatch):
     return "python3"
 
 
-def smoke_sweep(out: Path) -> Path:
+@pytest.fixture(scope="module")
+def smoke_sweep(tmp_path_factory) -> Path:
+    """A results folder as a user has one: a smoke sweep, which the notebooks only read."""
+    out = tmp_path_factory.mktemp("results")
     argv = ["sweep", "--functions", "matyas,levy", "--budget", "smoke", "--seeds", "3", "--out", str(out)]
     methods = "lora,queryable,instruct-queryable,frozen,mean"
     assert cli.main([*argv, "--methods", methods, "--no-progress"]) == 0
@@ -37,11 +41,11 @@ def smoke_sweep(out: Path) -> Path:
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
-def test_notebook_runs(path, this_python_kernel, tmp_path, monkeypatch):
+def test_notebook_runs(path, this_python_kernel, tmp_path, monkeypatch, request):
     figures = tmp_path / "figures"
     monkeypatch.setenv("QLBENCH_FIGURES_DIR", str(figures))  # the kernel inherits this environment
-    if path.name in ("02_results.ipynb", "03_routing.ipynb"):  # a results folder as a user has one: a smoke sweep
-        monkeypatch.setenv("QLBENCH_RESULTS", str(smoke_sweep(tmp_path / "results")))
+    if path.name in ("02_results.ipynb", "03_routing.ipynb"):  # the smoke sweep's folder, trained once for both
+        monkeypatch.setenv("QLBENCH_RESULTS", str(request.getfixturevalue("smoke_sweep")))
     if path.name == "04_suites.ipynb":  # an empty folder: the notebook runs its own smoke suite into it
         monkeypatch.setenv("QLBENCH_RESULTS", str(tmp_path / "suite-results"))
     nb = nbformat.read(path, as_version=4)

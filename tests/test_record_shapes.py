@@ -14,6 +14,8 @@ import pytest
 from qlbench import cli, results, schema
 from qlbench.store import Store
 
+pytestmark = pytest.mark.xdist_group("record_shapes")  # its module fixture trains once: its tests, one worker
+
 SUITE = ["--suite", "zoo-4", "--schedule", "sequential", "--budget", "smoke", "--no-progress", "--threads", "1"]
 
 

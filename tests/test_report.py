@@ -18,7 +18,10 @@ from qlbench import cli, report, stats, text
 from helpers import one_line_error
 
 # seaborn 0.13's heatmap calls Colormap.set_bad, which matplotlib >= 3.11 marks pending deprecation (not ours)
-pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning"),
+    pytest.mark.xdist_group("report"),  # its module fixture trains once: its tests, one worker
+]
 
 LORA = [1.0, 1.2, 0.9, 1.1, 1.05]
 
