@@ -322,7 +322,20 @@ def test_capture_table_and_both_estimates_render():
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| deep")]
     assert ["deep-narrow", "lora", "5", "1", "8.500", "0.970", "x8.8", "0.4", "468", "465", "2.09"] in cells
     assert "compiled + captured ms" not in text  # not measured: no column
+    assert "kernel time ms, captured" not in text and "the most of the device's time" not in text  # nor these
     assert "full deep-narrow paper table" in text and "full transformer paper table" in text
+
+    # with the profiler's kernel times: the device's busy share, and the top kernels of the widest stack only
+    top = lambda name, us: [dict(kernel=name + "<" + "x" * 200 + ">", per_step=2.0, us_per_step=us, share=0.75)]
+    rows = [row | dict(captured_kernel_ms=0.485, captured_busy=0.5, captured_top_kernels=top("narrow_gemm", 9.0)),
+            row | dict(members=45, captured_ms=1.2, captured_kernel_ms=1.08, captured_busy=0.9,
+                       captured_top_kernels=top("wide_gemm", 480.0))]  # fmt: skip
+    text = bench.markdown(report | dict(capture=rows))
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| deep")]
+    assert ["deep-narrow", "lora", "45", "1", "8.500", "1.200"] == cells[1][:6] and cells[1][-2:] == ["1.080", "90%"]
+    assert "narrow_gemm" not in text
+    name = "wide_gemm<" + "x" * 80  # cut to bench.output.KERNEL_NAME characters
+    assert ["deep-narrow", "lora", "45", name, "2", "480.0", "75%"] in cells
 
 
 @pytest.mark.slow
@@ -499,16 +512,34 @@ def test_only_runs_the_measurements_of_the_kinds_named(monkeypatch, tmp_path, ca
     assert "unknown measurement kind kernels; valid: plain, throughput" in line
 
 
+# what the profiler gives a capture row in place of CUDA's kernels: per step, two 20 µs matmuls and one 5 µs GELU
+PROFILED = [("sgemm", 20.0), ("gelu", 5.0), ("sgemm", 20.0)] * 3  # cases.PROFILED_STEPS
+
+
+def test_kernel_summary_counts_times_and_ranks_the_kernels_per_step():
+    from qlbench.bench import cases
+
+    kernels = [("a", 1.0), ("b", 10.0), ("c", 4.0), ("a", 1.0), ("b", 10.0), ("c", 4.0), ("d", 0.0), ("d", 0.0)]
+    out = cases.kernel_summary(kernels, steps=2, top=2)  # per step: a 1 µs, b 10 µs, c 4 µs, d 0 µs
+    assert out["kernels"] == 4 and out["kernel_ms"] == pytest.approx(15e-3)
+    assert out["top"] == [
+        dict(kernel="b", per_step=1.0, us_per_step=10.0, share=pytest.approx(10 / 15)),
+        dict(kernel="c", per_step=1.0, us_per_step=4.0, share=pytest.approx(4 / 15)),
+    ]
+    assert cases.kernel_summary([], steps=3) == dict(kernels=0, kernel_ms=0, top=[])
+
+
 def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
-    """`capture_row` (CUDA only) run on the CPU stand-in for CUDA graphs, with kernel counting stubbed: its row has
-    every column the capture table and the estimate read, the stack's evaluation time among them."""
+    """`capture_row` (CUDA only) run on the CPU stand-in for CUDA graphs, with the profiler's kernels stubbed: its row
+    has every column the capture table and the estimate read, the stack's evaluation time among them, and the
+    captured step's kernels summed and ranked per step."""
     from qlbench.bench import cases
     from qlbench.engine import step as step_module
 
     from helpers import ReplayByRerun
 
     monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
-    monkeypatch.setattr(cases, "cuda_kernels", lambda step, data, device: 100.0)
+    monkeypatch.setattr(cases, "profiled_kernels", lambda step, data, device: PROFILED)
     s = bench.Settings.make(quick=True)
     precisions = []  # the float32 matmul precision each recording was made under
 
@@ -521,6 +552,12 @@ def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
     row = cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert row["members"] == 2 and row["eval_s"] > 0 and row["eval_eager_s"] > 0 and row["captured_rate"] > 0
     assert {"eager_ms", "captured_ms", "captured_speedup", "captured_warmup_s", "captured_us_per_kernel"} <= set(row)
+    assert row["captured_kernels"] == 3 and row["captured_kernel_ms"] == pytest.approx(45e-3)
+    assert row["captured_busy"] == pytest.approx(45e-3 / row["captured_ms"])
+    assert [(k["kernel"], k["per_step"], k["us_per_step"]) for k in row["captured_top_kernels"]] == [
+        ("sgemm", 2, 40.0),
+        ("gelu", 1, 5.0),
+    ]
     # the TF32 variant: recorded under "high" (a recording keeps the kernels chosen then), and the setting restored
     assert {"captured_tf32_ms", "captured_tf32_warmup_s", "tf32_speedup"} <= set(row)
     # then the evaluation's two sets, recorded as a captured stage records them (float32's precision)
@@ -542,7 +579,7 @@ def test_a_capture_row_releases_its_recordings_even_when_it_fails(monkeypatch):
     close = step_module.CapturedStep.close
     monkeypatch.setattr(step_module.CapturedStep, "close", lambda self: (close(self), closed.append(self)))
     s = bench.Settings.make(quick=True)
-    monkeypatch.setattr(cases, "cuda_kernels", lambda step, data, device: 100.0)
+    monkeypatch.setattr(cases, "profiled_kernels", lambda step, data, device: PROFILED)
     cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert len(closed) == 2 and all(not step.graphs for step in closed)  # captured, captured_tf32
 
@@ -550,7 +587,7 @@ def test_a_capture_row_releases_its_recordings_even_when_it_fails(monkeypatch):
         raise RuntimeError("profiler failed")
 
     closed.clear()
-    monkeypatch.setattr(cases, "cuda_kernels", fails)
+    monkeypatch.setattr(cases, "profiled_kernels", fails)
     with pytest.raises(RuntimeError, match="profiler failed"):
         cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert len(closed) == 2 and all(not step.graphs for step in closed)
@@ -711,7 +748,7 @@ def test_no_variant_compiles_inside_the_timed_rounds(row, monkeypatch):
     monkeypatch.setattr(loop, "compiled", counted)
     monkeypatch.setattr(step_module, "compiled_update", lambda opt: torch.compile(opt.step, backend=counter))
     monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
-    monkeypatch.setattr(cases, "cuda_kernels", lambda step, data, device: 100.0)
+    monkeypatch.setattr(cases, "profiled_kernels", lambda step, data, device: PROFILED)
     during = []
     real = cases.alternate
 

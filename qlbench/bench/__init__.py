@@ -19,8 +19,9 @@ The tables:
     of a few stacks run side by side in separate processes (as Ray's workers run a sweep's tasks) are measured
     against their rates alone, and the estimate slows every task by that ratio.
   - on CUDA: every trained method's step eager against captured whole in a CUDA graph (engine/step.py; compiled
-    too outside --quick), the CUDA kernels per step, at each E of the run and at the paper's 45 members (one stack
-    on a GPU), and the paper-table estimate of each backbone at the widest captured rates.
+    too outside --quick), the CUDA kernels per step, their device time and its share of the captured step, and
+    the kernels that take most of it, at each E of the run and at the paper's 45 members (one stack on a GPU), and
+    the paper-table estimate of each backbone at the widest captured rates.
 Measurements alternate between the compared variants in rounds (A B A B ...) and report medians, so slow drift of
 a shared machine hits both sides alike. `--only` runs the measurements of the kinds it names (KINDS: the report's
 keys), e.g. `--only throughput,capture` for the paper-table estimate of every method in a short GPU call. Nothing

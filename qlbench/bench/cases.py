@@ -234,7 +234,9 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
             warmup[name] = time.perf_counter() - t0
         r = alternate({k: (chunk(fn, data, n), n) for k, fn in steps.items()}, s.rounds, device)
         ms = {k: 1e3 / statistics.median(v) for k, v in r.items()}
-        kernels = {k: cuda_kernels(steps[k], data, device) for k in ("eager", "captured")}
+        kernels = {
+            k: kernel_summary(profiled_kernels(steps[k], data, device), PROFILED_STEPS) for k in ("eager", "captured")
+        }
     finally:  # the recordings released here, as a training stage releases them at its end (engine.fit)
         for step in steps.values():
             step.close()
@@ -248,9 +250,14 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         **{f"{k}_speedup": median_ratio(r[k], r["eager"]) for k in r if k != "eager"},
         **{f"{k}_warmup_s": v for k, v in warmup.items() if k != "eager"},
         tf32_speedup=median_ratio(r["captured_tf32"], r["captured"]),  # the captured step, TF32 against float32
-        eager_kernels=kernels["eager"],
-        captured_kernels=kernels["captured"],
-        captured_us_per_kernel=1e3 * ms["captured"] / kernels["captured"],
+        eager_kernels=kernels["eager"]["kernels"],
+        captured_kernels=kernels["captured"]["kernels"],
+        captured_us_per_kernel=1e3 * ms["captured"] / kernels["captured"]["kernels"],
+        # the device's own time in the captured step's kernels, and its share of the step: near 1, the step is bound
+        # by what its kernels compute; far below, by launching them one after another
+        captured_kernel_ms=kernels["captured"]["kernel_ms"],
+        captured_busy=kernels["captured"]["kernel_ms"] / ms["captured"],
+        captured_top_kernels=kernels["captured"]["top"],
         captured_rate=E * 1e3 / ms["captured"],  # model-steps/s, the paper estimate's rate on CUDA
         # one evaluation of this stack, captured as a captured stage evaluates (at E = 45 the estimate's: on a GPU
         # it grows with the members far less than linearly, as the step does), and eager
@@ -360,15 +367,40 @@ def hf_rows(s: Settings, device) -> list[dict]:
     ]
 
 
-def cuda_kernels(step, data, device, n: int = 3) -> float:
-    """CUDA kernels executed per step over n profiled steps (torch.profiler's CUDA activity; memory copies and
-    sets not counted)."""
+PROFILED_STEPS = 3  # steps of a capture row's step profiled for its CUDA kernels
+TOP_KERNELS = 5  # the kernels a capture row names, by their device time per step
+
+
+def profiled_kernels(step, data, device, n: int = PROFILED_STEPS) -> list[tuple[str, float]]:
+    """(name, device µs) of every CUDA kernel executed over n profiled steps (torch.profiler's CUDA activity; memory
+    copies and sets left out)."""
     with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         chunk(step, data, n)()
         sync(device)
     kinds = ("memcpy", "memset")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(1 for e in kernels if not any(k in e.name.lower() for k in kinds)) / n
+    return [(e.name, e.time_range.elapsed_us()) for e in kernels if not any(k in e.name.lower() for k in kinds)]
+
+
+def kernel_summary(kernels: list[tuple[str, float]], steps: int, top: int = TOP_KERNELS) -> dict:
+    """Per step, of the (name, device µs) kernels profiled over `steps` steps: how many (`kernels`), their device
+    time in ms (`kernel_ms`), and the `top` names by device time (`top`: each name's launches and µs per step, and
+    its share of the kernels' device time)."""
+    by_name: dict[str, list] = {}  # name -> [launches, µs]
+    for name, us in kernels:
+        tally = by_name.setdefault(name, [0, 0.0])
+        tally[0] += 1
+        tally[1] += us
+    total_us = sum(us for _, us in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+    return dict(
+        kernels=len(kernels) / steps,
+        kernel_ms=total_us / steps / 1e3,
+        top=[
+            dict(kernel=name, per_step=n / steps, us_per_step=us / steps, share=us / total_us if total_us else 0.0)
+            for name, (n, us) in ranked
+        ],
+    )
 
 
 def plain_loop(s: Settings, device) -> dict:

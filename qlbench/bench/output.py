@@ -175,8 +175,22 @@ TABLES = [
             Column("kernels eager", "eager_kernels", digits(0)),
             Column("kernels captured", "captured_kernels", digits(0)),
             Column("µs per kernel captured", "captured_us_per_kernel", digits(2)),
+            Column("kernel time ms, captured", "captured_kernel_ms", digits(3), optional=True),
+            Column("device busy, captured", "captured_busy", share, optional=True),
             Column("evaluation s, captured", "eval_s", digits(4), optional=True),
             Column("evaluation s, eager", "eval_eager_s", digits(4), optional=True),
+        ],
+    ),
+    Table(
+        "capture_kernels",  # rows: top_kernels(report)
+        "CUDA graphs: the kernels that take the most of the device's time in each captured step, at each method's "
+        "widest stack (torch.profiler; launches and device µs per step, share of all its kernels' device time)",
+        STACK[:3]
+        + [
+            Column("kernel", lambda r: r["kernel"][:KERNEL_NAME].replace("|", "/")),
+            Column("launches per step", "per_step", digits(0)),
+            Column("µs per step", "us_per_step", digits(1)),
+            Column("share of kernel time", "share", share),
         ],
     ),
     Table(
@@ -243,9 +257,27 @@ def markdown(report: dict) -> str:
     out += section(THROUGHPUT, report)
     for est in report.get("paper_estimates") or [report.get("paper_estimate")]:
         out += estimate(est) if est else []
+    derived = report | {"capture_kernels": top_kernels(report.get("capture") or [])}
     for spec in TABLES:
-        out += section(spec, report)
+        out += section(spec, derived)
     return "\n".join(out) + "\n"
+
+
+KERNEL_NAME = 90  # characters of a CUDA kernel's name shown (its C++ signature runs to hundreds)
+
+
+def top_kernels(capture: list[dict]) -> list[dict]:
+    """The capture rows' top kernels as rows of their own, for each (arch, method) at its widest stack."""
+    widest = {}
+    for row in capture:
+        key = (row["arch"], row["method"])
+        if "captured_top_kernels" in row and row["members"] >= widest.get(key, {"members": 0})["members"]:
+            widest[key] = row
+    return [
+        {"arch": r["arch"], "method": r["method"], "members": r["members"], **k}
+        for r in widest.values()
+        for k in r["captured_top_kernels"]
+    ]
 
 
 def section(spec: Table, report: dict) -> list[str]:
