@@ -53,7 +53,8 @@ run: setup
 	$(BIN)/qlbench run --function dropwave --arch deep-narrow --budget quick
 
 # the default suite on TEST_WORKERS processes (pytest-xdist; each test one intra-op thread, tests/conftest.py); tests of
-# one xdist_group (the Ray executor's, which share one Ray runtime) run in one worker. TEST_WORKERS=0: one process.
+# one xdist_group (the Ray executor's, which share one Ray runtime; a module's whose fixture trains once) run in one
+# worker. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup-dev
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
