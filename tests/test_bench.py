@@ -15,7 +15,10 @@ from qlbench import adapters, bench, cli, engine
 from helpers import one_line_error
 
 
-def test_quick_bench_writes_consistent_report(tmp_path, capsys):
+def test_quick_bench_writes_consistent_report(tmp_path, capsys, monkeypatch):
+    from qlbench.bench import cases
+
+    monkeypatch.setattr(cases, "AT_ONCE_CHUNK", 1)  # the at_once row at a tenth of its steps (tested below)
     assert (
         cli.main(
             [
@@ -783,6 +786,7 @@ def test_an_at_once_row_times_a_round_one_after_another_and_at_once(monkeypatch)
 
     monkeypatch.setattr(engine.Step, "__call__", spy)
     monkeypatch.setattr(engine.Step, "close", lambda self: (close(self), closed.append(self)))
+    monkeypatch.setattr(cases, "AT_ONCE_CHUNK", 2)  # the steps a timed call runs follow it (the default: 10)
     s = bench.Settings.make(quick=True)
     row = cases.at_once_row("deep-narrow", ["lora", "queryable", "full-soap"], 2, 2, s, torch.device("cpu"))
     assert row["methods"] == ["lora", "queryable", "full-soap"] and row["members"] == 2 and row["width"] == 2
