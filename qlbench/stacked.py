@@ -148,8 +148,8 @@ class LayoutBmm(torch.autograd.Function):
         b1, b2 = ctx.saved_tensors
         need = ctx.needs_input_grad
         grad_input = grad if need[0] else None  # autograd sums it over a broadcast input's expanded dimensions
-        grad_b1 = _scaled_bmm(grad, b2.transpose(1, 2), ctx.alpha, like=b1) if need[1] else None
-        grad_b2 = _scaled_bmm(b1.transpose(1, 2), grad, ctx.alpha, like=b2) if need[2] else None
+        grad_b1 = _scaled_bmm_like(grad, b2.transpose(1, 2), ctx.alpha, like=b1) if need[1] else None
+        grad_b2 = _scaled_bmm_like(b1.transpose(1, 2), grad, ctx.alpha, like=b2) if need[2] else None
         return grad_input, grad_b1, grad_b2, None
 
 
@@ -159,7 +159,7 @@ def scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     return torch.bmm(a, b) if alpha == 1 else torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
 
 
-def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, alpha: float, like: torch.Tensor) -> torch.Tensor:
+def _scaled_bmm_like(a: torch.Tensor, b: torch.Tensor, alpha: float, like: torch.Tensor) -> torch.Tensor:
     """alpha * a @ b (E, n, m) in the memory layout of `like`: as the transpose of a contiguous (E, m, n) when `like`
     is a transposed view, contiguous otherwise; one kernel."""
     transposed = not like.is_contiguous() and like.transpose(1, 2).is_contiguous()
