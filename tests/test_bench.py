@@ -273,6 +273,32 @@ def test_the_estimate_adds_what_tf32_matmuls_would_give_where_measured():
     assert "captured with TF32 matmuls" in text
 
 
+def test_the_estimate_adds_the_adaptation_steps_at_their_roofline_floor():
+    """A capture row's roofline floor gives the method's adaptation steps at that floor (35,000 steps of the stack
+    of 45, no evaluation, no warm-up; scaled linearly from a narrower stack), and the table's only when every
+    method has one; the line under the estimate's heading says it."""
+    rows = [dict(arch="transformer", method=m, members=5, stacked=50.0, eval_s=0.5, threads=16) for m in ("a", "b")]
+    capture = [
+        dict(arch="transformer", method="a", members=45, captured_rate=45e3 / 16.0, captured_warmup_s=2.0,
+             roofline_ms=4.0, eval_s=0.5),
+        dict(arch="transformer", method="b", members=5, captured_rate=5e3 / 8.0, captured_warmup_s=2.0, eval_s=0.5),
+    ]  # fmt: skip
+    est = bench.paper_estimate({"throughput": rows, "capture": capture}, "transformer")
+    assert est["methods"]["a"]["floor_s"] == pytest.approx(35_000 * 4.0 / 1e3)
+    assert "floor_s" not in est["methods"]["b"] and "floor_s" not in est
+    capture[1]["roofline_ms"] = 1.0  # at 5 members: 9 such stacks for the 45
+    est = bench.paper_estimate({"throughput": rows, "capture": capture}, "transformer")
+    assert est["methods"]["b"]["floor_s"] == pytest.approx(9 * 35_000 * 1.0 / 1e3)
+    assert est["floor_s"] == pytest.approx(35_000 * (4.0 + 9 * 1.0) / 1e3)
+    from qlbench.bench import output
+
+    text = "".join(output.estimate(est))
+    assert (
+        f"the adaptation steps alone would take {est['floor_s'] / 3600:.2f} h at the captured steps' roofline" in text
+    )
+    assert "adaptation h at the roofline floor" in text
+
+
 def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
     """On a GPU a step's time barely grows with its members (an H200: LoRA captured 1.17 ms at E = 45 against 0.97
     at E = 5), so the estimate takes each method's captured rate at the widest stack measured, not E = 5's scaled;
@@ -311,6 +337,21 @@ def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
     assert not any("capture" in label for label in cpu)
 
 
+def test_a_runs_capture_rows_get_its_measured_rates_for_their_floor(monkeypatch):
+    """The capture rows take the rates the run measured at its start (matmul peak, memory bandwidth) for their
+    roofline floor; a report without a bandwidth (an older run's), none."""
+    from qlbench.bench import cases
+
+    given = []
+    monkeypatch.setattr(cases, "capture_row", lambda *args: given.append(args[-1]) or dict(arch="deep-narrow"))
+    s = bench.Settings.make(quick=True)
+    for report, rates in [(dict(peak_gflops_start=49e3, bandwidth_gbs=4e3), (49e3, 4e3)), ({}, None)]:
+        report |= dict(capture=[])
+        todo = dict(cases.tasks(["deep-narrow"], ["lora"], s, "cuda", report))
+        todo["deep-narrow capture lora E=45"]()
+        assert given.pop() == rates and len(report["capture"]) == 1
+
+
 def test_capture_table_and_both_estimates_render():
     """A CUDA run's report: the capture table (compiled columns only when measured) and one estimate per backbone."""
     row = dict(arch="deep-narrow", method="lora", members=5, threads=1, eager_ms=8.5, captured_ms=0.97,
@@ -336,6 +377,12 @@ def test_capture_table_and_both_estimates_render():
     text = bench.markdown(report | dict(capture=rows))
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| deep")]
     assert ["deep-narrow", "lora", "45", "1", "8.500", "1.200"] == cells[1][:6] and cells[1][-2:] == ["1.080", "90%"]
+    assert "roofline floor ms" not in text and "memory bandwidth (a" not in text  # not measured: no column, no line
+    rows = [r | dict(roofline_ms=0.3, roofline_share=0.25) for r in rows]
+    text = bench.markdown(report | dict(capture=rows, bandwidth_gbs=4321.0))
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| deep")]
+    assert cells[1][-4:] == ["1.080", "90%", "0.300", "25%"]
+    assert "memory bandwidth (a 256 MiB copy, at the start of the run): 4321.0 GB/s" in text
     assert "narrow_gemm" not in text
     name = "wide_gemm<" + "x" * 80  # cut to bench.output.KERNEL_NAME characters
     assert ["deep-narrow", "lora", "45", name, "2", "480.0", "75%"] in cells
@@ -536,7 +583,7 @@ def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
     """`capture_row` (CUDA only) run on the CPU stand-in for CUDA graphs, with the profiler's kernels stubbed: its row
     has every column the capture table and the estimate read, the stack's evaluation time among them, and the
     captured step's kernels summed and ranked per step."""
-    from qlbench.bench import cases
+    from qlbench.bench import cases, dispatch
     from qlbench.engine import step as step_module
 
     from helpers import ReplayByRerun
@@ -552,8 +599,13 @@ def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
             return super().record(body, params, optimizer)
 
     monkeypatch.setattr(step_module, "RECORDER", Spy)
-    row = cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
+    row = cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"), rates=(1000.0, 100.0))
     assert row["members"] == 2 and row["eval_s"] > 0 and row["eval_eager_s"] > 0 and row["captured_rate"] > 0
+    # the roofline floor of the same step at the rates given (1,000 GFLOP/s, 100 GB/s), and the step's share of it
+    floor = dispatch.roofline_ms(dispatch.step_traffic("deep-narrow", "lora", 2), 1000.0, 100.0)
+    assert row["roofline_ms"] == pytest.approx(floor) and row["roofline_share"] == pytest.approx(
+        floor / row["captured_ms"]
+    )
     assert {"eager_ms", "captured_ms", "captured_speedup", "captured_warmup_s", "captured_us_per_kernel"} <= set(row)
     assert row["captured_kernels"] == 3 and row["captured_kernel_ms"] == pytest.approx(45e-3)
     assert row["captured_busy"] == pytest.approx(45e-3 / row["captured_ms"])
@@ -602,7 +654,7 @@ def test_a_capture_row_that_runs_out_of_device_memory_is_skipped_with_a_line(mon
     still measured (the estimate then scales that method from its narrower stack)."""
     from qlbench.bench import cases
 
-    def row(arch, method, E, s, device):
+    def row(arch, method, E, s, device, rates):
         if (arch, method, E) == ("transformer", "full-soap", 45):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
         return dict(arch=arch, method=method, members=E)
@@ -702,6 +754,70 @@ def test_a_steps_kernels_follow_the_layers_ops():
     finally:
         torch.nn.functional.gelu = gelu
     assert sum(planted.values()) - sum(full.values()) == 2 * (linears - 1)
+
+
+def test_each_kernels_flops_and_bytes_by_hand():
+    """The traffic of known ops on the meta device, by hand: a batched matmul's FLOPs (2 E n k m) and its operands'
+    and result's bytes; a broadcast add reads its (4,) operand once, not once per row; an op given the same tensor
+    twice reads it once; an in-place batched matmul counts the out-of-place formula's FLOPs and reads and writes
+    its input; a view moves nothing."""
+    from qlbench.bench.dispatch import Kernel, KernelCount
+
+    f32 = 4
+    a, b, c = (torch.ones(*shape, device="meta") for shape in [(2, 3, 5), (2, 5, 7), (2, 3, 7)])
+    row, x = torch.ones(4, device="meta"), torch.ones(3, 4, device="meta")
+    with KernelCount() as seen:
+        torch.bmm(a, b)
+        x + row.expand(3, 4)  # stride 0 along the rows
+        x * x
+        c.baddbmm_(a, b)
+        x.t()
+    assert seen.kernels == [
+        Kernel("bmm", 2 * 2 * 3 * 5 * 7, f32 * (30 + 70 + 42)),
+        Kernel("add", 0, f32 * (12 + 4 + 12)),
+        Kernel("mul", 0, f32 * (12 + 12)),
+        Kernel("baddbmm_", 2 * 2 * 3 * 5 * 7, f32 * (42 + 30 + 70 + 42)),
+    ]
+
+
+def test_the_roofline_takes_each_kernels_slower_bound():
+    """Each kernel at the slower of its FLOPs at the matmul rate and its bytes at the memory rate, summed: one
+    kernel bound by its arithmetic (2 ms against 1 ms of traffic) and one by its memory (4 ms against 0.1 ms) give
+    6 ms, where the bounds of the totals would give 5 ms and the two rates added 7.1 ms."""
+    from qlbench.bench.dispatch import Kernel, roofline_ms
+
+    kernels = [Kernel("bmm", int(2e9), int(1e8)), Kernel("add", int(1e8), int(4e8))]
+    assert roofline_ms(kernels, gflops=1000.0, gbytes_per_s=100.0) == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora", "full-soap"])
+def test_a_steps_flops_on_the_meta_device_are_the_real_steps(method):
+    """The matmul FLOPs that `step_traffic` counts over a stack built on the meta device (nothing drawn) equal
+    torch.utils.flop_counter's over the real step of a stack built on the CPU (`timing.step_flops`), for methods
+    whose layers take the same ops on both devices; and its kernels equal those of the CPU stack moved to meta."""
+    from qlbench.bench.dispatch import KernelCount, NoUpdate, step_traffic
+    from qlbench.bench.models import batches, stacked_model
+    from qlbench.bench.timing import step_flops
+
+    kernels = step_traffic("deep-narrow", method, 2)
+    model, _ = stacked_model("deep-narrow", method, 2, "cpu")
+    assert sum(k.flops for k in kernels) == step_flops(model, engine.make_step(model, NoUpdate()), batches(2, "cpu"))
+    model, _ = stacked_model("deep-narrow", method, 2, "cpu")  # a fresh one: the real step left its gradients
+    model.to("meta")
+    xb, yb = (t.to("meta") for t in batches(2, "cpu", n=1)[0])
+    with KernelCount() as seen:
+        engine.make_step(model, NoUpdate())(xb, yb)
+    assert seen.kernels == kernels
+
+
+def test_memory_bandwidth_counts_each_byte_read_and_written(monkeypatch):
+    """GB/s of a copy: twice the tensor's bytes (read, then written) per copy, over the best trial's time."""
+    from qlbench.bench import timing
+
+    clock = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])  # trials of 0.5, 0.25 and 1 s
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    gbs = timing.memory_bandwidth("cpu", megabytes=1, reps=3, trials=3)
+    assert gbs == pytest.approx(2 * 2**20 * 3 / 0.25 / 1e9)
 
 
 TRAINED = [m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains]

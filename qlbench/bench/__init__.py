@@ -19,16 +19,19 @@ The tables:
     of a few stacks run side by side in separate processes (as Ray's workers run a sweep's tasks) are measured
     against their rates alone, and the estimate slows every task by that ratio.
   - on CUDA: every trained method's step eager against captured whole in a CUDA graph (engine/step.py; compiled
-    too outside --quick), the CUDA kernels per step, their device time and its share of the captured step, and
-    the kernels that take most of it, at each E of the run and at the paper's 45 members (one stack on a GPU), and
-    the paper-table estimate of each backbone at the widest captured rates.
+    too outside --quick), the CUDA kernels per step, their device time and its share of the captured step, the
+    kernels that take most of it, and the step's roofline floor (its kernels' FLOPs and bytes counted on the meta
+    device, each kernel at the run's matmul peak or memory bandwidth, whichever bounds it) and the captured step's
+    share of it, at each E of the run and at the paper's 45 members (one stack on a GPU), and the paper-table
+    estimate of each backbone at the widest captured rates, with its adaptation steps at their floors.
 Measurements alternate between the compared variants in rounds (A B A B ...) and report medians, so slow drift of
 a shared machine hits both sides alike. `--only` runs the measurements of the kinds it names (KINDS: the report's
 keys), e.g. `--only throughput,capture` for the paper-table estimate of every method in a short GPU call. Nothing
 here asserts a speed: the numbers are reported, not tested.
 
-The modules: `timing` (Settings, alternating rounds, timed chunks, the matmul peak, FLOP counts), `models` (what is
-timed: qlbench's stacks, the plain PyTorch loop, the kernel floor), `cases` (the measured cases and `run`),
+The modules: `timing` (Settings, alternating rounds, timed chunks, the matmul peak, the memory bandwidth, FLOP
+counts), `models` (what is timed: qlbench's stacks, the plain PyTorch loop, the kernel floor), `dispatch` (a step's
+kernels on the meta device, their FLOPs and bytes, the roofline floor), `cases` (the measured cases and `run`),
 `parallel` (tasks side by side in separate processes), `estimate` (the paper-table estimate) and `output` (the
 Markdown).
 """

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 from qlbench import adapters, engine, multitask, pareto_stack, results, suites, zoo
-from qlbench.bench.dispatch import step_kernels
+from qlbench.bench.dispatch import roofline_ms, step_traffic
 from qlbench.bench.estimate import paper_estimate
 from qlbench.bench.models import (
     PRETRAINING,
@@ -44,6 +44,7 @@ from qlbench.bench.timing import (
     forward_flops,
     matmul_peak,
     median_ratio,
+    memory_bandwidth,
     step_flops,
     sync,
 )
@@ -204,13 +205,16 @@ PAPER_MEMBERS = 45  # a method's members in the paper table (9 functions x 5 see
 PRECISION = {"captured_tf32": "high"}
 
 
-def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
+def capture_row(arch: str, method: str, E: int, s: Settings, device, rates: tuple[float, float] | None = None) -> dict:
     """CUDA only: the training step eager, captured whole in a CUDA graph (engine/step.py), captured with TF32
     matmuls (`PRECISION`) and, when the run compiles, compiled and compiled + captured, alternating (ms per step,
     speed-up against eager, the recording's warm-up); and the CUDA kernels each executes per step (torch.profiler),
     with µs per kernel of the captured step. Every variant trains its own copy of the same stack on the same
     batches; and one evaluation of the stack (the last variant's model), captured as a captured stage evaluates
-    (`eval_s`, the estimate's) and eager (`eval_eager_s`).
+    (`eval_s`, the estimate's) and eager (`eval_eager_s`). With `rates` (the run's matmul GFLOP/s and memory GB/s),
+    the step's roofline floor (`dispatch.roofline_ms` over its kernels on the meta device; the optimiser's update
+    not counted) and the captured step's share of it: near 1, the step runs as fast as its arithmetic and memory
+    traffic allow; far below, launches or slow kernels take the rest (the top kernels name the slow ones).
 
     A variant's matmul precision is set while it warms up and records: a recording keeps the kernels chosen then,
     and every later step of the same batch shape replays them (`batches` are all one shape)."""
@@ -241,6 +245,10 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         for step in steps.values():
             step.close()
         sync(device)
+    floor = {}
+    if rates is not None:
+        floor["roofline_ms"] = roofline_ms(step_traffic(arch, method, E), *rates)
+        floor["roofline_share"] = floor["roofline_ms"] / ms["captured"]
     return stack_row(
         arch,
         method,
@@ -263,6 +271,7 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
         # it grows with the members far less than linearly, as the step does), and eager
         eval_s=evaluation_seconds(model, E, None, s.rounds, device, captured=True),
         eval_eager_s=evaluation_seconds(model, E, None, s.rounds, device),
+        **floor,
     )
 
 
@@ -314,13 +323,22 @@ def at_once_row(arch: str, methods: list[str], E: int, width: int, s: Settings, 
 
 
 def dispatch_rows(arch: str, methods: list[str], E: int) -> list[dict]:
-    """Kernels per training step's forward and backward, counted without a GPU (`dispatch.step_kernels`: the meta
-    device), per trained method, with its ratio to LoRA's where LoRA is among them. The same on every machine."""
-    counts = {m: sum(step_kernels(arch, m, E).values()) for m in methods}
-    lora = counts.get("lora")
+    """Kernels per training step's forward and backward, counted without a GPU (`dispatch.step_traffic`: the meta
+    device), per trained method, with its ratio to LoRA's where LoRA is among them, and the step's matmul GFLOP and
+    the GB its kernels read and write. The same on every machine."""
+    traffic = {m: step_traffic(arch, m, E) for m in methods}
+    lora = len(traffic["lora"]) if "lora" in traffic else None
     return [
-        dict(arch=arch, method=m, members=E, kernels=n) | ({"vs_lora": n / lora} if lora else {})
-        for m, n in counts.items()
+        dict(
+            arch=arch,
+            method=m,
+            members=E,
+            kernels=len(kernels),
+            gflop=sum(k.flops for k in kernels) / 1e9,
+            gbyte=sum(k.bytes for k in kernels) / 1e9,
+        )
+        | ({"vs_lora": len(kernels) / lora} if lora else {})
+        for m, kernels in traffic.items()
     ]
 
 
@@ -764,8 +782,10 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
             widths = sorted(set(s.members) | {PAPER_MEMBERS}, reverse=True)
             pairs = [(E, m) for E in widths for m in timed]
             last = (PAPER_MEMBERS, "full-soap") if arch == "transformer" else None
+            rates = (report["peak_gflops_start"], report["bandwidth_gbs"]) if "bandwidth_gbs" in report else None
             for E, m in sorted(pairs, key=lambda pair, last=last: pair == last):  # stable: the others keep their order
-                label, row = f"{arch} capture {m} E={E}", functools.partial(capture_row, arch, m, E, s, device)
+                label = f"{arch} capture {m} E={E}"
+                row = functools.partial(capture_row, arch, m, E, s, device, rates)
                 out.append((label, kind("capture", lambda lb=label, r=row: if_it_fits(lb, report["capture"], r))))
         # every adapted method's stack, as many at once as `--methods-at-once` would train: on CUDA all of them at the
         # paper's 45 members (full-soap's 45 Transformers left out, as above: too large); on the CPU as many as its
@@ -853,6 +873,7 @@ def run(
         hf=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
+    report["bandwidth_gbs"] = memory_bandwidth(device)  # the roofline floor's memory rate (capture rows)
     todo = [(label, fn) for label, fn in tasks(archs, methods, s, device, report) if only is None or fn.kind in only]
     with progress_bar(todo, desc="bench", unit="measurement", disable=not progress) as bar:
         for label, fn in bar:

@@ -20,10 +20,12 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     (`training_rate`; `captured_at`), and its evaluation time at that stack where measured (captured, as a captured
     stage evaluates; never compiled). Where a method's step was also captured with TF32 matmuls, its `tf32_total_s`
     is the total at that rate (evaluation as measured, in float32), and `tf32_total_s` of the table the sum when
-    every method has one: what TF32 would save, not what qlbench runs. The backbones' pretraining (once per arch for
-    the 45 members, cached and shared by every method) is the `pretraining` row where the run timed it: 300 epochs
-    of the 2,400 source samples per member, evaluated at its start and end on the source's 3,000 samples. None when
-    the run has no throughput row of `arch`."""
+    every method has one: what TF32 would save, not what qlbench runs. Likewise `floor_s`: the training steps at
+    the captured step's roofline floor (`roofline_ms`: no evaluation, no warm-up), the least these kernels can take
+    on this device (fused kernels move fewer bytes and may go below it; their matmul FLOPs stay). The backbones'
+    pretraining (once per arch for the 45 members, cached and shared by every method) is the `pretraining` row where
+    the run timed it: 300 epochs of the 2,400 source samples per member, evaluated at its start and end on the
+    source's 3,000 samples. None when the run has no throughput row of `arch`."""
 
     rows = [r for r in report["throughput"] if r["arch"] == arch]
     if not rows:
@@ -62,14 +64,17 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
         )
         if r["members"] != E:  # scaled from a narrower stack than the run's widest
             methods[r["method"]]["measured_at"] = r["members"]
+        if c is not None and "roofline_ms" in c:  # the same steps at the captured step's roofline floor
+            methods[r["method"]]["floor_s"] = members * steps * c["roofline_ms"] / 1e3 / c["members"]
         if c is not None and "captured_tf32_ms" in c:  # what TF32 matmuls would give (measured captured, eager forward)
             tf32 = members * steps * c["captured_tf32_ms"] / 1e3 / c["members"] + c["captured_tf32_warmup_s"]
             methods[r["method"]]["tf32_total_s"] = tf32 + evaluation
     out = dict(
         arch=arch, measured_at=E, members=members, methods=methods, total_s=sum(m["total_s"] for m in methods.values())
     )
-    if methods and all("tf32_total_s" in m for m in methods.values()):
-        out["tf32_total_s"] = sum(m["tf32_total_s"] for m in methods.values())
+    for key in ("tf32_total_s", "floor_s"):  # a table's total where every method has one
+        if methods and all(key in m for m in methods.values()):
+            out[key] = sum(m[key] for m in methods.values())
     if together := at_once(report, arch, methods, members, adaptation[0]):
         out["at_once"] = together
     if cap:

@@ -54,6 +54,7 @@ ESTIMATE = [  # rows: est["methods"], one per method
     Column("total h", "total_s", hours),
     Column("training step", "mode"),
     Column("total h, captured with TF32 matmuls", "tf32_total_s", hours, optional=True),
+    Column("adaptation h at the roofline floor", "floor_s", hours, optional=True),
 ]
 
 # after the estimate, in this order
@@ -74,13 +75,16 @@ TABLES = [
         "dispatch",
         "Kernels per training step's forward and backward, counted without a GPU (the ATen ops that launch one, "
         "dispatched on the meta device, which takes CUDA's code paths; an estimate of CUDA's count, the optimiser's "
-        "update not included)",
+        "update not included), with the step's matmul FLOPs and the bytes its kernels read and write (each input "
+        "read once, each output written once)",
         [
             Column("arch", "arch"),
             Column("method", "method"),
             Column("E", "members"),
             Column("kernels", "kernels", digits(0)),
             Column("vs LoRA", "vs_lora", partial(times, digits=2), optional=True),
+            Column("matmul GFLOP", "gflop", digits(3), optional=True),
+            Column("GB read and written", "gbyte", digits(3), optional=True),
         ],
     ),
     Table(
@@ -158,7 +162,9 @@ TABLES = [
         "capture",
         "CUDA graphs: the training step eager, captured whole in a CUDA graph, captured with TF32 matmuls (speed-up "
         "against the float32 captured step; qlbench trains in float32), and compiled, when the run compiles; ms per "
-        "step, CUDA kernels per step (torch.profiler)",
+        "step, CUDA kernels per step (torch.profiler); the step's roofline floor (each of its kernels at the run's "
+        "matmul peak or memory bandwidth, whichever bounds it, launches free; the optimiser's update not counted) "
+        "and the captured step's speed as a share of it",
         STACK
         + [
             Column("eager ms", "eager_ms", digits(3)),
@@ -177,6 +183,8 @@ TABLES = [
             Column("µs per kernel captured", "captured_us_per_kernel", digits(2)),
             Column("kernel time ms, captured", "captured_kernel_ms", digits(3), optional=True),
             Column("device busy, captured", "captured_busy", share, optional=True),
+            Column("roofline floor ms", "roofline_ms", digits(3), optional=True),
+            Column("captured at % of the floor", "roofline_share", share, optional=True),
             Column("evaluation s, captured", "eval_s", digits(4), optional=True),
             Column("evaluation s, eager", "eval_eager_s", digits(4), optional=True),
         ],
@@ -287,9 +295,12 @@ def section(spec: Table, report: dict) -> list[str]:
 
 
 def header(report: dict) -> str:
+    bandwidth = ""
+    if "bandwidth_gbs" in report:  # the roofline floor's memory rate
+        bandwidth = f"memory bandwidth (a 256 MiB copy, at the start of the run): {report['bandwidth_gbs']:.1f} GB/s; "
     return (
         f"Matmul peak (float32 2048^3 sgemm, best at the start and end of the run): "
-        f"{report['peak_gflops']:.1f} GFLOP/s; threads "
+        f"{report['peak_gflops']:.1f} GFLOP/s; {bandwidth}threads "
         f"{report['meta']['threads']}; batch {BATCH}; medians of {report['settings']['rounds']} alternating rounds "
         f"({report['settings']['inference_rounds']} for inference)."
     )
@@ -345,12 +356,18 @@ def estimate(est: dict) -> list[str]:
     tf32 = ""
     if "tf32_total_s" in est:  # measured, not run: qlbench trains in float32
         tf32 = f"; {est['tf32_total_s'] / 3600:.2f} h if the captured steps' matmuls used TF32 (not what qlbench runs)"
+    floor = ""
+    if "floor_s" in est:  # every method's training steps at its captured step's roofline floor
+        floor = (
+            f"; the adaptation steps alone would take {est['floor_s'] / 3600:.2f} h at the captured steps' roofline "
+            f"floors (every kernel at this device's measured matmul peak or memory bandwidth, launches free)"
+        )
     out = [
         f"\n### Estimate: the full {est['arch']} paper table ({est['members']} members per method, 5,000 epochs; "
         f"from the rates at E = {est['measured_at']}{captured}, linear in members; training steps as the paper "
         f"budget runs them on this device (compiled where `--compile auto` compiles it, captured on CUDA), warm-up "
         f"included; one process; the backbones' pretraining, once per arch, its own row where measured): "
-        f"{est['total_s'] / 3600:.2f} h for the methods measured" + tf32 + "\n",
+        f"{est['total_s'] / 3600:.2f} h for the methods measured" + tf32 + floor + "\n",
         table(rows, ESTIMATE),
     ]
     if together := est.get("at_once"):

@@ -1,6 +1,6 @@
 """Timing primitives of `qlbench bench`: how much to measure (`Settings`), rounds in which the compared variants
-take turns (`alternate`) and their paired ratios, timed chunks of steps, the machine's matmul peak, and FLOP
-counts of one real step or forward."""
+take turns (`alternate`) and their paired ratios, timed chunks of steps, the machine's matmul peak and memory
+bandwidth, and FLOP counts of one real step or forward."""
 
 from __future__ import annotations
 
@@ -101,6 +101,23 @@ def matmul_peak(device, n: int = 2048, reps: int = 3, trials: int = 5) -> float:
             a @ b
         sync(device)
         best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def memory_bandwidth(device, megabytes: int = 256, reps: int = 4, trials: int = 5) -> float:
+    """GB/s of a large float32 copy on the device, each byte read once and written once, the best of `trials`
+    timings of `reps` copies (the memory rate of the roofline floor, `dispatch.roofline_ms`)."""
+    a = torch.ones(megabytes * 2**20 // 4, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = 0.0
+    for _ in range(trials):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            b.copy_(a)
+        sync(device)
+        best = max(best, 2 * a.numel() * a.element_size() * reps / (time.perf_counter() - t0) / 1e9)
     return best
 
 
