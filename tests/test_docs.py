@@ -297,6 +297,24 @@ def test_the_readme_option_check_finds_a_command_that_lost_a_shared_option():
     assert "suite: README names --compile, which it lacks" in problems  # its bullet's `--compile auto|off`
 
 
+def gpu_check_commands(script: str) -> list[str]:
+    """docs/gpu/gpu-check.sh's qlbench command lines, its shell variables given the values the script gives them."""
+    from qlbench import adapters
+
+    trained = ",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains)
+    values = {f"${k}": v for k, v in re.findall(r'^([A-Z]+)="([^"]*)"$', script, re.M)}  # P="run ..." and the like
+    values |= {"$RES": "gpu-check-results", "$OUT": "gpu-check", "$arch": "deep-narrow", "$M": trained}
+    lines = []
+    for part in re.findall(r'"(\$Q [^"]+)"', script):  # each qlbench command of a part; a check after it is not one
+        for cmd in part.split(" && "):
+            if cmd.startswith("$Q "):
+                cmd = cmd.removeprefix("$Q ")
+                for var, value in values.items():
+                    cmd = cmd.replace(var, value)
+                lines.append(cmd)
+    return lines
+
+
 def gpu_check_problems(script: str) -> list[str]:
     """What in docs/gpu/gpu-check.sh's qlbench command lines the CLI would refuse: each `$Q ...` command parsed by the
     real parser (its shell variables given the values the script gives them), its methods registered and bench's
@@ -305,16 +323,8 @@ def gpu_check_problems(script: str) -> list[str]:
     from qlbench.commands import UsageError
     from qlbench.engine.budgets import BUDGETS
 
-    trained = ",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains)
-    values = {f"${k}": v for k, v in re.findall(r'^([A-Z]+)="([^"]*)"$', script, re.M)}  # P="run ..." and the like
-    values |= {"$RES": "gpu-check-results", "$OUT": "gpu-check", "$arch": "deep-narrow", "$M": trained}
-    lines = []
-    for part in re.findall(r'"(\$Q [^"]+)"', script):  # each qlbench command of a part; a check after it is not one
-        lines += [cmd.removeprefix("$Q ") for cmd in part.split(" && ") if cmd.startswith("$Q ")]
     problems = []
-    for line in lines:
-        for var, value in values.items():
-            line = line.replace(var, value)
+    for line in gpu_check_commands(script):
         argv = line.split()
         try:
             args = cli.build_parser().parse_args(argv)
@@ -343,5 +353,7 @@ def test_gpu_check_runs_only_commands_the_cli_accepts(capsys):
     planted = script.replace("--only throughput,capture", "--only throughput,kernels").replace("--budget quick", "-b")
     planted = planted.replace("--compile on", "--compile yes")
     capsys.readouterr()
-    stale = script.count("--only throughput,capture") + script.count("--budget quick") + script.count("--compile on")
+    # one problem per planted option in each command line (a variable such as $W reaches each command that uses it)
+    planted_options = ("--only throughput,kernels", " -b ", "--compile yes")
+    stale = sum(o in f"{line} " for line in gpu_check_commands(planted) for o in planted_options)
     assert stale >= 4 and len(gpu_check_problems(planted)) == stale

@@ -7,15 +7,16 @@
 # at the paper budget) into $GPU_CHECK_RESULTS (default gpu-check-results), so that the log folder stays small enough
 # to bring back. Each part has its own time limit (seconds, below), so a part that runs long is stopped and said so,
 # and the parts after it still run; at the end the last lines of every part that did not exit 0 are printed.
-# GPU_CHECK_PARTS (default, in this order: run-quick bench-deep-narrow bench-transformer paper-deep-narrow
-# paper-transformer test-cuda) runs only the parts it names, e.g. GPU_CHECK_PARTS="test-cuda run-quick" for a
-# functional check in a shorter call. Three parts are not in the default call (they would not fit in its 10 minutes):
-# for a second call, GPU_CHECK_PARTS="run-at-once paper-at-once" (at most 365 s): run-at-once, the quick run again
-# with every method at once (--methods-at-once, each its own thread and CUDA stream), timed, its records compared
-# with run-quick's (the first call's, or run-quick in the same call); paper-at-once, one function's paper-budget cells
-# of the nine trained methods, one at a time and then all at once (both captured, not compiled), each timed as a
-# whole process, their records compared; and for a third, GPU_CHECK_PARTS=bench-compiled (at most 240 s), LoRA's and
-# Queryable LoRA's steps compiled + captured (what the paper budget runs on CUDA) at E = 5 and 45.
+# GPU_CHECK_PARTS (default, in this order: run-quick bench-deep-narrow bench-transformer test-cuda; at most 505 s)
+# runs only the parts it names, e.g. GPU_CHECK_PARTS="test-cuda run-quick" for a functional check in a shorter call.
+# The other parts, for further calls: GPU_CHECK_PARTS=wide-at-once (at most 250 s): the quick sweep of every function
+# at the paper's stack width (five seeds: 45 members per method), the nine trained methods one at a time and then all
+# at once (--methods-at-once, each its own thread and CUDA stream), their records compared; run-at-once (85 s): the
+# quick run again with every method at once, its records compared with run-quick's (the first call's, or run-quick
+# in the same call); paper-deep-narrow and paper-transformer (35 and 45 s): a paper-budget LoRA cell on each
+# backbone, compiled and captured as the paper budget runs on CUDA, stopped at its limit (its log shows the rate and
+# the ETA); bench-compiled (at most 240 s): LoRA's and Queryable LoRA's steps compiled + captured (what the paper
+# budget runs on CUDA) at E = 5 and 45.
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # a process that crashes in native code prints every thread's Python stack first
 OUT=${GPU_CHECK_OUT:-gpu-check}
@@ -38,7 +39,7 @@ S=$OUT/summary.txt
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())'
 } > "$S" 2>&1
-PARTS=" ${GPU_CHECK_PARTS:-run-quick bench-deep-narrow bench-transformer paper-deep-narrow paper-transformer test-cuda} "
+PARTS=" ${GPU_CHECK_PARTS:-run-quick bench-deep-narrow bench-transformer test-cuda} "
 part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIMIT seconds, log in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   [[ $PARTS == *" $name "* ]] || return 0
@@ -61,11 +62,13 @@ part run-at-once 85 "$Q run --function dropwave --arch deep-narrow --budget quic
 M=$($PY -c 'from qlbench import adapters; print(",".join(m for m in adapters.DEFAULT_METHODS if adapters.get(m).trains))')
 part bench-deep-narrow 95 "$Q bench --quick --device cuda --archs deep-narrow --methods $M --only throughput,capture,at_once --no-progress --out $OUT/bench-deep-narrow"
 part bench-transformer 155 "$Q bench --quick --device cuda --archs transformer --methods $M --only throughput,capture --no-progress --out $OUT/bench-transformer"
-# the paper budget with methods at once, where the quick run and the bench's at_once row disagreed (docs/speed.md):
-# dropwave's deep-narrow cells of the nine trained methods (5 seeds, 5,000 epochs), captured and not compiled (stacks
-# at once are never compiled), one at a time and then all at once, each a whole process; then their records compared
-P="run --function dropwave --arch deep-narrow --budget paper --methods $M --device cuda --compile off --no-progress"
-part paper-at-once 280 "$Q $P --out $RES-paper && $Q $P --methods-at-once 9 --out $RES-paper-at-once && $PY docs/gpu/same-records.py $RES-paper $RES-paper-at-once"
+# methods at once at the paper's stack width, where the quick run (3 members, faster at once) and the bench's at_once
+# row (45 members, slower at once) disagreed (docs/speed.md): the quick sweep of the nine functions with five seeds,
+# every trained method a stack of 45 as in the paper table (2,800 steps each; the paper budget's 35,000 would take
+# about 10 minutes one at a time), captured, one at a time and then all at once, each process printing its wall time;
+# then their records compared
+W="sweep --arch deep-narrow --budget quick --seeds 5 --methods $M --device cuda --no-progress"
+part wide-at-once 250 "$Q $W --out $RES-wide && $Q $W --methods-at-once 9 --out $RES-wide-at-once && $PY docs/gpu/same-records.py $RES-wide $RES-wide-at-once"
 # the paper budget's own training step on CUDA (compiled + captured) against captured eager, for the method pair
 # whose step ratio is a target, on both backbones; not in the default call
 part bench-compiled 240 "$Q bench --quick --compile on --device cuda --methods lora,queryable --only throughput,capture --no-progress --out $OUT/bench-compiled"
