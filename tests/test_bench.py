@@ -794,20 +794,31 @@ def test_the_roofline_takes_each_kernels_slower_bound():
 def test_a_steps_flops_on_the_meta_device_are_the_real_steps(method):
     """The matmul FLOPs that `step_traffic` counts over a stack built on the meta device (nothing drawn) equal
     torch.utils.flop_counter's over the real step of a stack built on the CPU (`timing.step_flops`), for methods
-    whose layers take the same ops on both devices; and its kernels equal those of the CPU stack moved to meta."""
-    from qlbench.bench.dispatch import KernelCount, NoUpdate, step_traffic
+    whose layers take the same ops on both devices."""
+    from qlbench.bench.dispatch import NoUpdate, step_traffic
     from qlbench.bench.models import batches, stacked_model
     from qlbench.bench.timing import step_flops
 
     kernels = step_traffic("deep-narrow", method, 2)
     model, _ = stacked_model("deep-narrow", method, 2, "cpu")
     assert sum(k.flops for k in kernels) == step_flops(model, engine.make_step(model, NoUpdate()), batches(2, "cpu"))
-    model, _ = stacked_model("deep-narrow", method, 2, "cpu")  # a fresh one: the real step left its gradients
-    model.to("meta")
+
+
+def test_a_stack_built_on_the_meta_device_dispatches_the_kernels_of_one_built_on_the_cpu():
+    """`step_traffic` builds its stack on the meta device, drawing nothing; every trained default method on
+    deep-narrow, and the Transformer's routed ones, dispatch there the kernels (names, FLOPs, bytes, in order) of the
+    same stack drawn on the CPU and moved to meta."""
+    from qlbench.bench.dispatch import KernelCount, NoUpdate, step_traffic
+    from qlbench.bench.models import batches, stacked_model
+
     xb, yb = (t.to("meta") for t in batches(2, "cpu", n=1)[0])
-    with KernelCount() as seen:
-        engine.make_step(model, NoUpdate())(xb, yb)
-    assert seen.kernels == kernels
+    for arch, methods in [("deep-narrow", TRAINED), ("transformer", ["dora", "queryable", "instruct-queryable"])]:
+        for method in methods:
+            model, _ = stacked_model(arch, method, 2, "cpu")
+            model.to("meta")
+            with KernelCount() as seen:
+                engine.make_step(model, NoUpdate())(xb, yb)
+            assert seen.kernels == step_traffic(arch, method, 2), (arch, method)
 
 
 def test_memory_bandwidth_counts_each_byte_read_and_written(monkeypatch):
