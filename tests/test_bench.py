@@ -780,6 +780,20 @@ def test_each_kernels_flops_and_bytes_by_hand():
     ]
 
 
+def test_the_flop_counts_include_in_place_matmuls():
+    """Queryable LoRA's eager layer adds its low-rank product in place (baddbmm_), which torch.utils.flop_counter's
+    own formulas leave out: bench's counts (`timing.forward_flops`, `step_flops`) include it, 2 b m k n as the
+    out-of-place op's, and so does an in-place addmm_."""
+    from qlbench.bench.timing import forward_flops
+
+    class InPlace(torch.nn.Module):
+        def forward(self, x):  # x (2, 3, 5)
+            y = torch.zeros(2, 3, 7).baddbmm_(x, torch.ones(2, 5, 7))
+            return torch.zeros(3, 7).addmm_(x[0], torch.ones(5, 7)) + y
+
+    assert forward_flops(InPlace(), torch.ones(2, 3, 5)) == 2 * 2 * 3 * 5 * 7 + 2 * 3 * 5 * 7
+
+
 def test_the_roofline_takes_each_kernels_slower_bound():
     """Each kernel at the slower of its FLOPs at the matmul rate and its bytes at the memory rate, summed: one
     kernel bound by its arithmetic (2 ms against 1 ms of traffic) and one by its memory (4 ms against 0.1 ms) give

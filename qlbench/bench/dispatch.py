@@ -24,10 +24,11 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from qlbench import engine
 from qlbench.bench.models import batches, stacked_model
+from qlbench.bench.timing import IN_PLACE_MATMULS
 from qlbench.stacked import shapes_only
 
 # ops that return fresh memory without a kernel, or read a value back: no launch
@@ -64,11 +65,12 @@ def footprint(t: torch.Tensor) -> int:
     return elements * t.element_size()
 
 
+# the FLOP formulas of torch.utils.flop_counter (on tensors), in-place matmuls included
+FORMULAS = flop_registry | {op: shape_wrapper(formula) for op, formula in IN_PLACE_MATMULS.items()}
+
+
 def _flops(func, args, kwargs, out) -> int:
-    packet = func.overloadpacket
-    formula = flop_registry.get(packet)
-    if formula is None and packet.__name__.endswith("_"):  # an in-place matmul (baddbmm_): its out-of-place formula
-        formula = flop_registry.get(getattr(torch.ops.aten, packet.__name__[:-1], None))
+    formula = FORMULAS.get(func.overloadpacket)
     return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 

@@ -11,11 +11,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, bmm_flop, mm_flop
 
 from qlbench import engine
 
 BATCH = 64
+
+# torch.utils.flop_counter has formulas for out-of-place matmuls only, so an in-place one would add no FLOPs to a
+# count: Queryable LoRA's eager layer adds its low-rank product with baddbmm_ (adapters/queryable.py). Their formulas,
+# on shapes, as the counter's custom_mapping takes them (bench.dispatch uses them too)
+IN_PLACE_MATMULS = {
+    torch.ops.aten.baddbmm_: lambda self, a, b, *args, out_shape=None, **kwargs: bmm_flop(a, b),
+    torch.ops.aten.addmm_: lambda self, a, b, *args, out_shape=None, **kwargs: mm_flop(a, b),
+}
 
 
 def sync(device) -> None:
@@ -123,7 +131,7 @@ def memory_bandwidth(device, megabytes: int = 256, reps: int = 4, trials: int = 
 
 def step_flops(model, step, data) -> int:
     """FLOPs (matmul-type ops, forward + backward) of one training step, counted on the real step."""
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=IN_PLACE_MATMULS) as counter:
         step(*data[0])
     return counter.get_total_flops()
 
@@ -131,6 +139,6 @@ def step_flops(model, step, data) -> int:
 def forward_flops(model, x) -> int:
     """FLOPs of one forward (counted with autograd on: the counter's module hooks need it; nothing is
     backpropagated)."""
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=IN_PLACE_MATMULS) as counter:
         model(x)
     return counter.get_total_flops()
