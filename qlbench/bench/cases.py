@@ -9,6 +9,7 @@ Over 500 lines: one function per measured case, kept together so that `tasks` re
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -404,19 +405,22 @@ def kernel_summary(kernels: list[tuple[str, float]], steps: int, top: int = TOP_
     """Per step, of the (name, device µs) kernels profiled over `steps` steps: how many (`kernels`), their device
     time in ms (`kernel_ms`), and the `top` names by device time (`top`: each name's launches and µs per step, and
     its share of the kernels' device time)."""
-    by_name: dict[str, list] = {}  # name -> [launches, µs]
+    launches, device_us = collections.Counter(), collections.Counter()
     for name, us in kernels:
-        tally = by_name.setdefault(name, [0, 0.0])
-        tally[0] += 1
-        tally[1] += us
-    total_us = sum(us for _, us in by_name.values())
-    ranked = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+        launches[name] += 1
+        device_us[name] += us
+    total_us = sum(device_us.values())
     return dict(
         kernels=len(kernels) / steps,
         kernel_ms=total_us / steps / 1e3,
         top=[
-            dict(kernel=name, per_step=n / steps, us_per_step=us / steps, share=us / total_us if total_us else 0.0)
-            for name, (n, us) in ranked
+            dict(
+                kernel=name,
+                per_step=launches[name] / steps,
+                us_per_step=us / steps,
+                share=us / total_us if total_us else 0.0,
+            )
+            for name, us in device_us.most_common(top)
         ],
     )
 

@@ -95,21 +95,30 @@ def chunk(step, data, n, threads: int | None = None):
     return run
 
 
-def matmul_peak(device, n: int = 2048, reps: int = 3, trials: int = 5) -> float:
-    """GFLOP/s of a large float32 matmul, the best of `trials` timings of `reps` products (the dense peak the
-    engine is compared with; the best, since on a shared machine a slow sample measures the neighbours)."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    for _ in range(2):
-        a @ b
+def best_rate(run: Callable[[], None], units: float, trials: int, device) -> float:
+    """Units per second of run() (`units` its work), the best of `trials` timings after one untimed call: the best,
+    since on a shared machine a slow sample measures the neighbours."""
+    run()
     best = 0.0
     for _ in range(trials):
         sync(device)
         t0 = time.perf_counter()
+        run()
+        sync(device)
+        best = max(best, units / (time.perf_counter() - t0))
+    return best
+
+
+def matmul_peak(device, n: int = 2048, reps: int = 3, trials: int = 5) -> float:
+    """GFLOP/s of a large float32 matmul, the best of `trials` timings of `reps` products (the dense peak the
+    engine is compared with)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def products() -> None:
         for _ in range(reps):
             a @ b
-        sync(device)
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
-    return best
+
+    return best_rate(products, 2 * n**3 * reps / 1e9, trials, device)
 
 
 def memory_bandwidth(device, megabytes: int = 256, reps: int = 4, trials: int = 5) -> float:
@@ -117,16 +126,12 @@ def memory_bandwidth(device, megabytes: int = 256, reps: int = 4, trials: int = 
     timings of `reps` copies (the memory rate of the roofline floor, `dispatch.roofline_ms`)."""
     a = torch.ones(megabytes * 2**20 // 4, device=device)
     b = torch.empty_like(a)
-    b.copy_(a)
-    best = 0.0
-    for _ in range(trials):
-        sync(device)
-        t0 = time.perf_counter()
+
+    def copies() -> None:
         for _ in range(reps):
             b.copy_(a)
-        sync(device)
-        best = max(best, 2 * a.numel() * a.element_size() * reps / (time.perf_counter() - t0) / 1e9)
-    return best
+
+    return best_rate(copies, 2 * a.numel() * a.element_size() * reps / 1e9, trials, device)
 
 
 def step_flops(model, step, data) -> int:
