@@ -83,13 +83,11 @@ def updates_compile(optimizer: torch.optim.Optimizer) -> bool:
     2-core CPU with the forward compiled: x1.1 to x1.4 per step, docs/speed.md). Not in float64: there the compiled
     update moved a 3-epoch curve by 1.5e-6 relative (float32-level rounding of its scalars), precision a float64 run
     asks for. CUDA's fused AdamW is one kernel already and is recorded in the CUDA graph; SOAP's update
-    (eigendecompositions) stays eager."""
+    (eigendecompositions) stays eager: `soap.StackedSoap` has no param_groups, so the type is checked first."""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        return False
     groups = optimizer.param_groups
-    return (
-        isinstance(optimizer, torch.optim.AdamW)
-        and bool(groups)
-        and all(g.get("foreach") and all(p.dtype == torch.float32 for p in g["params"]) for g in groups)
-    )
+    return bool(groups) and all(g.get("foreach") and all(p.dtype == torch.float32 for p in g["params"]) for g in groups)
 
 
 def compiled_update(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
