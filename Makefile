@@ -67,8 +67,10 @@ format: setup-dev
 	$(BIN)/ruff check --fix qlbench tests
 	$(BIN)/ruff format qlbench tests
 
+# the long checks (every method's step compiled by Inductor against its eager run, the compiled bench, ...); CI runs
+# them after the default suite
 test-slow: setup-dev
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m slow
 
 # the CUDA tests (tests/test_cuda.py): skipped, with the reason, on a machine without a GPU (CI)
 test-cuda: setup-dev
