@@ -166,6 +166,14 @@ def _small_stack(method_name: str, dtype: torch.dtype):
     return model, data, method.optimizer(model, config, 1e-3, 0.01)
 
 
+def _fit_small_stack(method_name: str, epochs: int, compile: bool):
+    """The curves of `_small_stack(method_name, float64)` trained `epochs` epochs at lr 1e-3, compiled or eager."""
+    model, data, opt = _small_stack(method_name, F64)
+    order = [generator("order", *m) for m in MEMBERS]
+    stage = engine.Stage(data, engine.Phase(epochs, 1e-3), lambda: opt, order, 1)
+    return engine.fit(model, [stage], compile=compile)[0]
+
+
 # Every trained method runs compiled by default on the paper budget (engine.COMPILE_BUDGETS): each is checked
 # against its eager run. LoRA's runs in the default suite; the others (15 to 90 s of compilation each with Inductor's
 # cache cold, as on a fresh CI machine) under -m slow, which CI runs after the default suite (`make test-slow`).
@@ -178,11 +186,8 @@ def test_compiled_training_step_matches_eager(method_name):
     curves to 1e-9 (float64) after 3 epochs of a 4-layer deep-narrow stack of two functions."""
     curves = []
     for compile in (False, True):
-        model, data, opt = _small_stack(method_name, F64)
-        order = [generator("order", *m) for m in MEMBERS]
         torch._dynamo.utils.counters.clear()
-        stage = engine.Stage(data, engine.Phase(3, 1e-3), lambda opt=opt: opt, order, 1)
-        curves.append(engine.fit(model, [stage], compile=compile)[0])
+        curves.append(_fit_small_stack(method_name, 3, compile))
         # compiled means compiled: a graph was captured, not a silent fall-back to eager
         assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) is compile
     # float64, so reordered sums in compiled kernels stay at rounding level; SOAP amplifies them (its refresh QR runs
@@ -247,12 +252,7 @@ def test_a_compiled_full_fine_tuning_stage_trains_as_the_eager_one(monkeypatch, 
 
     compiled = []
     monkeypatch.setattr(loop, "compiled", lambda m: compiled.append(m) or torch.compile(m, backend="eager"))
-    curves = []
-    for compile in (False, True):
-        model, data, opt = _small_stack(method_name, F64)
-        order = [generator("order", *m) for m in MEMBERS]
-        stage = engine.Stage(data, engine.Phase(2, 1e-3), lambda opt=opt: opt, order, 1)
-        curves.append(engine.fit(model, [stage], compile=compile)[0])
+    curves = [_fit_small_stack(method_name, 2, compile) for compile in (False, True)]
     assert len(compiled) == 1
     torch.testing.assert_close(curves[1].train_mse, curves[0].train_mse, rtol=rtol, atol=0)
     assert (curves[0].train_mse[:, -1] < curves[0].train_mse[:, 0]).all()  # it trained
