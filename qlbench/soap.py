@@ -22,7 +22,9 @@ CUDA graph (engine/step.py): the host keeps the step count and decides the refre
 tensors. A step is then three parts: `before_update` (host: count the step, write its step size into a device
 scalar), `update` (device only: what a graph records and replays) and `after_update` (host: refresh the eigenbases
 when due, in place, eagerly). `step()` runs the three, so an eager CUDA step is the same kernels as a replayed one.
-Off CUDA the step size is a Python scalar, as before (the CPU's numbers are unchanged).
+Off CUDA the step size is a Python scalar, as before (the CPU's numbers are unchanged). The refresh's QRs run as one
+batch per matrix size; off the CPU, matrices up to HOUSEHOLDER_MAX_SIZE take `householder_q`, LAPACK's reflections in
+batched ops, since CUDA's torch.linalg.qr forms each Q in a call of its own.
 
 Parameters with the same member shape (the deep-narrow MLP's 32 hidden weights, say) are processed as one batch of
 P x E matrices, so a step costs a few dozen batched ops whatever the depth. A member whose gradient turns non-finite
@@ -31,6 +33,7 @@ stops updating from that step on (it is diverged; the others go on), as with one
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -112,13 +115,13 @@ class StackedSoap:
         return out
 
     @staticmethod
-    def _refresh(state: dict) -> None:
-        """One power iteration and QR per factor, columns sorted by estimated eigenvalue; v permuted alike."""
+    def _powers(state: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One power iteration per factor of a group, columns sorted by estimated eigenvalue, v permuted alike (in
+        place); each factor's (Q, the product to orthonormalise into its new Q)."""
         v = state["exp_avg_sq"]  # (B, *member_shape)
-        new = []
+        out = []
         for i, (m, o) in enumerate(zip(state["GG"], state["Q"])):
             if m is None:
-                new.append(None)
                 continue
             product = m @ o  # (B, s, s)
             estimate = (o * product).sum(dim=1)  # (B, s): o_j^T GG o_j per column j
@@ -126,14 +129,9 @@ class StackedSoap:
             shape = [v.shape[0]] + [1] * (v.dim() - 1)
             shape[i + 1] = v.shape[i + 1]
             v = torch.gather(v, i + 1, order.view(shape).expand_as(v))
-            power = torch.gather(product, 2, order.unsqueeze(1).expand_as(product))  # columns in that order
-            q, _ = torch.linalg.qr(power.to(torch.float32))
-            new.append(q.to(power.dtype))
-        # in place: a recorded update reads these tensors at every replay
-        state["exp_avg_sq"].copy_(v)
-        for old, q in zip(state["Q"], new):
-            if old is not None:
-                old.copy_(q)
+            out.append((o, torch.gather(product, 2, order.unsqueeze(1).expand_as(product))))  # columns in that order
+        state["exp_avg_sq"].copy_(v)  # in place: a recorded update reads these tensors at every replay
+        return out
 
     def _accumulate(self, state: dict, g: torch.Tensor) -> None:
         """GG_i = lerp(GG_i, G_(i) G_(i)^T, 1 - beta_s): every step, on the device."""
@@ -208,8 +206,16 @@ class StackedSoap:
         in place: QR is not recorded, and a recorded update reads the same tensors)."""
         step = self.steps - 1
         if step % self.frequency == 0:
-            for group in self.groups:
-                self._refresh(group["state"])
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Every group's eigenbases refreshed now (one power iteration and QR per factor; `after_update` calls it
+        every `precondition_frequency` steps). Eager, launched from the host: on CUDA the one part of a step that a
+        captured step does not record, so a bench that times fewer steps than its period leaves it out. The QRs of
+        every group's factors of one size run as one batch (`orthonormal_bases`)."""
+        pairs = [pair for group in self.groups for pair in self._powers(group["state"])]
+        for (old, _), q in zip(pairs, orthonormal_bases([power for _, power in pairs])):
+            old.copy_(q)  # in place: a recorded update reads these tensors at every replay
 
     def _gradients(self) -> list[torch.Tensor]:
         """Each group's gradients as one batch (B = P x E, *member_shape), a diverged member's zeroed; a member
@@ -266,3 +272,82 @@ def _eigenvectors(m: torch.Tensor) -> torch.Tensor:
         except torch.linalg.LinAlgError:
             out.append(torch.linalg.eigh(one.to(torch.float64))[1].to(m.dtype))
     return torch.stack(out)
+
+
+# Devices whose `torch.linalg.qr` the refresh uses at every size (LAPACK's geqrf + orgqr). Elsewhere (CUDA) matrices
+# up to HOUSEHOLDER_MAX_SIZE take `householder_q`: PyTorch factors a batch of small matrices in one cuBLAS call there,
+# but forms each Q in a cuSOLVER call of its own (orgqr, looped over the batch), so a deep-narrow stack of 45 members
+# formed 3,060 Qs one by one at every refresh (docs/speed.md). Larger matrices (the Transformer's 256 and 1,024) keep
+# torch.linalg.qr: each of those calls has work to do, and the Householder loop's launches grow with the size.
+LAPACK_QR_DEVICES = frozenset({"cpu"})
+HOUSEHOLDER_MAX_SIZE = 64
+
+
+@contextlib.contextmanager
+def lapack_qr_everywhere():
+    """Inside the block the refresh takes torch.linalg.qr at every size on every device, as before `householder_q`
+    (`qlbench bench`'s soap row times both on the same optimiser, side by side). Not thread-safe: a module setting."""
+    global LAPACK_QR_DEVICES, HOUSEHOLDER_MAX_SIZE
+    before = LAPACK_QR_DEVICES, HOUSEHOLDER_MAX_SIZE
+    LAPACK_QR_DEVICES, HOUSEHOLDER_MAX_SIZE = LAPACK_QR_DEVICES, 0
+    try:
+        yield
+    finally:
+        LAPACK_QR_DEVICES, HOUSEHOLDER_MAX_SIZE = before
+
+
+def orthonormal_bases(powers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each (B_k, s_k, s_k) batch's Q (`orthonormal_basis`, in float32 as pytorch_optimizer's QR, returned in the
+    batch's dtype), the batches of one size and dtype concatenated into one: on CUDA the Householder QR's launches
+    follow the sizes, not the batches (deep-narrow's six factor batches are four of 32 x 32). Each matrix is
+    factored alone either way, so its Q does not depend on the batch it is in."""
+    sizes: dict[tuple, list[int]] = {}
+    for k, p in enumerate(powers):
+        sizes.setdefault((p.shape[1:], p.dtype), []).append(k)
+    out: list[torch.Tensor | None] = [None] * len(powers)
+    for ks in sizes.values():
+        together = torch.cat([powers[k] for k in ks]).to(torch.float32)  # (sum of B_k, s, s)
+        qs = orthonormal_basis(together).split([powers[k].shape[0] for k in ks])
+        for k, q in zip(ks, qs):
+            out[k] = q.to(powers[k].dtype)
+    return out
+
+
+def orthonormal_basis(a: torch.Tensor) -> torch.Tensor:
+    """Q of the QR decomposition of each square matrix in the batch a (B, s, s): `torch.linalg.qr` on the devices
+    of LAPACK_QR_DEVICES (the CPU's numbers as before) and above HOUSEHOLDER_MAX_SIZE, `householder_q` elsewhere
+    (the same reflections, in batched ops; equal to rounding, tests/test_soap.py)."""
+    if a.device.type in LAPACK_QR_DEVICES or a.shape[-1] > HOUSEHOLDER_MAX_SIZE:
+        return torch.linalg.qr(a)[0]
+    return householder_q(a)
+
+
+def householder_q(a: torch.Tensor) -> torch.Tensor:
+    """Q of the QR decomposition of each square matrix in the batch a (B, s, s), as LAPACK computes it (geqrf, then
+    orgqr: torch.linalg.qr's Q), in O(s) batched ops whatever B. Column k's reflection H_k = I - tau_k v_k v_k^T
+    (LAPACK's larfg): x = the column from the diagonal down, alpha = x_0, beta = -sign(alpha) ||x||, v_k = x / (alpha -
+    beta) with v_k[0] = 1, tau_k = (beta - alpha) / beta; where x below its diagonal is zero, tau_k = 0 (no
+    reflection). Then Q = H_0 H_1 ... H_(s-1), formed from the last reflection back (orgqr's order)."""
+    B, s, s2 = a.shape
+    if s != s2:
+        raise ValueError(f"householder_q: square matrices only, got {tuple(a.shape)}")
+    r = a.clone()
+    vs, taus = [], []
+    for k in range(s):
+        x = r[:, k:, k]  # (B, s - k)
+        alpha, below = x[:, 0], torch.linalg.vector_norm(x[:, 1:], dim=1)  # (B,), (B,)
+        beta = -torch.copysign(torch.hypot(alpha, below), alpha)
+        still = below == 0  # nothing to reflect
+        tau = torch.where(still, 0.0, (beta - alpha) / beta)  # (B,)
+        v = torch.where(still[:, None], 0.0, x / (alpha - beta).masked_fill(still, 1.0)[:, None])  # (B, s - k)
+        v[:, 0] = 1.0
+        if k < s - 1:  # the reflection applied to the columns right of k (column k becomes beta e_0: not needed)
+            rest = r[:, k:, k + 1 :]  # (B, s - k, s - k - 1)
+            rest -= (tau[:, None] * v).unsqueeze(2) @ (v.unsqueeze(1) @ rest)
+        vs.append(v)
+        taus.append(tau)
+    q = torch.eye(s, dtype=a.dtype, device=a.device).expand(B, s, s).clone()  # (B, s, s)
+    for k in reversed(range(s)):
+        v, block = vs[k], q[:, k:, k:]  # (B, s - k), (B, s - k, s - k)
+        block -= (taus[k][:, None] * v).unsqueeze(2) @ (v.unsqueeze(1) @ block)
+    return q

@@ -159,6 +159,69 @@ def test_soap_row_times_both_optimizers_on_the_same_parameters():
     assert row["speedup"] == pytest.approx(row["per_member_ms"] / row["batched_ms"], rel=1.0)  # paired median
 
 
+def test_whole_periods_round_up_to_every_soaps_refresh_period():
+    from qlbench.bench.timing import whole_periods
+    from qlbench.soap import StackedSoap
+
+    def soap(frequency):
+        return StackedSoap([torch.nn.Parameter(torch.zeros(2, 3, 3))], lr=1e-3, precondition_frequency=frequency)
+
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    assert [whole_periods(n, soap(10)) for n in (1, 4, 10, 11, 40)] == [10, 10, 10, 20, 40]
+    assert whole_periods(4, adamw) == 4 and whole_periods(4) == 4  # no periodic host work: as asked
+    assert whole_periods(5, soap(4), soap(6), adamw) == 12  # every one's period
+
+
+@pytest.mark.parametrize("row", ["throughput", "soap_row"])
+def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monkeypatch, row):
+    """full-soap refreshes its eigenbases every tenth step, eagerly (on CUDA outside the captured step). The quick
+    bench timed 4 steps a chunk, so most rounds held no refresh and the rate left it out (on an H200 the estimate's
+    full-soap step came from such chunks). Each timed call here is run once, counting the refreshes it makes: every
+    call that steps a StackedSoap holds one per ten steps, and at least one."""
+    from qlbench.bench import cases
+    from qlbench.soap import StackedSoap
+
+    refreshes = [0]
+    real = StackedSoap.refresh
+
+    def counted(self):
+        refreshes[0] += 1
+        real(self)
+
+    seen: dict[str, list[int]] = {}
+
+    def once(fns, rounds, device):  # cases.alternate, each fn run once, the refreshes in it counted
+        for name, (fn, _) in fns.items():
+            before = refreshes[0]
+            fn()
+            seen.setdefault(name, []).append(refreshes[0] - before)
+        return {name: [1.0] * rounds for name in fns}
+
+    monkeypatch.setattr(StackedSoap, "refresh", counted)
+    monkeypatch.setattr(cases, "alternate", once)
+    s = bench.Settings.make(quick=True)
+    if row == "throughput":
+        cases.throughput("deep-narrow", "full-soap", 2, s, torch.device("cpu"))
+        assert seen["stacked"] == [1] and seen["per_seed"] == [1]  # 4 steps asked, 10 timed: one refresh each
+    else:
+        row = cases.soap_row("deep-narrow", 2, s, torch.device("cpu"))
+        assert seen["batched"] == [1] and seen["refresh"] == [1] and seen["per-member"] == [0]  # pytorch_optimizer's
+        assert row["refresh_share"] == pytest.approx(row["refresh_ms"] / 10 / row["batched_ms"])
+        assert "refresh_lapack" not in seen and "refresh_lapack_ms" not in row  # the CPU's refresh is LAPACK's
+        # where the small QRs take the Householder reflections (CUDA; here the CPU made to), both refreshes side by
+        # side, the one before inside lapack_qr_everywhere (which restores the setting after it)
+        import qlbench.soap
+
+        seen.clear()
+        monkeypatch.setattr(qlbench.soap, "LAPACK_QR_DEVICES", frozenset())
+        paths: list[bool] = []
+        householder_q = qlbench.soap.householder_q
+        monkeypatch.setattr(qlbench.soap, "householder_q", lambda a: (paths.append(True), householder_q(a))[1])
+        row = cases.soap_row("deep-narrow", 2, s, torch.device("cpu"))
+        assert seen["refresh_lapack"] == [1] and row["refresh_lapack_ms"] > 0
+        assert qlbench.soap.HOUSEHOLDER_MAX_SIZE == 64 and paths  # the Householder path taken outside the block
+
+
 def test_paper_estimate_by_hand():
     rows = [
         dict(arch="deep-narrow", method="lora", members=45, stacked=1000.0, eval_s=0.5, threads=2),
@@ -933,7 +996,8 @@ def test_an_at_once_row_times_a_round_one_after_another_and_at_once(monkeypatch)
     assert row["methods"] == ["lora", "queryable", "full-soap"] and row["members"] == 2 and row["width"] == 2
     assert row["one_after_another_ms"] > 0 and row["at_once_ms"] > 0 and row["at_once_speedup"] > 0
     steps = list(dict.fromkeys(step for step, _ in ran))
-    n, warm = s.steps["deep-narrow"] * cases.AT_ONCE_CHUNK, engine.step.WARMUP + 2
+    assert s.steps["deep-narrow"] * cases.AT_ONCE_CHUNK == 8
+    n, warm = 10, engine.step.WARMUP + 2  # the 8 steps asked, as whole periods of full-soap's refresh (every 10 steps)
     assert len(steps) == 3 and len(closed) == 3
     for step in steps:
         mine = [in_main for k, in_main in ran if k == step]
@@ -947,9 +1011,10 @@ def test_an_at_once_row_times_a_round_one_after_another_and_at_once(monkeypatch)
 
 
 def test_the_estimate_with_methods_at_once_by_hand():
-    """With an `at_once` row the estimate adds the table's total with those methods trained at once: their 35,000
-    steps per member as rounds of the measured round time (scaled from its E to 45), plus each one's recording
-    warm-up and evaluations one after another, plus the methods outside the row (pretraining) as they are."""
+    """With an `at_once` row the estimate adds the table's total with those methods trained at once: their training
+    steps as the one-at-a-time estimate counts them, divided by the row's measured speed-up (a ratio side by side,
+    whatever the row's own round times), plus each one's recording warm-up and evaluations one after another, plus
+    the methods outside the row (pretraining) as they are."""
     from qlbench.bench import output
 
     rows = [dict(arch="deep-narrow", method=m, members=45, stacked=100.0, eval_s=0.5, threads=1)
@@ -963,8 +1028,9 @@ def test_the_estimate_with_methods_at_once_by_hand():
     methods = est["methods"]
     pretraining = methods["pretraining"]["total_s"]
     assert pretraining == pytest.approx(45 * 11_400 / 9000 + 1.0 + 2 * 2.5 * 0.01)
-    # 35,000 rounds of 4 ms at E = 15, x3 for 45 members; the warm-ups (2 + 3 s) and 501 evaluations of 0.01 s each
-    together = 35_000 * 4e-3 * 3 + 2.0 + 3.0 + 2 * 501 * 0.01
+    # 45 x 35,000 steps of each at its captured rate, at x1.25 (the row's own 4 ms rounds not used); the warm-ups
+    # (2 + 3 s) and 501 evaluations of 0.01 s each
+    together = (45 * 35_000 / 30_000 + 45 * 35_000 / 12_000) / 1.25 + 2.0 + 3.0 + 2 * 501 * 0.01
     assert est["at_once"]["total_s"] == pytest.approx(pretraining + together)
     assert est["at_once"]["methods"] == ["lora", "queryable"] and est["at_once"]["speedup"] == 1.25
     assert "With the 2 adapted methods of the `at_once` row trained 2 at a time" in "".join(output.estimate(est))

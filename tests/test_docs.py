@@ -305,10 +305,12 @@ def gpu_check_commands(script: str) -> list[str]:
     values = {f"${k}": v for k, v in re.findall(r'^([A-Z]+)="([^"]*)"$', script, re.M)}  # P="run ..." and the like
     values |= {"$RES": "gpu-check-results", "$OUT": "gpu-check", "$arch": "deep-narrow", "$M": trained}
     lines = []
-    for part in re.findall(r'"(\$Q [^"]+)"', script):  # each qlbench command of a part; a check after it is not one
+    # each qlbench command of a part ($Q, or $QX: the same with a fault handler's timed stack dump); a check after it
+    # is not one
+    for part in re.findall(r'"(\$QX? [^"]+)"', script):
         for cmd in part.split(" && "):
-            if cmd.startswith("$Q "):
-                cmd = cmd.removeprefix("$Q ")
+            if cmd.startswith(("$Q ", "$QX ")):
+                cmd = cmd.split(" ", 1)[1]
                 for var, value in values.items():
                     cmd = cmd.replace(var, value)
                 lines.append(cmd)

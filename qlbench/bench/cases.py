@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-from qlbench import adapters, engine, multitask, pareto_stack, results, suites, zoo
+from qlbench import adapters, engine, multitask, pareto_stack, results, soap, suites, zoo
 from qlbench.bench.dispatch import roofline_ms, step_traffic
 from qlbench.bench.estimate import paper_estimate
 from qlbench.bench.models import (
@@ -48,6 +48,7 @@ from qlbench.bench.timing import (
     memory_bandwidth,
     step_flops,
     sync,
+    whole_periods,
 )
 from qlbench.engine.step import first_line
 from qlbench.progress import bar as progress_bar
@@ -63,8 +64,8 @@ def stack_row(arch: str, method: str | None, E: int, threads: int | None, **fiel
 def throughput(arch: str, method: str, E: int, s: Settings, device) -> dict:
     """The stacked engine at E members (with the engine's thread setting) against the per-seed loop: the same
     modules and step, one member at a time, with PyTorch's default threads."""
-    n = s.steps[arch]
     model, opt = stacked_model(arch, method, E, device)
+    n = whole_periods(s.steps[arch], opt)  # full-soap: whole periods of its refresh
     step, data = engine.make_step(model, opt), batches(E, device)
     seed_model, seed_opt = stacked_model(arch, method, 1, device)
     per_seed, seed_data = engine.make_step(seed_model, seed_opt), batches(1, device)
@@ -166,7 +167,6 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     """torch.compile against eager for one stack, alternating: the step `--compile on` runs (the forward compiled,
     and the optimiser's update where that pays, engine/step.py), its forward alone compiled (the compiled step
     before the update was compiled too) and eager; the warm-up (compilation) of the first and the steady rates."""
-    n = s.steps[arch]
     variants = {
         "eager": dict(),
         "compiled": dict(compile=True),
@@ -175,10 +175,9 @@ def compile_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     data, threads = batches(E, device), s.threads_for(arch, E, device)
     # every variant built before any compiles: building a compiled step resets torch._dynamo (engine.compiled), which
     # drops what was compiled before, so a variant warmed up in between would compile again inside the timed rounds
-    steps = {
-        name: engine.make_step(model, opt, **how)
-        for (name, how), (model, opt) in zip(variants.items(), stacked_copies(arch, method, E, device, len(variants)))
-    }
+    stacks = stacked_copies(arch, method, E, device, len(variants))
+    steps = {name: engine.make_step(model, opt, **how) for (name, how), (model, opt) in zip(variants.items(), stacks)}
+    n = whole_periods(s.steps[arch], stacks[0][1])  # full-soap: whole periods of its refresh
     for name, step in steps.items():
         t0 = time.perf_counter()
         chunk(step, data, 2, threads)()  # compiles (one batch shape)
@@ -219,12 +218,12 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device, rates: tupl
 
     A variant's matmul precision is set while it warms up and records: a recording keeps the kernels chosen then,
     and every later step of the same batch shape replays them (`batches` are all one shape)."""
-    n = s.steps[arch]
     variants = {"eager": dict(), "captured": dict(capture=True), "captured_tf32": dict(capture=True)}
     if s.compile:
         variants |= {"compiled": dict(compile=True), "compiled_captured": dict(compile=True, capture=True)}
     data, warmup = batches(E, device), {}
     stacks = stacked_copies(arch, method, E, device, len(variants))
+    n = whole_periods(s.steps[arch], stacks[0][1])  # full-soap: whole periods of its refresh, which is not recorded
     # every variant built before any warms up: building a compiled step resets torch._dynamo (engine.compiled), which
     # would drop an earlier variant's compiled forward (recompiled, then, inside the timed rounds)
     steps = {name: engine.make_step(m, opt, **how) for (name, how), (m, opt) in zip(variants.items(), stacks)}
@@ -289,15 +288,16 @@ def at_once_row(arch: str, methods: list[str], E: int, width: int, s: Settings, 
     each in its own thread and, on CUDA, its own stream (`engine.concurrently`, the engine's own mechanism),
     alternating; ms per round and the speed-up, which the paper-table estimate applies to the adapted methods
     (`at_once`)."""
-    n, data = s.steps[arch] * AT_ONCE_CHUNK, batches(E, device)
-    threads = s.threads_for(arch, E, device)
-    steps = []
+    data, threads = batches(E, device), s.threads_for(arch, E, device)
+    steps, optimizers = [], []
     try:
         for m in methods:
             ((model, opt),) = stacked_copies(arch, m, E, device, 1)
             steps.append(engine.make_step(model, opt, capture=torch.device(device).type == "cuda"))
+            optimizers.append(opt)
             chunk(steps[-1], data, engine.step.WARMUP + 2, threads)()  # the warm-up steps (and the recording)
         sync(device)
+        n = whole_periods(s.steps[arch] * AT_ONCE_CHUNK, *optimizers)  # full-soap: whole periods of its refresh
         chunks = [chunk(step, data, n, threads) for step in steps]  # each: n steps of its method
 
         def one_after_another() -> None:
@@ -569,7 +569,11 @@ def inference(arch: str, methods: list[str], s: Settings, device) -> list[dict]:
 def soap_row(arch: str, E: int, s: Settings, device) -> dict:
     """`full-soap`'s optimizer step alone: the batched StackedSoap against pytorch_optimizer.SOAP stepped once per
     member over aliases of the member's slices (what full-soap did before), on the backbone's parameters with
-    fixed random gradients, alternating; optimizer steps per second of the whole stack."""
+    fixed random gradients, alternating; optimizer steps per second of the whole stack, over whole periods of its
+    eigenbases' refresh; and that refresh alone (`StackedSoap.refresh`, every `precondition_frequency` steps, eager
+    even where the step is captured), with its share of the batched step's time; where the refresh's small QRs take
+    the batched Householder reflections (off the CPU, `soap.householder_q`), also the same refresh with
+    torch.linalg.qr at every size, as before, side by side."""
     from pytorch_optimizer import SOAP  # here, not at the top: importing pytorch_optimizer takes seconds
 
     threads = s.threads_for(arch, E, device)
@@ -587,24 +591,37 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
                 alias.grad = p.grad[e]
             opt.step()
 
-    n = max(2, s.steps[arch] // 4)
+    n = whole_periods(max(2, s.steps[arch] // 4), batched)
     for _ in range(2):  # past SOAP's initialising first step
         batched.step()
         loop()
     no_data = [()]  # the optimizer steps take no batch
-    r = alternate(
-        {"batched": (chunk(batched.step, no_data, n, threads), n), "per-member": (chunk(loop, no_data, n, threads), n)},
-        s.rounds,
-        device,
-    )
+    timed = {
+        "batched": (chunk(batched.step, no_data, n, threads), n),
+        "per-member": (chunk(loop, no_data, n, threads), n),
+        "refresh": (chunk(batched.refresh, no_data, 1, threads), 1),
+    }
+    if torch.device(device).type not in soap.LAPACK_QR_DEVICES:
+
+        def lapack_refresh() -> None:
+            with soap.lapack_qr_everywhere():
+                batched.refresh()
+
+        timed["refresh_lapack"] = (chunk(lapack_refresh, no_data, 1, threads), 1)
+    r = alternate(timed, s.rounds, device)
+    batched_ms = 1e3 / statistics.median(r["batched"])
+    refresh_ms = 1e3 / statistics.median(r["refresh"])
     return stack_row(
         arch,
         None,
         E,
         threads,
-        batched_ms=1e3 / statistics.median(r["batched"]),
+        batched_ms=batched_ms,
         per_member_ms=1e3 / statistics.median(r["per-member"]),
         speedup=median_ratio(r["batched"], r["per-member"]),
+        refresh_ms=refresh_ms,
+        refresh_share=refresh_ms / batched.frequency / batched_ms,  # of a step, one refresh per `frequency` steps
+        **({"refresh_lapack_ms": 1e3 / statistics.median(r["refresh_lapack"])} if "refresh_lapack" in r else {}),
     )
 
 

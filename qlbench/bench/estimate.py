@@ -75,7 +75,7 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     for key in ("tf32_total_s", "floor_s"):  # a table's total where every method has one
         if methods and all(key in m for m in methods.values()):
             out[key] = sum(m[key] for m in methods.values())
-    if together := at_once(report, arch, methods, members, adaptation[0]):
+    if together := at_once(report, arch, methods):
         out["at_once"] = together
     if cap:
         out["captured_at"] = max(r["members"] for r in cap.values())
@@ -97,18 +97,21 @@ def paper_estimate(report: dict, arch: str = "deep-narrow", compiled: bool = Fal
     return out
 
 
-def at_once(report: dict, arch: str, methods: dict[str, dict], members: int, steps: int) -> dict | None:
+def at_once(report: dict, arch: str, methods: dict[str, dict]) -> dict | None:
     """The table's total with the adapted methods of the run's `at_once` row trained as it trained them, its `width`
-    at a time (`--methods-at-once`): every one takes `steps` steps per member, so their training is that many rounds
-    of one step of each at the round's measured time, scaled linearly from its E to `members`; their warm-ups
-    (recordings, compilation) and evaluations are counted one after another (an upper bound: they overlap too), the
-    other methods (the pretraining, which comes first) as they are. None without such a row."""
+    at a time (`--methods-at-once`): their training steps, as the one-at-a-time estimate counts them (`train_s`
+    without the warm-up), divided by the row's speed-up (a round at once against the same round one method after
+    another, side by side in one run), so that the two totals differ by that ratio alone and not by how each
+    timing was taken (on an H200 the row's 40-step chunks held full-soap's eigenbases' refreshes, which the capture
+    rows' 4-step chunks mostly missed); their warm-ups (recordings, compilation) and evaluations counted one after
+    another (an upper bound: they overlap too), the other methods (the pretraining, which comes first) as they are.
+    None without such a row."""
     rows = [r for r in report.get("at_once", []) if r["arch"] == arch]
     inside = [m for m in rows[-1]["methods"] if m in methods] if rows else []
     if len(inside) < 2:
         return None
     r = rows[-1]
-    train = steps * r["at_once_ms"] / 1e3 * members / r["members"]
+    train = sum(methods[m]["train_s"] - methods[m]["warmup_s"] for m in inside) / r["at_once_speedup"]
     one_by_one = sum(methods[m]["warmup_s"] + methods[m]["eval_s"] for m in inside)
     rest = sum(v["total_s"] for m, v in methods.items() if m not in inside)
     return dict(methods=inside, width=r["width"], speedup=r["at_once_speedup"], total_s=train + one_by_one + rest)

@@ -101,7 +101,8 @@ TABLES = [
     ),
     Table(
         "soap",
-        "full-soap's optimizer step: batched vs one SOAP per member (paired)",
+        "full-soap's optimizer step: batched vs one SOAP per member (paired, over whole periods of the eigenbases' "
+        "refresh); the refresh alone",
         [
             Column("arch", "arch"),
             Column("E", "members"),
@@ -109,6 +110,9 @@ TABLES = [
             Column("batched StackedSoap ms/step", "batched_ms", digits(1)),
             Column("pytorch_optimizer.SOAP per member ms/step", "per_member_ms", digits(1)),
             Column("speed-up", "speedup", times),
+            Column("eigenbases' refresh ms (eager)", "refresh_ms", digits(1)),
+            Column("refresh share of a batched step", "refresh_share", share),
+            Column("refresh ms with torch.linalg.qr (CUDA: as before)", "refresh_lapack_ms", digits(1)),
         ],
     ),
     Table(
@@ -373,9 +377,9 @@ def estimate(est: dict) -> list[str]:
     if together := est.get("at_once"):
         out.append(
             f"\nWith the {len(together['methods'])} adapted methods of the `at_once` row trained "
-            f"{together['width']} at a time (`--methods-at-once {together['width']}`: a round of their steps measured "
-            f"at x{together['speedup']:.2f} the speed of one after another; their warm-ups and evaluations counted one "
-            f"after another): {together['total_s'] / 3600:.2f} h."
+            f"{together['width']} at a time (`--methods-at-once {together['width']}`: their training steps above at "
+            f"x{together['speedup']:.2f} the speed, a round at once against one after another as measured; their "
+            f"warm-ups and evaluations counted one after another): {together['total_s'] / 3600:.2f} h."
         )
     if par := est.get("parallel"):
         measured = ""

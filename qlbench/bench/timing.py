@@ -4,6 +4,7 @@ bandwidth, and FLOP counts of one real step or forward."""
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -14,6 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, bmm_flop, mm_flop
 
 from qlbench import engine
+from qlbench.soap import StackedSoap
 
 BATCH = 64
 
@@ -82,6 +84,16 @@ def alternate(fns: dict[str, tuple[Callable, int]], rounds: int, device) -> dict
 
 def median_ratio(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
+
+
+def whole_periods(n: int, *optimizers) -> int:
+    """n timed steps rounded up to whole periods of the optimisers' host work: StackedSoap (full-soap) refreshes its
+    eigenbases eagerly every `frequency` steps, so a timed chunk shorter than that holds a refresh in some rounds
+    and none in others, and its rate leaves the refresh out or counts it several times over. On an H200 the quick
+    bench's 4-step chunks gave a captured full-soap step far below what 40-step chunks of the same steps took
+    (docs/speed.md). Every run of `period` consecutive steps holds exactly one refresh."""
+    period = math.lcm(1, *(o.frequency for o in optimizers if isinstance(o, StackedSoap)))
+    return -(-n // period) * period
 
 
 def chunk(step, data, n, threads: int | None = None):
