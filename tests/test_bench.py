@@ -398,6 +398,12 @@ def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
     assert labels.index("deep-narrow capture full-soap E=45") < labels.index("deep-narrow capture lora E=5")
     cpu = [label for label, _ in cases.tasks(["deep-narrow"], ["lora"], s, "cpu", {})]
     assert not any("capture" in label for label in cpu)
+    # full-soap's optimiser step and refresh at the paper's width too on CUDA (its refresh's 3,060 QRs), not the
+    # Transformer's 45 per-member SOAP states; on the CPU at the settings' widths only
+    assert {"deep-narrow SOAP E=5", "deep-narrow SOAP E=45", "transformer SOAP E=5"} <= set(labels)
+    assert "transformer SOAP E=45" not in labels
+    cpu = [label for label, _ in cases.tasks(["deep-narrow"], ["full-soap"], s, "cpu", {}) if "SOAP" in label]
+    assert cpu == ["deep-narrow SOAP E=5"]
 
 
 def test_a_runs_capture_rows_get_its_measured_rates_for_their_floor(monkeypatch):

@@ -779,8 +779,9 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                 out.append(
                     (f"{arch} suite {m} E={E}", add("suite", lambda a=arch, m=m, E=E: suite_row(a, m, E, s, device)))
                 )
-        if "full-soap" in methods:
-            for E in s.members:
+        if "full-soap" in methods:  # on CUDA at the paper's 45 members too: its refresh's QRs, 3,060 matrices there
+            cuda_widths = {PAPER_MEMBERS} if torch.device(device).type == "cuda" else set()
+            for E in sorted(set(s.members) | cuda_widths):
                 if arch == "transformer" and E > 5:
                     continue  # 45 per-member SOAP states of a 6.3M-parameter model
                 out.append((f"{arch} SOAP E={E}", add("soap", lambda a=arch, E=E: soap_row(a, E, s, device))))
