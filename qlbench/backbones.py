@@ -179,6 +179,34 @@ class StackedLayerNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight.view(shape) + self.bias.view(shape)
 
 
+# Devices whose attention is PyTorch's fused F.scaled_dot_product_attention at every length: the CPU, as it always has
+# been, so its numbers keep their bits. Elsewhere (CUDA, and the meta device that counts CUDA's kernels) sequences of
+# up to SHORT_SEQUENCE tokens take `short_attention`: on an H200 the fused memory-efficient kernels, tiled for 64
+# queries, took half the kernel time of a captured Transformer LoRA step at 45 members (7.7 of 15.2 ms, docs/speed.md)
+# on this backbone's sequences of two tokens.
+FUSED_ATTENTION_DEVICES = ("cpu",)
+SHORT_SEQUENCE = 16
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_h)) v per head, q, k, v (N, T, H, d_h) -> (N, T, H, d_h): F.scaled_dot_product_attention
+    on FUSED_ATTENTION_DEVICES and for longer sequences, `short_attention` elsewhere."""
+    kind = "cpu" if q.is_cpu else q.device.type  # is_cpu: an attribute read, where .device builds an object
+    if kind in FUSED_ATTENTION_DEVICES or q.shape[1] > SHORT_SEQUENCE:
+        heads = lambda t: t.transpose(1, 2)  # (N, H, T, d_h)
+        return F.scaled_dot_product_attention(heads(q), heads(k), heads(v)).transpose(1, 2)
+    return short_attention(q, k, v)
+
+
+def short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The same attention as broadcast products and sums over the T x T query-key pairs (T small): a handful of
+    element-wise kernels in the tokens' own layout, no (N H) batch of T x T matmuls and no copies into heads-first
+    layout. q, k, v (N, T, H, d_h) -> (N, T, H, d_h)."""
+    scores = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1) * q.shape[-1] ** -0.5  # (N, T, S, H): query t, key s
+    weights = torch.softmax(scores, dim=2)  # over the keys
+    return (weights.unsqueeze(-1) * v.unsqueeze(1)).sum(2)  # (N, T, H, d_h)
+
+
 class EncoderLayer(nn.Module):
     """Pre-LN encoder layer: h + Attn(LN(h)), then h + FFN(LN(h)); q, k, v, o, fc1, fc2 are adapter targets."""
 
@@ -196,9 +224,8 @@ class EncoderLayer(nn.Module):
         H = self.n_heads
         # q, k and v read the same input; a router that needs their joint rank state sees them together.
         q, k, v = project_group((self.q, self.k, self.v), self.ln1(h), ctx)  # each (E, B, T, d)
-        heads = lambda t: t.reshape(E * B, T, H, d // H).transpose(1, 2)  # (E*B, H, T, d/H)
-        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
-        a = a.transpose(1, 2).reshape(E, B, T, d)
+        tokens = lambda t: t.reshape(E * B, T, H, d // H)  # (E*B, T, H, d/H)
+        a = attention(tokens(q), tokens(k), tokens(v)).reshape(E, B, T, d)
         h = h + self.o(a, ctx)
         return h + self.fc2(F.gelu(self.fc1(self.ln2(h), ctx)), ctx)
 

@@ -131,3 +131,49 @@ def _nodes(fn) -> set:
             seen.add(node)
             stack.extend(n for n, _ in node.next_functions)
     return seen
+
+
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_short_attention_is_scaled_dot_product_attention(T):
+    """`backbones.short_attention` (the Transformer's attention off the CPU for short sequences) against
+    F.scaled_dot_product_attention, the oracle, in float64: the output and the gradients of q, k and v, per head,
+    in the tokens' (N, T, H, d_h) layout."""
+    from qlbench.backbones import short_attention
+
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(6, T, 4, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    heads = lambda t: t.transpose(1, 2)  # (N, H, T, d_h), as SDPA takes them
+    want = heads(torch.nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v)))
+    got = short_attention(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    w = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), w), torch.autograd.grad(want, (q, k, v), w), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_the_transformer_off_the_cpu_attends_as_on_it(monkeypatch):
+    """A Transformer stack (float64, 2 members) with its attention as off the CPU (the CPU taken off
+    backbones.FUSED_ATTENTION_DEVICES: `short_attention` for its sequences of two tokens) gives the CPU path's loss
+    and gradients to rounding, and forcing it did take that path."""
+    from qlbench import backbones
+
+    xb, yb = (t.double()[:, :8] for t in batches(2, "cpu", n=1)[0])
+    calls = []
+    short = backbones.short_attention
+    monkeypatch.setattr(backbones, "short_attention", lambda *a: (calls.append(1), short(*a))[1])
+
+    def grads():
+        model, _ = stacked_model("transformer", "lora", 2, "cpu")
+        model.double()
+        loss = ((model(xb) - yb) ** 2).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    loss, want = grads()
+    assert not calls  # the CPU: F.scaled_dot_product_attention, as before
+    monkeypatch.setattr(backbones, "FUSED_ATTENTION_DEVICES", ())
+    got_loss, got = grads()
+    assert len(calls) == 8  # one per encoder layer
+    torch.testing.assert_close(got_loss, loss, rtol=1e-12, atol=0)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
