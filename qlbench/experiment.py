@@ -23,6 +23,7 @@ from qlbench.planning import (
     check_overrides,
     check_settings,
     dry_build,
+    resolve_at_once,
     seed_count,
 )
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
@@ -168,12 +169,13 @@ def plan(
     backbone_init: str = DEFAULT_INIT,
     eps: float = adapters.EPS,
     noise: str = zoo.DEFAULT_NOISE,
-    methods_at_once: int = 1,
+    methods_at_once: int | str = 1,
 ) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults. `cuda`: whether
     the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`).
-    `methods_at_once`: how many methods' stacks train at once in this process (`engine.concurrently`); above 1
-    `compile` auto does not compile (torch.compile's caches are the process's) and `compile` on is refused."""
+    `methods_at_once`: how many methods' stacks train at once in this process (`engine.concurrently`), or "auto"
+    (`planning.resolve_at_once`: every method on CUDA for deep-narrow, else 1; the CLI's default); above 1 `compile`
+    auto does not compile (torch.compile's caches are the process's) and `compile` on is refused."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, backbone_init)
@@ -206,6 +208,7 @@ def plan(
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
     check_at_once(methods_at_once, compile)
     dev = engine.resolve_device(device, cuda)
+    methods_at_once = resolve_at_once(methods_at_once, arch, dev, len(methods), compile, local=cuda is None)
     width = None
     if cuda is None:  # trains on this machine (a Ray plan's workers are elsewhere): every stack at once must fit
         at_once = min(methods_at_once, len(methods))

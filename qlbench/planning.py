@@ -48,17 +48,36 @@ def check_settings(*, eps, dtype: str, threads) -> None:
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
 
 
+# Where `--methods-at-once auto` trains every method's stack at once: on CUDA, the backbones whose captured steps are
+# bound by launching small kernels (on an H200 deep-narrow's nine trained methods at the paper's 45 members each ran
+# x1.35 faster at once, and its quick sweep and quick run took x0.74 and x0.61 of the time, records identical;
+# docs/speed.md). The Transformer's steps keep the device busy (92 to 98%): not measured at once, left one at a time.
+AT_ONCE_ARCHS = ("deep-narrow",)
+
+
 def check_at_once(methods_at_once, compile: str) -> None:
-    """ValueError naming the valid values unless `methods_at_once` is an integer >= 1 that `compile` allows:
-    torch.compile is not used with stacks trained at once (its caches are the process's, and each training run resets
-    them)."""
+    """ValueError naming the valid values unless `methods_at_once` is "auto" or an integer >= 1 that `compile`
+    allows: torch.compile is not used with stacks trained at once (its caches are the process's, and each training
+    run resets them)."""
+    if methods_at_once == "auto":
+        return
     if isinstance(methods_at_once, bool) or not isinstance(methods_at_once, int) or methods_at_once < 1:
-        raise ValueError(f"methods at once must be an integer >= 1, got {methods_at_once!r}")
+        raise ValueError(f"methods at once must be an integer >= 1 or auto, got {methods_at_once!r}")
     if methods_at_once > 1 and compile == "on":
         raise ValueError(
             "--compile on trains one method at a time (torch.compile's caches are the process's); "
             "valid with --methods-at-once above 1: --compile auto or off"
         )
+
+
+def resolve_at_once(methods_at_once, arch: str, device: torch.device, methods: int, compile: str, local: bool) -> int:
+    """How many methods' stacks train at once: an integer as given; "auto": all of them (`methods`) where the stacks
+    train on this machine (`local`: not on Ray's workers), on CUDA, for an arch of AT_ONCE_ARCHS, and `compile` is
+    not "on"; else 1 (the CPU's cores are already the stacks', and its numbers stay those of one at a time)."""
+    if methods_at_once != "auto":
+        return methods_at_once
+    together = local and device.type == "cuda" and arch in AT_ONCE_ARCHS and compile != "on"
+    return methods if together else 1
 
 
 def seed_count(budget: engine.Budget, seeds: int | None) -> int:

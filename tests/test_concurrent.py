@@ -3,7 +3,7 @@ method at a time, bit for bit, eager and through the captured step (its CPU stan
 failed record and the others are written; bad settings are refused before any work; the memory check counts every
 stack that trains at once; a recording runs alone while the others wait at their next step (the gate, alone and as
 the engine wires it, through the stand-in). What this cannot check without a GPU: CUDA streams, and CUDA's own
-recordings beside other threads (tests/test_cuda.py, and `make gpu-check`'s run-at-once)."""
+recordings beside other threads (tests/test_cuda.py, and `make gpu-check`'s run-quick, at once by default there)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,8 @@ def test_a_method_that_fails_among_those_at_once_is_a_failed_record_and_the_othe
 @pytest.mark.parametrize(
     "extra, problem",
     [
-        (["--methods-at-once", "0"], "methods at once must be an integer >= 1, got 0"),
+        (["--methods-at-once", "0"], "methods at once must be an integer >= 1 or auto, got 0"),
+        (["--methods-at-once", "all"], "methods at once must be an integer >= 1 or auto, got 'all'"),
         (["--methods-at-once", "2", "--compile", "on"], "valid with --methods-at-once above 1: --compile auto or off"),
         (["--methods-at-once", "2", "--executor", "ray"], "--methods-at-once only applies to --executor local"),
     ],
@@ -116,6 +117,33 @@ def test_bad_methods_at_once_is_one_line_before_any_work(tmp_path, capsys, extra
     line = one_line_error(capsys, [*SWEEP, *extra, "--out", str(tmp_path)])
     assert problem in line
     assert not (tmp_path / "records").exists()
+
+
+def test_methods_at_once_auto_trains_every_method_at_once_on_cuda_for_deep_narrow_only():
+    """`--methods-at-once auto` (the CLI's default): every method's stack at once where it was measured to pay (CUDA,
+    deep-narrow, stacks on this machine, not --compile on), else one at a time; an integer as given."""
+    from qlbench.planning import resolve_at_once
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_at_once("auto", "deep-narrow", cuda, 9, "auto", local=True) == 9
+    assert resolve_at_once("auto", "deep-narrow", cuda, 9, "off", local=True) == 9
+    assert resolve_at_once("auto", "deep-narrow", cpu, 9, "auto", local=True) == 1  # the CPU: as before
+    assert resolve_at_once("auto", "transformer", cuda, 9, "auto", local=True) == 1  # busy device: not measured
+    assert resolve_at_once("auto", "deep-narrow", cuda, 9, "on", local=True) == 1  # compiled: one at a time
+    assert resolve_at_once("auto", "deep-narrow", cuda, 9, "auto", local=False) == 1  # Ray's workers
+    assert resolve_at_once(3, "transformer", cpu, 9, "auto", local=True) == 3
+
+
+def test_the_cli_default_trains_one_method_at_a_time_on_the_cpu(tmp_path):
+    """Without --methods-at-once (auto) on the CPU, the plan trains one method at a time, and compiles where the
+    budget does, as before auto; `auto` given explicitly is the same; Ray takes auto."""
+    from qlbench.commands import run as run_command
+
+    args = cli.build_parser().parse_args(["sweep", "--arch", "deep-narrow", "--functions", "matyas"])
+    assert args.methods_at_once == "auto" and run_command.check_executor(args) == "local"
+    kwargs = dict(functions=["matyas"], arch="deep-narrow", budget="paper", device="cpu", out_dir=tmp_path)
+    plan = experiment.plan(**kwargs, methods_at_once="auto")
+    assert plan.methods_at_once == 1 and plan.compile == experiment.plan(**kwargs).compile
 
 
 def test_compile_auto_does_not_compile_stacks_trained_at_once(tmp_path):

@@ -12,9 +12,10 @@
 # The other parts, for further calls: bench-transformer (at most 250 s; 155 s did not reach its last row and estimate
 # on an H200); wide-at-once (at most 250 s): the quick sweep of every function
 # at the paper's stack width (five seeds: 45 members per method), the nine trained methods one at a time and then all
-# at once (--methods-at-once, each its own thread and CUDA stream), their records compared; run-at-once (85 s): the
-# quick run again with every method at once, its records compared with run-quick's (the first call's, or run-quick
-# in the same call); paper-deep-narrow and paper-transformer (35 and 45 s): a paper-budget LoRA cell on each
+# at once (--methods-at-once, each its own thread and CUDA stream), their records compared; run-one-at-a-time (85 s):
+# the quick run again with one method at a time (run-quick trains them all at once, the default on CUDA for
+# deep-narrow), its records compared with run-quick's (the first call's, or run-quick in the same call);
+# paper-deep-narrow and paper-transformer (35 and 45 s): a paper-budget LoRA cell on each
 # backbone, compiled and captured as the paper budget runs on CUDA, stopped at its limit (its log shows the rate and
 # the ETA); bench-compiled (at most 240 s): LoRA's and Queryable LoRA's steps compiled + captured (what the paper
 # budget runs on CUDA) at E = 5 and 45.
@@ -53,9 +54,10 @@ part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIM
 }
 # the timed parts first, alone on the device; the paper cells show their progress (steps/s, ETA) in their logs
 part run-quick 80 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --no-progress --out $RES && $PY docs/gpu/stage-times.py $RES"
-# the same run with its 11 methods at once, in a results folder of its own (the records of run-quick would be reused),
-# then every record against run-quick's (in the second call, run-quick's records are there from the first)
-part run-at-once 85 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --methods-at-once 11 --no-progress --out $RES-at-once && $PY docs/gpu/same-records.py $RES $RES-at-once"
+# the same run one method at a time (run-quick's default trains its 11 methods at once on CUDA), in a results folder
+# of its own (the records of run-quick would be reused), then every record against run-quick's (in the second call,
+# run-quick's records are there from the first)
+part run-one-at-a-time 85 "$Q run --function dropwave --arch deep-narrow --budget quick --device cuda --methods-at-once 1 --no-progress --out $RES-one && $PY docs/gpu/same-records.py $RES $RES-one"
 # the paper-table estimate of every default method, one backbone per part (each part's report is written whole when
 # it ends; a part stopped at its limit leaves the rows measured so far in bench.partial.json): its training step
 # captured at E = 5 and at the paper's 45 (over whole periods of full-soap's eigenbases' refresh), kernels per step,
@@ -79,7 +81,7 @@ part bench-transformer 250 "$Q bench --quick --device cuda --archs transformer -
 # about 10 minutes one at a time), captured, one at a time and then all at once, each process printing its wall time;
 # then their records compared
 W="sweep --arch deep-narrow --budget quick --seeds 5 --methods $M --device cuda --no-progress"
-part wide-at-once 250 "$Q $W --out $RES-wide && $Q $W --methods-at-once 9 --out $RES-wide-at-once && $PY docs/gpu/same-records.py $RES-wide $RES-wide-at-once && $PY docs/gpu/stage-times.py $RES-wide && $PY docs/gpu/stage-times.py $RES-wide-at-once"
+part wide-at-once 250 "$Q $W --methods-at-once 1 --out $RES-wide && $Q $W --methods-at-once 9 --out $RES-wide-at-once && $PY docs/gpu/same-records.py $RES-wide $RES-wide-at-once && $PY docs/gpu/stage-times.py $RES-wide && $PY docs/gpu/stage-times.py $RES-wide-at-once"
 # the paper budget's own training step on CUDA (compiled + captured) against captured eager, for the method pair
 # whose step ratio is a target, on both backbones; not in the default call
 part bench-compiled 240 "$Q bench --quick --compile on --device cuda --methods lora,queryable --only throughput,capture --no-progress --out $OUT/bench-compiled"

@@ -84,7 +84,7 @@ def check_executor(args) -> str:
     """The executor, after its options are checked (UsageError naming the problem and the valid choices)."""
     executor = getattr(args, "executor", "local")
     valid = f"valid executors: {', '.join(EXECUTORS)}"
-    if executor == "ray" and args.methods_at_once != 1:
+    if executor == "ray" and args.methods_at_once not in (1, "auto"):
         raise UsageError("--methods-at-once only applies to --executor local (Ray runs each method stack as a task)")
     if executor != "ray":
         for name in RAY_OPTIONS:
@@ -112,15 +112,26 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--methods-at-once",
-        type=int,
-        default=1,
-        metavar="N",
+        type=at_once_value,
+        default="auto",
+        metavar="N|auto",
         help="train up to N methods' stacks at once in this process, each in its own thread and, on CUDA, its own "
-        "stream, so that small stacks' kernels overlap on the GPU; the numbers do not change (default 1; not with "
-        "--compile on or --executor ray)",
+        "stream, so that small stacks' kernels overlap on the GPU; the numbers do not change (default auto: every "
+        "method at once on CUDA for deep-narrow, else 1; N above 1 not with --compile on or --executor ray)",
     )
     options.add_training_options(p)
     options.add_output_options(p)
+
+
+def at_once_value(text: str) -> int | str:
+    """--methods-at-once's value: "auto", or an integer as written (its range is checked with the other settings,
+    planning.check_at_once); anything else is kept as written, so that check names it."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def run(args, functions: list[str]) -> int:
