@@ -33,7 +33,6 @@ stops updating from that step on (it is diverged; the others go on), as with one
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -208,13 +207,14 @@ class StackedSoap:
         if step % self.frequency == 0:
             self.refresh()
 
-    def refresh(self) -> None:
+    def refresh(self, lapack_qr: bool = False) -> None:
         """Every group's eigenbases refreshed now (one power iteration and QR per factor; `after_update` calls it
         every `precondition_frequency` steps). Eager, launched from the host: on CUDA the one part of a step that a
         captured step does not record, so a bench that times fewer steps than its period leaves it out. The QRs of
-        every group's factors of one size run as one batch (`orthonormal_bases`)."""
+        every group's factors of one size run as one batch (`orthonormal_bases`); `lapack_qr`: torch.linalg.qr at
+        every size on every device, as before `householder_q` (`qlbench bench`'s soap row times both)."""
         pairs = [pair for group in self.groups for pair in self._powers(group["state"])]
-        for (old, _), q in zip(pairs, orthonormal_bases([power for _, power in pairs])):
+        for (old, _), q in zip(pairs, orthonormal_bases([power for _, power in pairs], lapack_qr)):
             old.copy_(q)  # in place: a recorded update reads these tensors at every replay
 
     def _gradients(self) -> list[torch.Tensor]:
@@ -283,20 +283,7 @@ LAPACK_QR_DEVICES = frozenset({"cpu"})
 HOUSEHOLDER_MAX_SIZE = 64
 
 
-@contextlib.contextmanager
-def lapack_qr_everywhere():
-    """Inside the block the refresh takes torch.linalg.qr at every size on every device, as before `householder_q`
-    (`qlbench bench`'s soap row times both on the same optimiser, side by side). Not thread-safe: a module setting."""
-    global LAPACK_QR_DEVICES, HOUSEHOLDER_MAX_SIZE
-    before = LAPACK_QR_DEVICES, HOUSEHOLDER_MAX_SIZE
-    LAPACK_QR_DEVICES, HOUSEHOLDER_MAX_SIZE = LAPACK_QR_DEVICES, 0
-    try:
-        yield
-    finally:
-        LAPACK_QR_DEVICES, HOUSEHOLDER_MAX_SIZE = before
-
-
-def orthonormal_bases(powers: list[torch.Tensor]) -> list[torch.Tensor]:
+def orthonormal_bases(powers: list[torch.Tensor], lapack_qr: bool = False) -> list[torch.Tensor]:
     """Each (B_k, s_k, s_k) batch's Q (`orthonormal_basis`, in float32 as pytorch_optimizer's QR, returned in the
     batch's dtype), the batches of one size and dtype concatenated into one: on CUDA the Householder QR's launches
     follow the sizes, not the batches (deep-narrow's six factor batches are four of 32 x 32). Each matrix is
@@ -307,17 +294,18 @@ def orthonormal_bases(powers: list[torch.Tensor]) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(powers)
     for ks in sizes.values():
         together = torch.cat([powers[k] for k in ks]).to(torch.float32)  # (sum of B_k, s, s)
-        qs = orthonormal_basis(together).split([powers[k].shape[0] for k in ks])
+        qs = orthonormal_basis(together, lapack_qr).split([powers[k].shape[0] for k in ks])
         for k, q in zip(ks, qs):
             out[k] = q.to(powers[k].dtype)
     return out
 
 
-def orthonormal_basis(a: torch.Tensor) -> torch.Tensor:
+def orthonormal_basis(a: torch.Tensor, lapack_qr: bool = False) -> torch.Tensor:
     """Q of the QR decomposition of each square matrix in the batch a (B, s, s): `torch.linalg.qr` on the devices
     of LAPACK_QR_DEVICES (the CPU's numbers as before) and above HOUSEHOLDER_MAX_SIZE, `householder_q` elsewhere
-    (the same reflections, in batched ops; equal to rounding, tests/test_soap.py)."""
-    if a.device.type in LAPACK_QR_DEVICES or a.shape[-1] > HOUSEHOLDER_MAX_SIZE:
+    (the same reflections, in batched ops; equal to rounding, tests/test_soap.py); with `lapack_qr`, torch.linalg.qr
+    everywhere."""
+    if lapack_qr or a.device.type in LAPACK_QR_DEVICES or a.shape[-1] > HOUSEHOLDER_MAX_SIZE:
         return torch.linalg.qr(a)[0]
     return householder_q(a)
 

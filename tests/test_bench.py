@@ -184,9 +184,9 @@ def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monke
     refreshes = [0]
     real = StackedSoap.refresh
 
-    def counted(self):
+    def counted(self, **how):
         refreshes[0] += 1
-        real(self)
+        real(self, **how)
 
     seen: dict[str, list[int]] = {}
 
@@ -209,7 +209,7 @@ def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monke
         assert row["refresh_share"] == pytest.approx(row["refresh_ms"] / 10 / row["batched_ms"])
         assert "refresh_lapack" not in seen and "refresh_lapack_ms" not in row  # the CPU's refresh is LAPACK's
         # where the small QRs take the Householder reflections (CUDA; here the CPU made to), both refreshes side by
-        # side, the one before inside lapack_qr_everywhere (which restores the setting after it)
+        # side, the one before through refresh(lapack_qr=True) (the module's setting left as it was)
         import qlbench.soap
 
         seen.clear()
@@ -219,7 +219,7 @@ def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monke
         monkeypatch.setattr(qlbench.soap, "householder_q", lambda a: (paths.append(True), householder_q(a))[1])
         row = cases.soap_row("deep-narrow", 2, s, torch.device("cpu"))
         assert seen["refresh_lapack"] == [1] and row["refresh_lapack_ms"] > 0
-        assert qlbench.soap.HOUSEHOLDER_MAX_SIZE == 64 and paths  # the Householder path taken outside the block
+        assert qlbench.soap.HOUSEHOLDER_MAX_SIZE == 64 and paths  # the Householder path taken without lapack_qr
 
 
 def test_paper_estimate_by_hand():

@@ -602,12 +602,7 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
         "refresh": (chunk(batched.refresh, no_data, 1, threads), 1),
     }
     if torch.device(device).type not in soap.LAPACK_QR_DEVICES:
-
-        def lapack_refresh() -> None:
-            with soap.lapack_qr_everywhere():
-                batched.refresh()
-
-        timed["refresh_lapack"] = (chunk(lapack_refresh, no_data, 1, threads), 1)
+        timed["refresh_lapack"] = (chunk(lambda: batched.refresh(lapack_qr=True), no_data, 1, threads), 1)
     r = alternate(timed, s.rounds, device)
     batched_ms = 1e3 / statistics.median(r["batched"])
     refresh_ms = 1e3 / statistics.median(r["refresh"])
