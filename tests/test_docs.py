@@ -359,3 +359,46 @@ def test_gpu_check_runs_only_commands_the_cli_accepts(capsys):
     planted_options = ("--only throughput,kernels", " -b ", "--compile yes")
     stale = sum(o in f"{line} " for line in gpu_check_commands(planted) for o in planted_options)
     assert stale >= 4 and len(gpu_check_problems(planted)) == stale
+
+
+# A GPU call lasts at most 600 s, with the start, the wheels' install and the transfers in it: the default parts'
+# limits must leave that room, or the last part (the CUDA tests) is cut short and the call is wasted.
+GPU_CALL_PARTS_S = 560
+
+
+def gpu_check_default_parts(script: str) -> tuple[list[str], dict[str, int], list[str]]:
+    """docs/gpu/gpu-check.sh's default parts (its PARTS line), every part's limit in seconds (its `part NAME LIMIT`
+    lines), and the default parts its header comment names."""
+    default = re.search(r'^PARTS=" \$\{GPU_CHECK_PARTS:-([^}]*)\} "', script, re.M).group(1).split()
+    limits = {name: int(limit) for name, limit in re.findall(r"^part ([\w-]+) (\d+) ", script, re.M)}
+    header = re.search(r"^# GPU_CHECK_PARTS \(default, in this order: ([^;]*);", script, re.M).group(1).split()
+    return default, limits, header
+
+
+def gpu_check_default_problems(script: str) -> list[str]:
+    """What is wrong with the script's default call: a part it names that does not exist, limits that do not fit
+    one call, or a header that names other parts than the PARTS line runs."""
+    default, limits, header = gpu_check_default_parts(script)
+    problems = [f"default part {name} has no `part` line" for name in default if name not in limits]
+    total = sum(limits.get(name, 0) for name in default)
+    if total > GPU_CALL_PARTS_S:
+        problems.append(f"default parts' limits add up to {total} s, over {GPU_CALL_PARTS_S} s")
+    if header != default:
+        problems.append(f"header names {header}, PARTS runs {default}")
+    return problems
+
+
+def test_gpu_check_default_call_fits_one_gpu_call():
+    script = (ROOT / "docs" / "gpu" / "gpu-check.sh").read_text()
+    default, limits, _ = gpu_check_default_parts(script)
+    assert "test-cuda" in default and "run-quick" in default and len(limits) >= 8
+    assert gpu_check_default_problems(script) == []
+    # planted: the Transformer bench in the default in place of compiled-exit (as the script once had it): over the
+    # call's time, and not what its header says
+    planted = script.replace("compiled-exit test-cuda} ", "bench-transformer test-cuda} ")
+    assert planted != script
+    problems = gpu_check_default_problems(planted)
+    assert any("add up to 625 s" in p for p in problems) and any("header names" in p for p in problems)
+    assert "default part nope has no `part` line" in gpu_check_default_problems(
+        script.replace("compiled-exit test-cuda} ", "nope test-cuda} ")
+    )

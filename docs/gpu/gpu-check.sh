@@ -41,7 +41,7 @@ S=$OUT/summary.txt
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())'
 } > "$S" 2>&1
-PARTS=" ${GPU_CHECK_PARTS:-run-quick bench-deep-narrow bench-transformer test-cuda} "
+PARTS=" ${GPU_CHECK_PARTS:-run-quick bench-deep-narrow compiled-exit test-cuda} "  # the default: the header's list
 part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIMIT seconds, log in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   [[ $PARTS == *" $name "* ]] || return 0
