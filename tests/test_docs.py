@@ -305,11 +305,11 @@ def gpu_check_commands(script: str) -> list[str]:
     values = {f"${k}": v for k, v in re.findall(r'^([A-Z]+)="([^"]*)"$', script, re.M)}  # P="run ..." and the like
     values |= {"$RES": "gpu-check-results", "$OUT": "gpu-check", "$arch": "deep-narrow", "$M": trained}
     lines = []
-    # each qlbench command of a part ($Q, or $QX: the same with a fault handler's timed stack dump); a check after it
-    # is not one
-    for part in re.findall(r'"(\$QX? [^"]+)"', script):
-        for cmd in part.split(" && "):
-            if cmd.startswith(("$Q ", "$QX ")):
+    # each qlbench command of a part ($Q; $QX, the same with a fault handler's timed stack dump; $QT, under a time
+    # limit of its own); a check or a step after it (after && or ;) is not one
+    for part in re.findall(r'"(\$Q[A-Z]* [^"]+)"', script):
+        for cmd in re.split(r" && |; ", part):
+            if re.match(r"\$Q[A-Z]* ", cmd):
                 cmd = cmd.split(" ", 1)[1]
                 for var, value in values.items():
                     cmd = cmd.replace(var, value)

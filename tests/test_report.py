@@ -3,9 +3,11 @@ marked, every number says its seed count, tables never mix (arch, budget), LaTeX
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -426,3 +428,30 @@ def test_real_table_decides_vs_lora_on_holm_over_its_methods():
     assert iq["p_holm"] == pytest.approx(2 * iq["p"]) and iq["outcome"] == "tie"
     legend = real_report.legend(real_report.comparisons(f))
     assert "Holm-adjusted over the table's 2 comparisons with LoRA" in legend and "on the Holm p" in legend
+
+
+def test_gpu_per_seed_csv_holds_every_records_seeds(sweep_folder, tmp_path):
+    """docs/gpu/per-seed.py (what a GPU call brings back of a paper table): one row per record and seed, each
+    value as the record's JSON holds it (read here directly, not through the loader the script uses)."""
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "docs" / "gpu" / "per-seed.py"
+    spec = importlib.util.spec_from_file_location("per_seed", script)
+    per_seed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(per_seed)
+    out = tmp_path / "per-seed.csv"
+    assert per_seed.main(sweep_folder, out) == 0
+    frame = pd.read_csv(out, dtype={"config_hash": str})
+    assert list(frame.columns) == per_seed.COLUMNS
+    expected = {}
+    for path in (sweep_folder / "records").rglob("*.json"):
+        rec = json.loads(path.read_text())
+        config = rec["run_info"]["config"]
+        for s in rec["train_info"]["per_seed"]:
+            key = (config["function"], config["method"], s["seed"])
+            expected[key] = (s["best_test_mse"], s["test_at_best_train"], rec["run_info"]["config_hash"])
+    assert len(expected) == 2 * 5 * 3 and len(frame) == len(expected)
+    for row in frame.itertuples():
+        best, at_train, config_hash = expected[(row.function, row.method, row.seed)]
+        assert (row.best_test_mse, row.test_at_best_train, row.config_hash) == (best, at_train, config_hash)
+    assert per_seed.main(tmp_path / "nothing", tmp_path / "none.csv") == 1  # an empty folder: said, exit 1

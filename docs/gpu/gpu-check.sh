@@ -18,7 +18,8 @@
 # paper-deep-narrow and paper-transformer (35 and 45 s): a paper-budget LoRA cell on each
 # backbone, compiled and captured as the paper budget runs on CUDA, stopped at its limit (its log shows the rate and
 # the ETA); bench-compiled (at most 240 s): LoRA's and Queryable LoRA's steps compiled + captured (what the paper
-# budget runs on CUDA) at E = 5 and 45.
+# budget runs on CUDA) at E = 5 and 45; paper-table (at most 585 s, a call of its own): the deep-narrow paper table
+# itself, its report, every seed's numbers and its records brought back (docs/speed.md gives the call's command).
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # a process that crashes in native code prints every thread's Python stack first
 OUT=${GPU_CHECK_OUT:-gpu-check}
@@ -40,6 +41,7 @@ Q="$PY -c 'import sys; from qlbench.cli import main; sys.exit(main())'"
 S=$OUT/summary.txt
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())'
+  git rev-parse HEAD 2>/dev/null || echo "not a git checkout: the records written here name no commit"
 } > "$S" 2>&1
 PARTS=" ${GPU_CHECK_PARTS:-run-quick bench-deep-narrow compiled-exit test-cuda} "  # the default: the header's list
 part() {  # part NAME LIMIT COMMAND...: run COMMAND as a whole process under LIMIT seconds, log in $OUT/NAME.log
@@ -87,6 +89,16 @@ part wide-at-once 250 "$Q $W --methods-at-once 1 --out $RES-wide && $Q $W --meth
 part bench-compiled 240 "$Q bench --quick --compile on --device cuda --methods lora,queryable --only throughput,capture --no-progress --out $OUT/bench-compiled"
 part paper-deep-narrow 35 "$Q run --function dropwave --arch deep-narrow --budget paper --methods lora --device cuda --out $RES"
 part paper-transformer 45 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
+# the deep-narrow paper table itself (9 functions x 5 seeds x every default method, 5,000 epochs, every method's
+# stack of 45 at once, the default there), timed as a whole process: the 10-minute target measured, not estimated.
+# The sweep stops at 515 s (its progress line in the log gives the rate and the time left); then whatever finished is
+# reported there (`qlbench report`, tables and statistics, no figures), every seed's numbers go into one small CSV
+# (docs/gpu/per-seed.py), and the records (without the adapters' weights) into 15 MiB pieces
+# paper-records.tgz.00, .01, ... when they come to at most 45 MiB: a call brings back at most 8 files of 16 MiB, 64 MiB
+# in all, so the pieces are moved to the call's own folder beside the tarred logs (docs/speed.md gives the call)
+QT="timeout -k 5 515 $Q"
+P="sweep --arch deep-narrow --budget paper --device cuda --out $RES-paper"
+part paper-table 585 "$QT $P; rc=\$?; $PY docs/gpu/stage-times.py $RES-paper; $Q report $RES-paper --budget paper --format md,csv --no-figures --out $OUT/paper-report; $PY docs/gpu/per-seed.py $RES-paper $OUT/paper-per-seed.csv; tar czf $OUT/paper-records.tgz --exclude='*.pt' -C $RES-paper records && if [ \$(stat -c %s $OUT/paper-records.tgz) -le 47185920 ]; then split -b 15M -d $OUT/paper-records.tgz $OUT/paper-records.tgz.; else echo paper-records.tgz: over 45 MiB, not brought back; fi; rm -f $OUT/paper-records.tgz; [ \$rc -eq 124 ] && echo the sweep stopped at its 515 s: not finished; exit \$rc"
 # then the CUDA tests (not timed; the compiled bench's exit is the part compiled-exit above): on 8 processes where pytest-xdist is installed, each test's outcome on its own
 # line as it ends (-v), and each test under 140 s where pytest-timeout is, so the failures' reasons are printed before
 # the part's own limit (the thread method: it prints every thread's stack, even when the test waits in C code, where
