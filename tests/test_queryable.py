@@ -310,3 +310,48 @@ def _graph_nodes(fn, seen=None) -> list:
         out.append(node)
         stack.extend(n for n, _ in node.next_functions)
     return out
+
+
+def _step_per_block_means(arch: str, **config) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and every trainable gradient of one float32 step of a default-size stack of 2 (build_backbone), B and the
+    gates opened so that every routed path reaches the loss."""
+    registered = adapters.get("queryable")
+    model = registered.build(
+        build_backbone(arch, [0, 1]), registered.make_config(**config), gens("queryable", members=2), None
+    )
+    with torch.no_grad():
+        g = generator("test", "means")
+        for name, p in model.named_parameters():
+            if name.endswith("_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            if name.endswith("queryable_eta"):
+                p.fill_(0.5)
+    loss = model(inputs().float()).square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("arch, n_blocks", [("deep-narrow", None), ("transformer", None), ("deep-narrow", 3)])
+def test_block_means_taken_once_give_the_per_block_recomputation(arch, n_blocks, monkeypatch):
+    """RoutingState.summaries takes each completed block's mean once per forward. Against the definition recomputed
+    at every block's entry (sbar_i = the mean of block i's layers' rank states, Algorithm 2, as the code did before):
+    at the default sizes (8 layers a block on deep-narrow, 2 on the Transformer) the loss and every gradient are the
+    same bits; with 3 blocks of 11, 11 and 10 layers the same values to float32 rounding."""
+    config = {} if n_blocks is None else {"n_blocks": n_blocks}
+    loss, grads = _step_per_block_means(arch, **config)
+
+    def recomputed(self, block):
+        if block == 0:
+            return None
+        return torch.stack([torch.stack(self.states[i]).mean(0) for i in range(block)], dim=2)
+
+    monkeypatch.setattr(RoutingState, "summaries", recomputed)
+    want_loss, want = _step_per_block_means(arch, **config)
+    assert grads.keys() == want.keys() and len(want) > 50
+    if n_blocks is None:
+        assert torch.equal(loss, want_loss)
+        assert [n for n in want if not torch.equal(grads[n], want[n])] == []
+    else:
+        torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)  # the forward is the same arithmetic
+        for name, w in want.items():
+            torch.testing.assert_close(grads[name], w, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
