@@ -4,8 +4,9 @@
 #   make test-faults  the slower fault cases and the random-damage test (CI runs them after make test)
 #   make test-cuda    the CUDA tests, on a machine with a GPU (skipped with the reason elsewhere)
 #   make gpu-check    on a machine with one GPU and PyTorch (no venv: the system's Python, missing wheels in .whl/):
-#                     the CUDA tests, the CUDA bench rows, the quick run on CUDA and a paper-budget cell per backbone,
-#                     timed, in one call of at most 10 minutes; logs in ./gpu-check (docs/speed.md)
+#                     the quick run on CUDA, deep-narrow's CUDA bench rows, the compiled bench's exit and the CUDA
+#                     tests, timed, in one call of at most 10 minutes; GPU_CHECK_PARTS=... names other parts (the
+#                     Transformer's bench, the deep-narrow paper table itself); logs in ./gpu-check (docs/speed.md)
 #   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
