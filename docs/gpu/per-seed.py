@@ -35,15 +35,14 @@ COLUMNS = [
 
 
 def main(folder: Path, out: Path) -> int:
-    from qlbench import results  # here: the script's usage line works without the package on the path
+    from qlbench import results, store  # here: the script's usage line works without the package on the path
 
     frame = results.load(folder, on_damaged=lambda message: print(message, file=sys.stderr))
     if frame.empty:
         print(f"no records under {folder}", file=sys.stderr)
         return 1
     frame = frame.reindex(columns=COLUMNS).sort_values(["arch", "budget", "function", "method", "seed"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(out, index=False)
+    store.write_text(frame.to_csv(index=False), out)  # atomic, as every file qlbench writes
     print(f"{out}: {len(frame)} rows, {frame[['function', 'method']].drop_duplicates().shape[0]} cells")
     return 0
 
