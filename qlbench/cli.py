@@ -8,9 +8,11 @@ qlbench/commands/, one module each.
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import sys
 import threading
+import traceback
 
 from qlbench import __version__
 from qlbench.commands import Parser, UsageError
@@ -78,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     saved = "finished cells are saved and will be skipped on the next run"
     try:
         args = parser.parse_args(argv)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader that left (`| head`) fails here, in the handlers below, not in Python's exit
+        return code
     except UsageError as err:
         print(f"qlbench {args.command}: error: {err}" if args else f"qlbench: error: {err}", file=sys.stderr)
         return 2
@@ -88,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print(f"qlbench: terminated (SIGTERM); {saved}", file=sys.stderr)
         return 143
+    except BrokenPipeError:  # the reader left (`qlbench functions | head`): nothing more to write, no traceback
+        try:  # stdout onto /dev/null, or the interpreter's exit flushes into the closed pipe and prints its error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor of its own
+            pass
+        return 1
     except OSError as err:
         if err.errno not in FULL:
             raise
@@ -103,5 +113,47 @@ def main(argv: list[str] | None = None) -> int:
             release()
 
 
+def used_cuda() -> bool:
+    """Whether this process initialised CUDA (torch left unimported when the command did not need it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def exit_status(err: BaseException) -> int:
+    """The status the interpreter would exit with for an exception that ended `main`, its message printed as the
+    interpreter prints it: SystemExit's code (None: 0; a message: printed, 1), else the traceback and 1."""
+    if not isinstance(err, SystemExit):
+        traceback.print_exception(err)
+        return 1
+    if err.code is None or isinstance(err.code, int):
+        return err.code or 0
+    print(err.code, file=sys.stderr)
+    return 1
+
+
+def entry() -> None:
+    """The `qlbench` console script: `main`, then the exit. A process that initialised CUDA leaves through
+    os._exit once its output is flushed, without the interpreter's own teardown: on an NVIDIA H200 (PyTorch 2.11)
+    that teardown crashed twice after `bench --compile on` had written its report ("free(): invalid pointer" in
+    atexit's weakref finalisers, a segmentation fault in the final garbage collection; docs/speed.md), so a command
+    that had finished ended in an abort. By then every file a command writes is closed (written atomically) and
+    `main` has run `release`. A process that never touched CUDA (the CPU) exits as the interpreter always did."""
+    try:
+        code = main()
+    except BaseException as err:
+        if not used_cuda():
+            raise
+        code = exit_status(err)
+    else:
+        if not used_cuda():
+            sys.exit(code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`), a closed stream: nothing more to write there
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

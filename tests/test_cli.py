@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -156,6 +157,18 @@ def test_console_script_error_has_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.startswith("qlbench run: error: unknown function 'nope'")
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_a_reader_that_leaves_ends_the_command_without_a_traceback():
+    """`qlbench functions | head -1`: the pipe closes before the command has written (here before it starts), its
+    writes fail with EPIPE; the command stops with status 1 and nothing on stderr, the interpreter's exit included
+    (stdout buffered, as by default: its flush is what fails)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    argv = [sys.executable, "-m", "qlbench.cli", "functions"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc.stdout.close()  # the reader gone before the first write
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and err == "", err
 
 
 def test_smoke_sweep_stacks_functions_times_seeds(capsys, tmp_path):
@@ -414,3 +427,57 @@ def test_a_command_ends_with_the_engines_teardown(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", workers)
     real()
     assert calls == ["collect", "shutdown"]
+
+
+def test_a_cuda_process_leaves_flushed_and_without_the_interpreters_teardown():
+    """The console script (`cli.entry`) after CUDA (stood in for by `used_cuda`): it leaves through os._exit, so no
+    atexit handler runs (the teardown that crashed `bench --compile on` on an H200), and its whole output reaches
+    the pipe first (a pipe's stdout is buffered: without the flush the table would be lost) with main's status."""
+    code = (
+        "import atexit, sys; from qlbench import cli; cli.used_cuda = lambda: True; "
+        "atexit.register(lambda: print('teardown ran', file=sys.stderr)); cli.entry()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe's stdout buffered, as by default
+    argv = [sys.executable, "-c", code, "functions"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| styblinski-tang "), proc.stdout[-300:]  # the last row
+    assert "teardown ran" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "returned, raised, status, printed",
+    [
+        (0, None, 0, ""),
+        (2, None, 2, ""),
+        (None, SystemExit(None), 0, ""),  # argparse's --help and --version
+        (None, SystemExit(2), 2, ""),  # argparse's malformed command line
+        (None, SystemExit("stopped"), 1, "stopped"),
+        (None, ZeroDivisionError("planted"), 1, "ZeroDivisionError: planted"),  # an error's traceback, printed
+    ],
+)
+def test_the_console_script_exits_with_mains_status(monkeypatch, capsys, returned, raised, status, printed):
+    """After CUDA, `entry` gives os._exit the status the interpreter would have exited with, having printed what it
+    would have printed; without CUDA it leaves the exit to the interpreter (sys.exit, or main's exception itself)."""
+
+    def ends():
+        if raised is not None:
+            raise raised
+        return returned
+
+    exits = []
+    monkeypatch.setattr(cli, "main", ends)
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setattr(cli, "used_cuda", lambda: True)
+    cli.entry()
+    assert exits == [status]
+    assert printed in capsys.readouterr().err
+
+    monkeypatch.setattr(cli, "used_cuda", lambda: False)
+    with pytest.raises(BaseException) as left:
+        cli.entry()
+    assert exits == [status]  # os._exit not called again
+    if raised is None:
+        assert left.type is SystemExit and left.value.code == returned
+    else:
+        assert left.value is raised

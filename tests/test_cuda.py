@@ -221,7 +221,7 @@ def test_the_quick_cuda_run_that_aborted_at_dora_completes(tmp_path):
     argv = ["run", "--function", "dropwave", "--arch", "deep-narrow", "--budget", "quick", "--seeds", "2",
             "--methods", "full-soap,lora,dora", "--device", "cuda", "--compile", "on", "--no-progress",
             "--out", str(tmp_path)]  # fmt: skip
-    code = "import sys; from qlbench.cli import main; sys.exit(main())"
+    code = "from qlbench.cli import entry; entry()"  # as the `qlbench` console script runs
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr
@@ -234,7 +234,7 @@ def test_bench_with_compiled_and_captured_steps_exits_cleanly(tmp_path):
     cannot take the test run down), with Python's fault handler on, so a crash names where it happened."""
     argv = ["bench", "--quick", "--compile", "on", "--device", "cuda", "--archs", "deep-narrow", "--methods",
             "lora,queryable", "--only", "capture", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
-    code = "import sys; from qlbench.cli import main; sys.exit(main())"
+    code = "from qlbench.cli import entry; entry()"  # as the `qlbench` console script runs
     env = os.environ | {"PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -37,7 +37,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 # the function cards, where an installed qlbench has them (pyproject.toml maps functions/ into the package)
 if [ ! -e qlbench/functions ]; then ln -s ../functions qlbench/functions; trap 'rm -f qlbench/functions' EXIT; fi
-Q="$PY -c 'import sys; from qlbench.cli import main; sys.exit(main())'"
+Q="$PY -c 'from qlbench.cli import entry; entry()'"  # as the `qlbench` console script runs
 S=$OUT/summary.txt
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())'
@@ -73,7 +73,7 @@ part bench-deep-narrow 95 "$Q bench --quick --device cuda --archs deep-narrow --
 # ended (the summary's line and the report's time), and, 20 s before the part's limit, every thread's Python stack
 # (faulthandler), so that a process that has not ended by then says where it waits; tests/test_cuda.py runs the same
 # command (deselected from test-cuda below)
-QX="$PY -c 'import faulthandler, sys; faulthandler.dump_traceback_later(150); from qlbench.cli import main; sys.exit(main())'"
+QX="$PY -c 'import faulthandler; faulthandler.dump_traceback_later(150); from qlbench.cli import entry; entry()'"
 part compiled-exit 170 "$QX bench --quick --compile on --device cuda --archs deep-narrow --methods lora,queryable --only capture --no-progress --out $OUT/compiled-exit"
 [[ $PARTS == *" compiled-exit "* ]] && ls --full-time "$OUT/compiled-exit/bench.json" >> "$S" 2>&1
 part bench-transformer 250 "$Q bench --quick --device cuda --archs transformer --methods $M --only throughput,capture --no-progress --out $OUT/bench-transformer"

@@ -138,7 +138,8 @@ def release() -> None:
     invalid pointer" in atexit's weakref finalisers with an Inductor compile-worker thread alive, and a segmentation
     fault in the final garbage collection (docs/speed.md). Both left that teardown to the interpreter, in its own
     order. Whether this prevents them was not measured (no GPU since); tests/test_cuda.py runs the command that
-    crashed. A process that used neither CUDA nor Inductor skips it."""
+    crashed. The console script (`qlbench.cli.entry`) then skips the interpreter's teardown altogether in a process
+    that initialised CUDA. A process that used neither CUDA nor Inductor skips this."""
     cuda, workers = torch.cuda.is_initialized(), sys.modules.get("torch._inductor.async_compile")
     if not (cuda or workers):
         return
