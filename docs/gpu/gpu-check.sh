@@ -71,7 +71,8 @@ part bench-deep-narrow 95 "$Q bench --quick --device cuda --archs deep-narrow --
 # the bench that crashed at its exit on CUDA (`bench --compile on`: "free(): invalid pointer", then a segmentation
 # fault in the final garbage collection), as a process of its own: the times its report was written and its process
 # ended (the summary's line and the report's time), and, 20 s before the part's limit, every thread's Python stack
-# (faulthandler), so that a process that has not ended by then says where it waits; tests/test_cuda.py runs the same
+# (faulthandler), so that a process that has not ended by then says where it waits; through `cli.entry`, as the
+# `qlbench` script runs, which leaves a CUDA process by os._exit after `release`; tests/test_cuda.py runs the same
 # command (deselected from test-cuda below)
 QX="$PY -c 'import faulthandler; faulthandler.dump_traceback_later(150); from qlbench.cli import entry; entry()'"
 part compiled-exit 170 "$QX bench --quick --compile on --device cuda --archs deep-narrow --methods lora,queryable --only capture --no-progress --out $OUT/compiled-exit"
