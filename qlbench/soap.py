@@ -21,7 +21,8 @@ On CUDA (`capturable`, which `adapters.full` sets there, as torch.optim's AdamW 
 CUDA graph (engine/step.py): the host keeps the step count and decides the refreshes, the device only reads fixed
 tensors. A step is then three parts: `before_update` (host: count the step, write its step size into a device
 scalar), `update` (device only: what a graph records and replays) and `after_update` (host: refresh the eigenbases
-when due, in place, eagerly). `step()` runs the three, so an eager CUDA step is the same kernels as a replayed one.
+when due, in place; the engine records that refresh in a graph of its own where it is device work alone,
+`refresh_recordable`). `step()` runs the three, so an eager CUDA step is the same kernels as a replayed one.
 Off CUDA the step size is a Python scalar, as before (the CPU's numbers are unchanged). The refresh's QRs run as one
 batch per matrix size; off the CPU, matrices up to HOUSEHOLDER_MAX_SIZE take `householder_q`, LAPACK's reflections in
 batched ops, since CUDA's torch.linalg.qr forms each Q in a call of its own.
@@ -202,10 +203,24 @@ class StackedSoap:
 
     def after_update(self) -> None:
         """The host's part after an update: every `precondition_frequency` steps, refresh the eigenbases (eagerly,
-        in place: QR is not recorded, and a recorded update reads the same tensors)."""
-        step = self.steps - 1
-        if step % self.frequency == 0:
+        in place: a recorded update reads the same tensors)."""
+        if self.refresh_due():
             self.refresh()
+
+    def refresh_due(self) -> bool:
+        """Whether the step just updated is one whose eigenbases are refreshed (every `precondition_frequency`)."""
+        return (self.steps - 1) % self.frequency == 0
+
+    def refresh_recordable(self) -> bool:
+        """Whether `refresh` is device work alone, with nothing read back to the host, so that a CUDA graph can
+        record it (engine/step.py `CapturedRefresh`): once the first step has built the factors, off
+        LAPACK_QR_DEVICES, with every factor at most HOUSEHOLDER_MAX_SIZE (`householder_q`'s batched ops; CUDA's
+        torch.linalg.qr calls cuSOLVER once per matrix). Deep-narrow's factors (32 and less) are; the
+        Transformer's 256 and 1,024 are not. tests/test_soap.py runs such a refresh under a dispatch mode that fails
+        on any op that reads the device back or calls LAPACK."""
+        if self.steps == 0 or self.live.device.type in LAPACK_QR_DEVICES:
+            return False
+        return all(m.shape[-1] <= HOUSEHOLDER_MAX_SIZE for g in self.groups for m in g["state"]["GG"] if m is not None)
 
     def refresh(self, lapack_qr: bool = False) -> None:
         """Every group's eigenbases refreshed now (one power iteration and QR per factor; `after_update` calls it

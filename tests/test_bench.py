@@ -12,7 +12,7 @@ import torch
 
 from qlbench import adapters, bench, cli, engine
 
-from helpers import one_line_error
+from helpers import ReplayByRerun, one_line_error
 
 
 def test_quick_bench_writes_consistent_report(tmp_path, capsys, monkeypatch):
@@ -217,9 +217,17 @@ def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monke
         paths: list[bool] = []
         householder_q = qlbench.soap.householder_q
         monkeypatch.setattr(qlbench.soap, "householder_q", lambda a: (paths.append(True), householder_q(a))[1])
+        # and, the refresh then being device work alone, it replayed from a recording too (engine/step.py's
+        # CapturedRefresh; the CPU stand-in for CUDA graphs records it once, after its eager warm-up)
+        from qlbench.engine import step as step_module
+
+        recorders = []
+        monkeypatch.setattr(step_module, "RECORDER", lambda d: recorders.append(ReplayByRerun(d)) or recorders[-1])
         row = cases.soap_row("deep-narrow", 2, s, torch.device("cpu"))
         assert seen["refresh_lapack"] == [1] and row["refresh_lapack_ms"] > 0
         assert qlbench.soap.HOUSEHOLDER_MAX_SIZE == 64 and paths  # the Householder path taken without lapack_qr
+        assert seen["refresh_recorded"] == [1] and row["refresh_recorded_ms"] > 0
+        assert [r.recorded for r in recorders] == [1]
 
 
 def test_paper_estimate_by_hand():

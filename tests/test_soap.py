@@ -119,6 +119,44 @@ def test_an_ordinary_step_never_waits_for_the_device(capturable):
     assert opt.steps == 2 * FREQ + 2
 
 
+def test_a_refresh_is_recordable_where_it_is_device_work_alone():
+    """`refresh_recordable`, which lets engine/step.py's CapturedRefresh record the eigenbases' refresh in a CUDA
+    graph: on the meta device (CUDA's code path, off LAPACK_QR_DEVICES; its tensors have no values, so a read back
+    raises) deep-narrow's factors (32 and less) are recordable once the first step has built them, and their refresh
+    calls no linear-algebra library (a recording cannot hold cuSOLVER's per-matrix calls); a factor of 65 is not
+    recordable, and nothing is on the CPU (LAPACK's QR, the CPU's numbers)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    def first_step(shapes, device):
+        ps = [torch.nn.Parameter(torch.empty(3, *s, device=device).normal_()) for s in shapes]
+        opt = StackedSoap(ps, lr=LR, precondition_frequency=FREQ)
+        assert not opt.refresh_recordable()  # no factors before the first step
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        return opt
+
+    opt = first_step(DEEP_NARROW, "meta")
+    assert opt.refresh_recordable()
+    with Ops() as ops:
+        opt.refresh()
+    calls = ("linalg_qr", "geqrf", "orgqr", "householder_product", "eigh", "linalg_eig", "svd", "cholesky", "solve")
+    library = [n for n in ops.names if any(w in n for w in calls)]
+    assert ops.names and not library, library
+    assert not first_step([(32, 32), (65, 4)], "meta").refresh_recordable()
+    assert first_step([(32, 32), (64, 4)], "meta").refresh_recordable()
+    assert not first_step(DEEP_NARROW, "cpu").refresh_recordable()
+
+
 def test_a_capturable_update_reads_only_the_device_and_keeps_its_tensors_in_place():
     """What a CUDA graph needs of full-soap's update on CUDA (`capturable`): `update()`, the part a graph records
     and replays, reads the step's size from the device, never the host's step count (a recording holds the value it

@@ -571,9 +571,11 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
     member over aliases of the member's slices (what full-soap did before), on the backbone's parameters with
     fixed random gradients, alternating; optimizer steps per second of the whole stack, over whole periods of its
     eigenbases' refresh; and that refresh alone (`StackedSoap.refresh`, every `precondition_frequency` steps, eager
-    even where the step is captured), with its share of the batched step's time; where the refresh's small QRs take
+    where the step is not captured), with its share of the batched step's time; where the refresh's small QRs take
     the batched Householder reflections (off the CPU, `soap.householder_q`), also the same refresh with
-    torch.linalg.qr at every size, as before, side by side."""
+    torch.linalg.qr at every size, as before, side by side; and on CUDA, where the refresh is device work alone
+    (`refresh_recordable`), the refresh replayed from a CUDA graph, as a captured full-soap stage runs it
+    (engine/step.py `CapturedRefresh`)."""
     from pytorch_optimizer import SOAP  # here, not at the top: importing pytorch_optimizer takes seconds
 
     threads = s.threads_for(arch, E, device)
@@ -603,7 +605,17 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
     }
     if torch.device(device).type not in soap.LAPACK_QR_DEVICES:
         timed["refresh_lapack"] = (chunk(lambda: batched.refresh(lapack_qr=True), no_data, 1, threads), 1)
-    r = alternate(timed, s.rounds, device)
+    recorded = None
+    if batched.refresh_recordable():  # CUDA on deep-narrow: as a captured full-soap stage runs it
+        recorded = engine.step.CapturedRefresh(batched, engine.step.RECORDER(device))
+        for _ in range(engine.step.REFRESH_WARMUP + 1):  # its eager refreshes, then the recording and a replay
+            recorded.refresh()
+        timed["refresh_recorded"] = (chunk(recorded.refresh, no_data, 1, threads), 1)
+    try:
+        r = alternate(timed, s.rounds, device)
+    finally:
+        if recorded is not None:
+            recorded.close()
     batched_ms = 1e3 / statistics.median(r["batched"])
     refresh_ms = 1e3 / statistics.median(r["refresh"])
     return stack_row(
@@ -617,6 +629,7 @@ def soap_row(arch: str, E: int, s: Settings, device) -> dict:
         refresh_ms=refresh_ms,
         refresh_share=refresh_ms / batched.frequency / batched_ms,  # of a step, one refresh per `frequency` steps
         **({"refresh_lapack_ms": 1e3 / statistics.median(r["refresh_lapack"])} if "refresh_lapack" in r else {}),
+        **({"refresh_recorded_ms": 1e3 / statistics.median(r["refresh_recorded"])} if recorded is not None else {}),
     )
 
 

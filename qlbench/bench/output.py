@@ -113,6 +113,9 @@ TABLES = [
             Column("eigenbases' refresh ms (eager)", "refresh_ms", digits(1)),
             Column("refresh share of a batched step", "refresh_share", share),
             Column("refresh ms with torch.linalg.qr (CUDA: as before)", "refresh_lapack_ms", digits(1)),
+            Column(
+                "refresh ms replayed from a CUDA graph (as a captured stage runs it)", "refresh_recorded_ms", digits(1)
+            ),
         ],
     ),
     Table(

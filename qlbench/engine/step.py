@@ -16,8 +16,9 @@ How the captured step stays the same training as the eager one:
 - The optimiser must keep its step count on the device (AdamW's `capturable`, which `adapters.base.adamw` sets on
   CUDA), or split its step around a device part (full-soap's `soap.StackedSoap`, `capturable` on CUDA: the host
   counts the step and writes its step size to the device before each replay, and refreshes the eigenbases in place
-  after it, every tenth step; its first step's eigendecompositions are a warm-up step's). An optimiser that does
-  neither has the forward and backward captured and steps eagerly after the replay.
+  after it, every tenth step: `CapturedRefresh`, recorded and replayed too where the refresh is device work alone;
+  its first step's eigendecompositions are a warm-up step's). An optimiser that does neither has the forward and
+  backward captured and steps eagerly after the replay.
 - The gradients a replay writes are the recording's own tensors; `inspect` (gradient diagnostics) is handed them,
   so it reads the step's gradients whichever shape was recorded last. An ordinary step (another shape's warm-up)
   first detaches them from the parameters, so its backward does not add to them; `close()` does the same when the
@@ -170,6 +171,7 @@ class CapturedStep(Step):
         self.seen: dict[tuple, int] = {}  # batch shape -> ordinary steps taken
         self.graphs: dict[tuple, _Recording] = {}
         self.recorder = RECORDER(self.params[0].device)
+        self.refresh = CapturedRefresh(optimizer, self.recorder)
 
     def __call__(self, xb, yb, inspect: Callable[[], None] | None = None, task=None) -> torch.Tensor:
         GATE.pause()  # a recording in another thread goes first (runtime.Gate)
@@ -197,7 +199,7 @@ class CapturedStep(Step):
             self.optimizer.before_update()  # the host's part: the step count, its step size on the device
         rec.graph.replay()
         if self.split:
-            self.optimizer.after_update()  # the eigenbases' refresh when due, eagerly, in place
+            self.refresh()  # the optimiser's host part after the update: the eigenbases' refresh when due
         if inspect is not None or not self.whole:
             for p, g in zip(self.params, rec.grads):
                 p.grad = g
@@ -230,6 +232,58 @@ class CapturedStep(Step):
         that a later backward outside them (the next stage, a measurement) starts from no gradient."""
         self.optimizer.zero_grad(set_to_none=True)
         self.graphs.clear()
+        self.refresh.close()
+
+
+REFRESH_WARMUP = 1  # refreshes run eagerly (on the side stream) before the refresh is recorded
+
+
+class CapturedRefresh:
+    """What a split optimiser does after each replayed update (`after_update`), its periodic refresh recorded in a
+    CUDA graph and replayed when due wherever the optimiser can have it recorded (`soap.StackedSoap`: the
+    eigenbases' power iteration and QR every `precondition_frequency` steps; `refresh_recordable`: device work
+    alone, on deep-narrow); elsewhere `after_update` itself, eagerly. The first REFRESH_WARMUP due refreshes run
+    eagerly on the side stream, the next is recorded and replayed (a recording runs nothing), and so is every later
+    one. The refresh writes in place, into the tensors the recorded update reads, so a replay leaves the optimiser
+    as the eager refresh does.
+
+    Why: eagerly, one refresh of deep-narrow's 45 members launches about 2,200 kernels one by one from Python
+    (counted on the CPU); full-soap refreshes at every tenth of the paper budget's 35,000 steps. What a replay saves
+    on a GPU: not measured (`qlbench bench`'s soap row times both on CUDA)."""
+
+    def __init__(self, optimizer, recorder):
+        self.optimizer, self.recorder = optimizer, recorder
+        self.eager, self.graph = 0, None
+
+    def __call__(self) -> None:
+        opt = self.optimizer
+        recordable = getattr(opt, "refresh_recordable", None)
+        if recordable is None or not opt.refresh_due() or not recordable():
+            opt.after_update()
+            return
+        self.refresh()
+
+    def refresh(self) -> None:
+        """One refresh of a recordable optimiser now: eagerly for the first REFRESH_WARMUP, then the recording's
+        replay (`qlbench bench`'s soap row times it against the eager refresh)."""
+        opt = self.optimizer
+        if self.graph is None and self.eager < REFRESH_WARMUP:
+            self.eager += 1
+            with self.recorder.warm_up():
+                opt.refresh()
+            return
+        if self.graph is None:
+
+            def body() -> tuple[None, list]:
+                opt.refresh()
+                return None, []
+
+            self.graph, _ = _record(self.recorder, "eigenbases' refresh", body, [], opt)
+        self.graph.replay()
+
+    def close(self) -> None:
+        """Release the recording (its memory pool) once the stage has trained."""
+        self.graph = None
 
 
 EVALUATION_WARMUP = 1  # ordinary evaluations of a stage's data before it is recorded
