@@ -54,7 +54,11 @@ COMMANDS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+# the sequential suite (a minute on 2 cores, the default suite's longest case) runs with `make test-slow`, in CI
+SLOW = {"sequential suite"}
+
+
+@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in COMMANDS])
 def test_a_commands_captured_training_equals_its_eager_training(tmp_path, recorders, command):
     argv = [*COMMANDS[command], "--no-progress"]
     assert cli.main([*argv, "--capture", "off", "--out", str(tmp_path / "eager")]) == 0
