@@ -174,7 +174,7 @@ def test_whole_periods_round_up_to_every_soaps_refresh_period():
 
 @pytest.mark.parametrize("row", ["throughput", "soap_row"])
 def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monkeypatch, row):
-    """full-soap refreshes its eigenbases every tenth step, eagerly (on CUDA outside the captured step). The quick
+    """full-soap refreshes its eigenbases every tenth step, outside the captured step's recording. The quick
     bench timed 4 steps a chunk, so most rounds held no refresh and the rate left it out (on an H200 the estimate's
     full-soap step came from such chunks). Each timed call here is run once, counting the refreshes it makes: every
     call that steps a StackedSoap holds one per ten steps, and at least one."""

@@ -223,7 +223,7 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device, rates: tupl
         variants |= {"compiled": dict(compile=True), "compiled_captured": dict(compile=True, capture=True)}
     data, warmup = batches(E, device), {}
     stacks = stacked_copies(arch, method, E, device, len(variants))
-    n = whole_periods(s.steps[arch], stacks[0][1])  # full-soap: whole periods of its refresh, which is not recorded
+    n = whole_periods(s.steps[arch], stacks[0][1])  # full-soap: whole periods of its refresh (replayed or eager)
     # every variant built before any warms up: building a compiled step resets torch._dynamo (engine.compiled), which
     # would drop an earlier variant's compiled forward (recompiled, then, inside the timed rounds)
     steps = {name: engine.make_step(m, opt, **how) for (name, how), (m, opt) in zip(variants.items(), stacks)}
