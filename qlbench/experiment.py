@@ -2,7 +2,12 @@
 
 All functions x seeds of a run are stacked into one ensemble per method: for a single function that is its seeds,
 for the full table it is nine functions x five seeds in one batched step. Cells whose record already exists with
-the same config hash are skipped, so an interrupted run resumes where it stopped.
+the same config hash are skipped, so an interrupted run resumes where it stopped; a stack stopped mid-stage goes on
+from its last snapshot (engine/snapshot.py).
+
+About 500 lines: a plan's validation, the training of its cells (one stack per method, or several at once) and the
+writing and reloading of their records change together, and each part is short; the checks of single settings live
+in planning.py.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from qlbench.planning import (
     check_at_once,
     check_overrides,
     check_settings,
+    check_snapshot_every,
     dry_build,
     resolve_at_once,
     seed_count,
@@ -52,6 +58,8 @@ class Plan:
     noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
     stack_functions: int | None = None  # functions per stack where all do not fit the memory (None: all; not hashed)
     methods_at_once: int = 1  # methods' stacks trained at once, each in its own thread and CUDA stream (not hashed)
+    snapshot_every_s: float | None = engine.SNAPSHOT_EVERY_S  # between a stack's snapshots (0: each evaluation;
+    # None: none; not hashed)
 
     noun = "cell"  # runner.Workload: a unit is a (method, function) cell
 
@@ -170,12 +178,15 @@ def plan(
     eps: float = adapters.EPS,
     noise: str = zoo.DEFAULT_NOISE,
     methods_at_once: int | str = 1,
+    snapshot_every_s: float | None = engine.SNAPSHOT_EVERY_S,
 ) -> Plan:
     """Validate every choice (ValueError with the valid options on bad input) and resolve defaults. `cuda`: whether
     the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`).
     `methods_at_once`: how many methods' stacks train at once in this process (`engine.concurrently`), or "auto"
     (`planning.resolve_at_once`: every method on CUDA for deep-narrow, else 1; the CLI's default); above 1 `compile`
-    auto does not compile (torch.compile's caches are the process's) and `compile` on is refused."""
+    auto does not compile (torch.compile's caches are the process's) and `compile` on is refused.
+    `snapshot_every_s`: seconds at least between a stack's snapshots while it trains (engine/snapshot.py; 0: at
+    every evaluation; None: no snapshots)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     check_init(arch, backbone_init)
@@ -207,6 +218,7 @@ def plan(
     if compile not in ("auto", "on", "off"):
         raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
     check_at_once(methods_at_once, compile)
+    check_snapshot_every(snapshot_every_s)
     dev = engine.resolve_device(device, cuda)
     methods_at_once = resolve_at_once(methods_at_once, arch, dev, len(methods), compile, local=cuda is None)
     width = None
@@ -237,6 +249,7 @@ def plan(
         noise=noise,
         stack_functions=width if width is not None and width < len(set(functions)) else None,
         methods_at_once=methods_at_once,
+        snapshot_every_s=snapshot_every_s,
     )
 
 
@@ -423,21 +436,47 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
         commit_method(p, method, pre, res, measure_cost(p, method, pre, dtype, log), log)
 
 
-def adapt_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> engine.AdaptResult | None:
-    """`method` adapted on the stack `pre`, or None once its failure is recorded as failed cells (`runner.attempt`)."""
+def snapshots(p: Plan, method: str, pre: engine.Pretrained, log) -> engine.Snapshots:
+    """The snapshots of `method`'s stack `pre` while it trains (engine/snapshot.py), keyed by its cells' configs, its
+    members and what else changes its numbers' bits (device, compile, capture)."""
     functions = list(dict.fromkeys(f for f, _ in pre.members))
+    key = stable_hash(
+        {
+            "cells": [stable_hash(p.cell_config(f, method)) for f in functions],
+            "members": [list(m) for m in pre.members],
+            "device": p.device.type,
+            "compile": p.compile,
+            "capture": p.capture,
+        }
+    )
+    found = engine.Snapshots(p.store.snapshot_path(p.arch, method, p.budget.name, key), key, p.snapshot_every_s)
+    found.log = lambda message: log(f"{method}: {message}")
+    return found
+
+
+def adapt_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> engine.AdaptResult | None:
+    """`method` adapted on the stack `pre`, or None once its failure is recorded as failed cells (`runner.attempt`).
+    A trained method's stack snapshots as it goes and resumes a stopped run's snapshot (`snapshots`; with
+    `p.force`, a stopped run's is removed first: the stack starts from its first epoch)."""
+    functions = list(dict.fromkeys(f for f, _ in pre.members))
+    saved = snapshots(p, method, pre, log) if adapters.get(method).trains and p.snapshot_every_s is not None else None
+    if saved is not None and p.force:
+        saved.clear()
     work = lambda: engine.adapt(
         pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype, progress=progress,
-        compile=p.compile, capture=p.capture, eps=p.eps, noise=p.noise,
+        compile=p.compile, capture=p.capture, eps=p.eps, noise=p.noise, snapshots=saved,
     )  # fmt: skip
     failed = lambda message, wall_time_s: write_failed(p, method, functions, message, wall_time_s)
     return runner.attempt(method, work, failed, log)
 
 
 def commit_method(p: Plan, method: str, pre: engine.Pretrained, res: engine.AdaptResult, costs, log) -> None:
-    """The records of `method`'s cells from its adapted stack `res`, with its measured `costs` (`measure_cost`)."""
+    """The records of `method`'s cells from its adapted stack `res`, with its measured `costs` (`measure_cost`);
+    then the stack's snapshot, if any, is removed."""
     for f in dict.fromkeys(f for f, _ in pre.members):
         commit_cell(p, method, f, res, [i for i, (g, _) in enumerate(res.members) if g == f], pre, costs, log)
+    if adapters.get(method).trains and p.snapshot_every_s is not None:
+        snapshots(p, method, pre, log).clear()
 
 
 def commit_cell(
@@ -487,6 +526,7 @@ def commit_cell(
         per_seed=per_seed,
         cost=costs,
         chosen=p.chosen | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()},
+        resumed_epoch=c.resumed_epoch,
     )
     if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
         save_torch(

@@ -55,6 +55,13 @@ def check_settings(*, eps, dtype: str, threads) -> None:
 AT_ONCE_ARCHS = ("deep-narrow",)
 
 
+def check_snapshot_every(value) -> None:
+    """ValueError (one line) unless `value` is None (no snapshots) or a finite number of seconds >= 0."""
+    ok = value is None or (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf)
+    if not ok:
+        raise ValueError(f"--snapshot-every must be a number of seconds >= 0, or off; got {value!r}")
+
+
 def check_at_once(methods_at_once, compile: str) -> None:
     """ValueError naming the valid values unless `methods_at_once` is "auto" or an integer >= 1 that `compile`
     allows: torch.compile is not used with stacks trained at once (its caches are the process's, and each training

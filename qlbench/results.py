@@ -167,9 +167,11 @@ def make_record(
     per_seed: list[dict] | None = None,
     cost: dict | None = None,
     chosen: dict | None = None,
+    resumed_epoch: int | None = None,
 ) -> dict:
     """A record of one cell or suite row. `chosen`: the run's settings beyond its config and device (eps, backbone
-    init, noise), recorded with the rest in run_info.settings (`settings`)."""
+    init, noise), recorded with the rest in run_info.settings (`settings`); `resumed_epoch`: the epoch of the
+    snapshot its training went on from after a stopped run (engine/snapshot.py; train_info.resumed_from_epoch)."""
     per_seed = [{k: (finite(v) if isinstance(v, float) else v) for k, v in s.items()} for s in per_seed or []]
     for s in per_seed:
         for k in ("train_curve", "test_curve", "grad_shared_norm"):
@@ -202,6 +204,7 @@ def make_record(
             "eval_epochs": eval_epochs or [],
             **({"grad_epochs": grad_epochs} if grad_epochs else {}),
             **({"cost": cost} if cost else {}),
+            **({"resumed_from_epoch": resumed_epoch} if resumed_epoch is not None else {}),
             "per_seed": per_seed,
         },
         "meta_info": meta_info(device),

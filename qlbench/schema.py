@@ -92,6 +92,7 @@ TRAIN_INFO = {
     "wall_time_s": _num,
     "trainable_params": _opt(_int),
     "total_params": _opt(_int),
+    "resumed_from_epoch": (_int, "optional"),
     "per_seed": _list(_dict),
 }
 CELL_SEED = {

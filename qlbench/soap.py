@@ -41,7 +41,7 @@ import torch
 
 class StackedSoap:
     """SOAP over stacked parameters (each of shape (E, *member_shape)); the interface the engine uses of an
-    optimizer: step(), zero_grad(), state_dict()."""
+    optimizer: step(), zero_grad(), state_dict(), load_state_dict()."""
 
     def __init__(
         self,
@@ -261,7 +261,34 @@ class StackedSoap:
                 p.grad = None
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "live": self.live.tolist(), "state": [g["state"] for g in self.groups]}
+        """The step count, the live members (E,) and each group's state (references, as torch.optim's)."""
+        return {"steps": self.steps, "live": self.live, "state": [g["state"] for g in self.groups]}
+
+    @torch.no_grad()
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore a `state_dict` (a stage resumed from its snapshot, engine/snapshot.py). State that exists is
+        overwritten in place (a recorded update reads those tensors); an empty state (before the first step) is
+        built from copies on the parameters' device."""
+        if len(saved["state"]) != len(self.groups):
+            raise ValueError(f"StackedSoap: a state of {len(saved['state'])} groups for {len(self.groups)}")
+        self.steps = int(saved["steps"])
+        self.live.copy_(saved["live"])
+        device = self.live.device
+        for group, state in zip(self.groups, saved["state"]):
+            mine = group["state"]
+            if not state:
+                mine.clear()
+            elif mine:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    mine[key].copy_(state[key])
+                for key in ("GG", "Q"):
+                    for old, new in zip(mine[key], state[key], strict=True):
+                        if old is not None:
+                            old.copy_(new)
+            else:
+                copy = lambda t: None if t is None else t.to(device, copy=True)
+                mine["exp_avg"], mine["exp_avg_sq"] = copy(state["exp_avg"]), copy(state["exp_avg_sq"])
+                mine["GG"], mine["Q"] = [copy(t) for t in state["GG"]], [copy(t) for t in state["Q"]]
 
 
 def _expand(mask: torch.Tensor, like: torch.Tensor, at: int = 0) -> torch.Tensor:

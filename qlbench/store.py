@@ -312,6 +312,10 @@ class Store:
         """Suite record files matching the pattern parts, sorted."""
         return sorted(self.root.glob(f"suites/{arch}/{suite}/{schedule}/{method}/{budget}-*.json"))
 
+    def snapshot_path(self, arch: str, method: str, budget: str, key: str) -> Path:
+        """A stack's snapshot while it trains (engine/snapshot.py); `key` is the hash of what its numbers depend on."""
+        return self.root / "snapshots" / arch / f"{method}-{budget}-{key}.pt"
+
     @staticmethod
     def model_of(record: Path) -> Path:
         """The adapter weights saved with a record."""

@@ -160,8 +160,8 @@ class ReplayByRerun:
     def record(self, body, params, optimizer):
         self.recorded += 1
         saved = [p.detach().clone() for p in params]
-        state = copy.deepcopy(optimizer.state_dict()) if hasattr(optimizer, "load_state_dict") else None
-        # soap.StackedSoap: no load_state_dict; its tensors restored in place (a recorded update reads them)
+        state = copy.deepcopy(optimizer.state_dict()) if isinstance(optimizer, torch.optim.Optimizer) else None
+        # soap.StackedSoap: its tensors restored in place (a recorded update reads them), its step count kept
         tensors = optimizer.tensors() if hasattr(optimizer, "tensors") else []
         kept = [t.clone() for t in tensors]
         out = body()

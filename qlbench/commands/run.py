@@ -9,7 +9,7 @@ import contextlib
 import sys
 import time
 
-from qlbench import adapters, experiment, planning, ray_executor, results, runner, text, zoo
+from qlbench import adapters, engine, experiment, planning, ray_executor, results, runner, text, zoo
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
 
@@ -119,8 +119,28 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         "stream, so that small stacks' kernels overlap on the GPU; the numbers do not change (default auto: every "
         "method at once on CUDA for deep-narrow, else 1; N above 1 not with --compile on or --executor ray)",
     )
+    p.add_argument(
+        "--snapshot-every",
+        type=snapshot_value,
+        default=engine.SNAPSHOT_EVERY_S,
+        metavar="SECONDS|off",
+        help="save each method stack's training state at an evaluation epoch at least this often (0: at every "
+        "evaluation; off: never), so that a run stopped mid-stage goes on from there when started again (default "
+        f"{engine.SNAPSHOT_EVERY_S:g}; more apart where a save is slow)",
+    )
     options.add_training_options(p)
     options.add_output_options(p)
+
+
+def snapshot_value(text: str) -> float | str | None:
+    """--snapshot-every's value: None for "off", else a number as written (its range is checked with the other
+    settings, experiment.plan); anything else is kept as written, so that check names it."""
+    if text == "off":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def at_once_value(text: str) -> int | str:
@@ -158,6 +178,7 @@ def run(args, functions: list[str]) -> int:
         arch=args.arch,
         methods=split_list(args.methods) if args.methods else None,
         methods_at_once=args.methods_at_once,
+        snapshot_every_s=args.snapshot_every,
         **shared,
     )
     log = lambda message: print(message, file=sys.stderr, flush=True)

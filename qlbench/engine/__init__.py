@@ -5,6 +5,7 @@ The package's modules, each one concern, imported in this order (none imports a 
     budgets   Phase and Budget: the paper's protocol and the quick and smoke runs
     runtime   device, intra-op threads, flush-denormal, torch.compile and CUDA-graph policy, stacks trained at once
     step      the training step, eager or captured whole in a CUDA graph
+    snapshot  a stage's training state saved as it goes, so that a stopped run resumes mid-stage
     loop      stacked data, the training step and `fit`, the one training loop (pretraining, adaptation, suite
               stages and the real model all train through it), evaluation and curves
     cache     source-pretrained backbone stacks and their on-disk cache
@@ -42,6 +43,8 @@ from qlbench.engine.runtime import (
     resolve_device,
     use_capture,
 )
+from qlbench.engine.snapshot import EVERY_S as SNAPSHOT_EVERY_S
+from qlbench.engine.snapshot import Snapshots
 from qlbench.engine.step import CapturedEvaluation, CapturedStep, Step
 
 __all__ = [
@@ -49,5 +52,5 @@ __all__ = [
     "Backbones", "DIVERGENCE_FACTOR", "MIN_STACK", "Curves", "Member", "StackedData", "Stage", "evaluate", "fit",
     "make_step", "padded", "squared_errors", "COMPILE_BUDGETS", "auto_threads", "check_threads", "compile_by_default",
     "compiled", "concurrently", "flush_denormals", "num_threads", "resolve_device", "CAPTURE_SETTINGS", "use_capture",
-    "Step", "CapturedStep", "CapturedEvaluation",
+    "Step", "CapturedStep", "CapturedEvaluation", "Snapshots", "SNAPSHOT_EVERY_S",
 ]  # fmt: skip

@@ -14,6 +14,7 @@ from qlbench.engine.budgets import Budget
 from qlbench.engine.cache import Pretrained
 from qlbench.engine.loop import Curves, Member, StackedData, Stage, evaluate, fit, padded
 from qlbench.engine.runtime import flush_denormals
+from qlbench.engine.snapshot import Snapshots
 from qlbench.seeding import generator
 
 
@@ -61,12 +62,15 @@ def adapt(
     eps: float = adapters.EPS,
     noise: str = zoo.DEFAULT_NOISE,
     prepare: Callable[[nn.Module], None] | None = None,
+    snapshots: Snapshots | None = None,
 ) -> AdaptResult:
     """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target; with
     `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `eps`: the optimiser's
     epsilon (AdamW's, or SOAP's for full-soap); `noise`: the target labels' noise (zoo.NOISES); `compile`, `capture`:
     how the training step runs (engine.fit); `prepare(model)`, if given, is called on the built stack before any
-    training (a stacked Pareto grid sets each member's k there, qlbench/pareto_stack.py)."""
+    training (a stacked Pareto grid sets each member's k there, qlbench/pareto_stack.py); `snapshots`: the
+    training state saved as it goes, and a stopped run's restored (engine/snapshot.py). The wall time counts the
+    earlier processes' training up to the snapshot resumed from."""
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()
@@ -83,13 +87,15 @@ def adapt(
             groups = gradients.param_groups(model)
             diagnose = lambda: gradients.grad_norms(groups)
         stage = Stage(data, budget.adapt, optimizer, order, budget.eval_every)
-        (curves,) = fit(model, [stage], progress=progress, compile=compile, capture=capture, diagnose=diagnose)
+        (curves,) = fit(
+            model, [stage], progress=progress, compile=compile, capture=capture, diagnose=diagnose, snapshots=snapshots
+        )
     else:
         tr = evaluate(model, data.x_train, data.y_train).cpu()
         te = evaluate(model, data.x_test, data.y_test).cpu()
         finite = (torch.isfinite(tr) & torch.isfinite(te)).tolist()  # a non-finite score is a divergence, reported
         curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None if ok else 0 for ok in finite])
-    wall_time_s = time.perf_counter() - t0
+    wall_time_s = time.perf_counter() - t0 + curves.earlier_s
     # how much of the source task the adaptation kept: the final model on the source test set (not timed)
     source = StackedData.build(pretrained.members, "source", device=device, dtype=dtype, noise=noise)
     source_after = evaluate(model, source.x_test, source.y_test).cpu()[: len(members)]

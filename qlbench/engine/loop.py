@@ -8,6 +8,7 @@ exactly the gradient it would get alone (a stacked run equals E separate runs; t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch.nn as nn
 from qlbench import zoo
 from qlbench.engine.budgets import Phase
 from qlbench.engine.runtime import compiled
+from qlbench.engine.snapshot import Snapshots, trainable
 from qlbench.engine.step import CapturedEvaluation, Step
 from qlbench.engine.step import build as build_step
 
@@ -85,6 +87,10 @@ class Curves:
     grad_epochs: list[int] = field(default_factory=list)
     grad_layers: torch.Tensor | None = None  # (E, n_grad_epochs, L) per-layer gradient norms
     grad_shared: torch.Tensor | None = None  # (E, n_grad_epochs) the shared parameters' norm (None: none)
+    # a stage resumed from its snapshot (engine/snapshot.py): the epoch it was taken at, and the seconds the earlier
+    # processes had trained until then (None, 0.0: trained in one go)
+    resumed_epoch: int | None = None
+    earlier_s: float = 0.0
 
     def first(self, n: int) -> Curves:
         """The curves of the first n members (drops a padded stack's copies)."""
@@ -97,6 +103,8 @@ class Curves:
             self.grad_epochs,
             cut(self.grad_layers),
             cut(self.grad_shared),
+            self.resumed_epoch,
+            self.earlier_s,
         )
 
     def member_summary(self, e: int) -> dict:
@@ -189,6 +197,7 @@ def fit(
     diagnose: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     after_stage: Callable[[int], None] | None = None,
     capture: bool = False,
+    snapshots: Snapshots | None = None,
 ) -> list[Curves]:
     """The training loop of qlbench: train `model` through `stages` in order, one Curves per stage.
 
@@ -197,6 +206,8 @@ def fit(
     (a suite evaluates every task there). With `compile`, the forward is compiled once for all stages (and each
     stage's optimiser update where that pays, engine/step.py `updates_compile`); with
     `capture` (CUDA), each stage's step is recorded in a CUDA graph per batch shape and replayed (engine/step.py).
+    `snapshots` (a fit of one stage): its training state is saved at evaluation epochs, and a snapshot of the same
+    key left by a stopped run is restored before the first step (engine/snapshot.py).
 
     Nothing inside an epoch waits for the device: each epoch's order is drawn by the members' own generators on the
     host (qlbench interpretation of "drawn on the device": the same draw as on CPU, so a CUDA run trains on the
@@ -213,19 +224,21 @@ def fit(
     (the stack's shapes do not change) but its metrics from then on are NaN, and no other member is affected (no op
     mixes members).
     """
+    if snapshots is not None and len(stages) != 1:
+        raise ValueError(f"snapshots resume a fit of one stage, not of {len(stages)}")
     forward = compiled(model) if compile and stages else model
     curves = []
     for k, stage in enumerate(stages):
         step = build_step(forward, stage.optimizer(), instruction, capture=capture, compile_update=compile)
-        curves.append(_train(model, step, stage, instruction, progress, diagnose))
+        curves.append(_train(model, step, stage, instruction, progress, diagnose, snapshots))
         step.close()
         if after_stage is not None:
             after_stage(k)
     return curves
 
 
-def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress, diagnose) -> Curves:
-    """One stage of `fit`: its epochs of minibatch steps, with evaluations at its cadence."""
+def _train(model: nn.Module, step: Step, stage: Stage, instruction, progress, diagnose, snapshots) -> Curves:
+    """One stage of `fit`: its epochs of minibatch steps, with evaluations at its cadence (and snapshots)."""
     data, phase, order, eval_every = stage.data, stage.phase, stage.order, stage.eval_every
     E, N = data.y_train.shape
     device = data.y_train.device
@@ -260,9 +273,23 @@ def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress
         test_hist.append(torch.where(dead, torch.nan, te))
 
     grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    history = {"epochs": epochs, "train": train_hist, "test": test_hist, "diverged": diverged, "initial": initial,
+               "grads": grads}  # fmt: skip
+    t0, start, earlier_s = time.perf_counter(), 0, 0.0
     model.train()
-    record(0)
-    for epoch in range(1, phase.epochs + 1):
+    snap = None if snapshots is None else snapshots.load(device)
+    if snap is not None and (why := _fits(snap, model, order)) is not None:
+        snap = snapshots.reject(why)
+    if snap is not None:
+        start, earlier_s = _restore(snap, model, step.optimizer, order, history)
+        snapshots.log(f"resumed at epoch {start} of {phase.epochs} from {snapshots.path}")
+        if progress is not None:
+            progress(n_batches * start)
+    else:
+        record(0)
+    if snapshots is not None:
+        snapshots.start()
+    for epoch in range(start + 1, phase.epochs + 1):
         perm = torch.stack([torch.randperm(N, generator=g) for g in order])  # (E, N), on the host
         perm = perm.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else perm.to(device)
         xs, ys = data.x_train[rows, perm], data.y_train[rows, perm]  # this epoch's order, (E, N, 2), (E, N)
@@ -279,9 +306,14 @@ def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress
         if evaluated:
             record(epoch)
             running.zero_()
+            if snapshots is not None and epoch < phase.epochs and snapshots.due():
+                elapsed = earlier_s + time.perf_counter() - t0
+                snapshots.save(_state(epoch, elapsed, model, step.optimizer, order, history))
     for evaluation in captured:
         evaluation.close()
     curves = Curves(epochs, torch.stack(train_hist, 1).cpu(), torch.stack(test_hist, 1).cpu(), diverged)
+    if start:
+        curves.resumed_epoch, curves.earlier_s = start, earlier_s
     if grads:
         curves.grad_epochs = epochs[1:]
         dead = torch.tensor([[d is not None and d <= t for t in epochs[1:]] for d in diverged])  # (E, T)
@@ -289,3 +321,43 @@ def _train(model: nn.Module, step: Callable, stage: Stage, instruction, progress
         if grads[0][1] is not None:
             curves.grad_shared = torch.stack([s for _, s in grads], 1).masked_fill(dead, torch.nan)
     return curves
+
+
+def _state(epoch: int, elapsed_s: float, model: nn.Module, optimizer, order, history: dict) -> dict:
+    """What a snapshot holds after evaluation epoch `epoch` (the running loss is zero there): the trainable
+    parameters, the optimiser's state, each member's data-order generator and the stage's history so far."""
+    return {
+        "epoch": epoch,
+        "elapsed_s": elapsed_s,
+        "params": trainable(model),
+        "optimizer": optimizer.state_dict(),
+        "order": [g.get_state() for g in order],
+        "history": history,
+    }
+
+
+def _fits(snap: dict, model: nn.Module, order) -> str | None:
+    """What keeps a snapshot (of the stage's key) from being this stage's, checked before anything is restored: its
+    parameters' names and shapes, and one generator per member; None when it fits."""
+    params, saved = trainable(model), snap.get("params", {})
+    if saved.keys() != params.keys():
+        return f"its parameters ({len(saved)}) are not the model's ({len(params)})"
+    if bad := [n for n, p in params.items() if saved[n].shape != p.shape]:
+        return f"its {bad[0]} is {tuple(saved[bad[0]].shape)}, not {tuple(params[bad[0]].shape)}"
+    if len(snap.get("order", [])) != len(order):
+        return f"it holds {len(snap.get('order', []))} members' data orders, not {len(order)}"
+    return None
+
+
+def _restore(snap: dict, model: nn.Module, optimizer, order, history: dict) -> tuple[int, float]:
+    """Put a snapshot's state back (`_state`), in place; returns its epoch and the seconds trained until then."""
+    params = trainable(model)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(snap["params"][name])
+    optimizer.load_state_dict(snap["optimizer"])
+    for g, state in zip(order, snap["order"], strict=True):
+        g.set_state(state.cpu())
+    for key, value in snap["history"].items():
+        history[key][:] = value
+    return snap["epoch"], snap["elapsed_s"]
