@@ -92,7 +92,8 @@ part paper-deep-narrow 35 "$Q run --function dropwave --arch deep-narrow --budge
 part paper-transformer 45 "$Q run --function dropwave --arch transformer --budget paper --methods lora --device cuda --out $RES"
 # the deep-narrow paper table itself (9 functions x 5 seeds x every default method, 5,000 epochs, every method's
 # stack of 45 at once, the default there), timed as a whole process: the 10-minute target measured, not estimated.
-# The sweep stops at 505 s (its progress line in the log gives the rate and the time left); then whatever finished is
+# The sweep stops at 505 s (its progress line in the log gives the rate and the time left; the same call again on the
+# held machine skips finished cells and resumes each stopped stack from its last snapshot); then whatever finished is
 # reported there (`qlbench report`, tables and statistics, no figures), every seed's numbers go into one small CSV
 # (docs/gpu/per-seed.py), and the records (without the adapters' weights) into 15 MiB pieces
 # paper-records.tgz.00, .01, ... when they come to at most 45 MiB: a call brings back at most 8 files of 16 MiB, 64 MiB
