@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qlbench import adapters, bench, cli, engine
+from qlbench.bench.models import stacked_model
 
 from helpers import ReplayByRerun, one_line_error
 
@@ -49,6 +50,13 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys, monkeypatch):
     assert inference["lora"]["flop_overhead_pct"] == 0
     assert inference["queryable"]["flop_overhead_pct"] > 0  # routing costs FLOPs
     assert {"train_step_overhead_pct", "forward_overhead_pct"} <= set(report["overhead"][0])
+    snaps = {r["method"]: r for r in report["snapshot"]}  # what a stopped stack keeps: every trained method's
+    assert set(snaps) == {"lora", "queryable", "instruct-queryable"}
+    for m, r in snaps.items():  # the trained parameters and AdamW's two moments, float32: at least 12 bytes each
+        model, _ = stacked_model("deep-narrow", m, 5, "cpu")
+        assert r["snapshot_mb"] * 2**20 >= 12 * adapters.trainable_parameter_count(model)
+        assert r["save_s"] > 0 and r["load_s"] > 0 and 0 < r["share_at_default"] < 1
+    assert "Snapshots (engine/snapshot.py)" in (tmp_path / "bench.md").read_text()
     profile = {r["method"]: r for r in report["profile"]}
     assert set(profile) == {"lora", "queryable"}
     assert profile["queryable"]["aten_ops"] > profile["lora"]["aten_ops"] > 32  # at least one op per hidden layer

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -50,6 +51,7 @@ from qlbench.bench.timing import (
     sync,
     whole_periods,
 )
+from qlbench.engine import snapshot
 from qlbench.engine.step import first_line
 from qlbench.progress import bar as progress_bar
 
@@ -660,6 +662,49 @@ def padding_row(arch: str, method: str, s: Settings, device) -> dict:
     )
 
 
+def snapshot_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
+    """What a stack's snapshot costs (engine/snapshot.py): its size, the time to save it (`Snapshots.save`, atomic,
+    into a temporary folder) and to read it back, after a few training steps (so the optimiser holds its state);
+    its cost in training steps (the save against the stack's step time, alternating) and its share of the training
+    time at the default interval (a save every engine.SNAPSHOT_EVERY_S seconds, or further apart where a save is
+    slow: `snapshot.gap`)."""
+    import tempfile
+
+    from qlbench.engine.loop import training_state
+
+    threads = s.threads_for(arch, E, device)
+    model, opt = stacked_model(arch, method, E, device)
+    step, data = engine.make_step(model, opt), batches(E, device)
+    chunk(step, data, 2, threads)()  # full-soap's first step only initialises its state: two steps
+    order = [torch.Generator().manual_seed(e) for e in range(E)]
+    history = {"epochs": [], "train": [], "test": [], "diverged": [None] * E, "initial": [], "grads": []}
+    state = training_state(0, 0.0, model, opt, order, history)
+    with tempfile.TemporaryDirectory() as folder:
+        snaps = engine.Snapshots(Path(folder) / "s.pt", "bench", every_s=0.0)
+        n = s.steps[arch]
+        save = chunk(lambda: snaps.save(state), [()], 1, threads)
+        r = alternate({"save": (save, 1), "step": (chunk(step, data, n, threads), n)}, s.rounds, device)
+        size = snaps.path.stat().st_size
+        t0 = time.perf_counter()
+        snaps.load(device)
+        sync(device)
+        load_s = time.perf_counter() - t0
+    save_s = 1 / statistics.median(r["save"])
+    step_ms = 1e3 / statistics.median(r["step"])
+    return stack_row(
+        arch,
+        method,
+        E,
+        threads,
+        snapshot_mb=size / 2**20,
+        save_s=save_s,
+        load_s=load_s,
+        step_ms=step_ms,
+        save_in_steps=1e3 * save_s / step_ms,
+        share_at_default=save_s / (snapshot.gap(engine.SNAPSHOT_EVERY_S, save_s) + save_s),
+    )
+
+
 PARETO_KS = (1, 2, 4)  # the k of one (r, M) of a Pareto grid (the paper's k <= M = 4)
 
 
@@ -793,6 +838,11 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
                 if arch == "transformer" and E > 5:
                     continue  # 45 per-member SOAP states of a 6.3M-parameter model
                 out.append((f"{arch} SOAP E={E}", add("soap", lambda a=arch, E=E: soap_row(a, E, s, device))))
+        E = PAPER_MEMBERS if torch.device(device).type == "cuda" else max(s.members)  # a stack of the paper table
+        for m in trained:  # what a stopped stack keeps (pretraining takes no snapshots)
+            if not (arch == "transformer" and m == "full-soap" and E > 5):  # too large, as above
+                row = lambda a=arch, m=m, E=E: snapshot_row(a, m, E, s, device)
+                out.append((f"{arch} snapshot {m} E={E}", add("snapshot", row)))
         if s.compile and arch == "deep-narrow":  # every trained method at the largest E: the paper estimate's rates
             E = max(s.members)
             for m in timed:
@@ -858,7 +908,7 @@ def if_it_fits(label: str, rows: list, measure: Callable[[], dict], failing: tup
 # and the kernel floor)
 KINDS = (
     "plain", "throughput", "overhead", "profile", "dispatch", "padding", "pareto_stack", "suite", "soap", "compile",
-    "side_by_side", "capture", "at_once", "inference", "hf",
+    "side_by_side", "capture", "at_once", "inference", "hf", "snapshot",
 )  # fmt: skip
 
 
@@ -901,6 +951,7 @@ def run(
         capture=[],
         at_once=[],
         hf=[],
+        snapshot=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
     report["bandwidth_gbs"] = memory_bandwidth(device)  # the roofline floor's memory rate (capture rows)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from qlbench.bench.timing import BATCH
+from qlbench.engine.snapshot import COST_SHARE, EVERY_S
 from qlbench.text import Column, fixed, pct, share, table, times
 
 
@@ -116,6 +117,21 @@ TABLES = [
             Column(
                 "refresh ms replayed from a CUDA graph (as a captured stage runs it)", "refresh_recorded_ms", digits(1)
             ),
+        ],
+    ),
+    Table(
+        "snapshot",
+        "Snapshots (engine/snapshot.py): a stack's training state saved atomically and read back; the save against "
+        "the stack's training step (alternating), and its share of the training time at the default interval (a save "
+        f"every {EVERY_S:g} s, further apart where a save takes over {COST_SHARE:.0%} of the time)",
+        STACK
+        + [
+            Column("snapshot MB", "snapshot_mb", digits(1)),
+            Column("save s", "save_s", digits(3)),
+            Column("load s", "load_s", digits(3)),
+            Column("step ms", "step_ms", digits(2)),
+            Column("a save in steps", "save_in_steps", digits(1)),
+            Column("share of training at the default interval", "share_at_default", share),
         ],
     ),
     Table(

@@ -308,7 +308,7 @@ def _train(model: nn.Module, step: Step, stage: Stage, instruction, progress, di
             running.zero_()
             if snapshots is not None and epoch < phase.epochs and snapshots.due():
                 elapsed = earlier_s + time.perf_counter() - t0
-                snapshots.save(_state(epoch, elapsed, model, step.optimizer, order, history))
+                snapshots.save(training_state(epoch, elapsed, model, step.optimizer, order, history))
     for evaluation in captured:
         evaluation.close()
     curves = Curves(epochs, torch.stack(train_hist, 1).cpu(), torch.stack(test_hist, 1).cpu(), diverged)
@@ -323,7 +323,7 @@ def _train(model: nn.Module, step: Step, stage: Stage, instruction, progress, di
     return curves
 
 
-def _state(epoch: int, elapsed_s: float, model: nn.Module, optimizer, order, history: dict) -> dict:
+def training_state(epoch: int, elapsed_s: float, model: nn.Module, optimizer, order, history: dict) -> dict:
     """What a snapshot holds after evaluation epoch `epoch` (the running loss is zero there): the trainable
     parameters, the optimiser's state, each member's data-order generator and the stage's history so far."""
     return {
@@ -350,7 +350,8 @@ def _fits(snap: dict, model: nn.Module, order) -> str | None:
 
 
 def _restore(snap: dict, model: nn.Module, optimizer, order, history: dict) -> tuple[int, float]:
-    """Put a snapshot's state back (`_state`), in place; returns its epoch and the seconds trained until then."""
+    """Put a snapshot's state back (`training_state`), in place; returns its epoch and the seconds trained by
+    then."""
     params = trainable(model)
     with torch.no_grad():
         for name, p in params.items():

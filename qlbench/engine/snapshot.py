@@ -37,6 +37,12 @@ def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+def gap(every_s: float, save_s: float) -> float:
+    """Seconds from a save that took `save_s` to the next: `every_s`, or more where the save is slow, so that saves
+    take at most COST_SHARE of the time; 0 (every evaluation) stays 0."""
+    return max(every_s, save_s / COST_SHARE) if every_s else 0.0
+
+
 @dataclass
 class Snapshots:
     """One stage's snapshot file (`path`) and the key of what its numbers depend on (`key`: a stack's cells'
@@ -83,9 +89,8 @@ class Snapshots:
         takes at most COST_SHARE of the time."""
         t0 = time.perf_counter()
         save_torch({"format": FORMAT, "key": self.key} | state, Path(self.path))
-        took = time.perf_counter() - t0
         self.saved_at = time.perf_counter()
-        self.gap_s = max(self.every_s, took / COST_SHARE) if self.every_s else 0.0
+        self.gap_s = gap(self.every_s, self.saved_at - t0)
 
     def clear(self) -> None:
         """Remove the snapshot: its stage's records are written."""
