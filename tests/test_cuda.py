@@ -2,9 +2,10 @@
 graph as `--capture auto` does there; compiled for the routed and DoRA-family methods), the captured step trains
 exactly as the eager one (one recording per batch shape, not per epoch), CPU and CUDA agree on a smoke cell, a member
 trained alone equals the same member in a wider stack, a suite's sequential schedule trains, an interrupted sweep
-resumes to the numbers of a clean one, the quick run that once aborted at DoRA completes, the bench that crashed at its
-exit ends cleanly, full-soap's update never waits for the device, methods trained at once on their own streams train
-as one at a time, and a step that cannot be captured is one line naming `--capture off`.
+resumes to the numbers of a clean one, and a captured stage stopped mid-way from its snapshot, the quick run that once
+aborted at DoRA completes, the bench that crashed at its exit ends cleanly, full-soap's update never waits for the
+device, methods trained at once on their own streams train as one at a time, and a step that cannot be captured is
+one line naming `--capture off`.
 
 Skipped, with the reason, on a machine without CUDA (CI); `make test-cuda` runs them where a GPU is present.
 
@@ -125,6 +126,39 @@ def test_an_interrupted_sweep_resumes_to_the_numbers_of_a_clean_one_on_cuda(tmp_
     resumed = cells(tmp_path / "resumed", "cuda", methods)
     for key in clean:
         assert best(resumed[key]) == pytest.approx(best(clean[key]), rel=CUDA_RTOL), key
+
+
+@pytest.mark.parametrize("method", ["lora", "full-soap", "queryable"])
+def test_a_captured_stage_stopped_mid_way_resumes_from_its_snapshot_on_cuda(tmp_path, method):
+    """A captured stage (fused capturable AdamW, or full-soap's split SOAP update with its recorded refresh) stopped
+    after epoch 5 of 7 and resumed from its epoch-4 snapshot, against the same stage never stopped: the curves to
+    CUDA_RTOL (the replays run the same kernels; the resumed stage records its graphs anew)."""
+    budget = engine.Budget("test", 2, engine.Phase(2, 3e-3), engine.Phase(7, 2e-3), eval_every=2)
+    members = [("dropwave", 0), ("levy", 1)]
+    pre = engine.pretrain(engine.Backbones("deep-narrow", budget.pretrain), members, device="cuda")
+    config = adapters.get(method).make_config()
+
+    def adapt(snapshots=None, stop=None):
+        epochs = []
+
+        def progress(steps):
+            epochs.append(1)
+            if len(epochs) == stop:
+                raise KeyboardInterrupt
+
+        return engine.adapt(
+            pre, method, config, budget, device="cuda", capture=True, progress=progress, snapshots=snapshots
+        )
+
+    clean = adapt()
+    snapshots = engine.Snapshots(tmp_path / "s.pt", "key", every_s=0.0)
+    with pytest.raises(KeyboardInterrupt):
+        adapt(snapshots, stop=5)
+    resumed = adapt(snapshots)
+    assert resumed.curves.resumed_epoch == 4
+    for field in ("train_mse", "test_mse"):
+        got, want = getattr(resumed.curves, field), getattr(clean.curves, field)
+        torch.testing.assert_close(got, want, rtol=CUDA_RTOL, atol=0)
 
 
 @pytest.mark.parametrize("method", COMPILED)

@@ -240,3 +240,37 @@ def test_a_killed_quick_run_resumes_from_its_snapshot_to_the_same_numbers(tmp_pa
     assert a["resumed_from_epoch"] > 0
     for x, y in zip(a["per_seed"], b["per_seed"], strict=True):
         assert x["train_curve"] == y["train_curve"] and x["test_curve"] == y["test_curve"]
+
+
+@pytest.mark.parametrize("method", ["lora", "full-soap"])
+def test_a_captured_stage_resumes_as_an_eager_one(pre, method, tmp_path, monkeypatch):
+    """The captured step's path (engine/step.py, with CUDA graphs replaced by the CPU stand-in `ReplayByRerun` and
+    the update recorded: AdamW's, or full-soap's split SOAP update, `capturable` forced as on CUDA) stopped and
+    resumed from its snapshot gives the eager stage's numbers, bit for bit: the restored optimiser state is the one
+    the new recordings read (tests/test_cuda.py runs the same on a GPU)."""
+    from qlbench.adapters import full
+    from qlbench.engine import step as step_module
+
+    from helpers import ReplayByRerun
+
+    soap = full.StackedSoap  # capturable: its step size a device tensor (the eager reference too: other bits)
+    monkeypatch.setattr(full, "StackedSoap", lambda *a, **k: soap(*a, **(k | {"capturable": True})))
+    reference = adapt(pre, method)
+    monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
+    forced = lambda optimizer: hasattr(optimizer, "param_groups") or getattr(optimizer, "capturable", False)
+    monkeypatch.setattr(step_module, "capturable", forced)
+    config = adapters.get(method).make_config()
+    snapshots = engine.Snapshots(tmp_path / "s.pt", "key", every_s=0.0, log=lambda m: None)
+    captured = lambda **kw: engine.adapt(pre, method, config, BUDGET, device="cpu", capture=True, **kw)
+    stops = []
+
+    def stop(steps):
+        stops.append(steps)
+        if len(stops) == STOP_AT:
+            raise Stop
+
+    with pytest.raises(Stop):
+        captured(snapshots=snapshots, progress=stop)
+    resumed = captured(snapshots=snapshots)
+    assert resumed.curves.resumed_epoch == 4
+    assert_same_training(reference, resumed)
