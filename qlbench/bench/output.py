@@ -131,7 +131,7 @@ TABLES = [
             Column("load s", "load_s", digits(3)),
             Column("step ms", "step_ms", digits(2)),
             Column("a save in steps", "save_in_steps", digits(1)),
-            Column("share of training at the default interval", "share_at_default", share),
+            Column("share of training at the default interval", "share_at_default", partial(share, digits=2)),
         ],
     ),
     Table(
