@@ -127,6 +127,7 @@ def test_a_ray_sweep_equals_the_local_executor(faults, local, tmp_path, capsys):
     assert results.read_record(record)["train_info"]["stacked_members"] == 4  # the local executor's stack
 
 
+@pytest.mark.slow  # about a minute (a Ray cluster's start and eight stacks): CI's `make test-slow`
 def test_another_group_size_gives_the_same_numbers(faults, local, tmp_path):
     """--group-size 1 trains each function's stack apart (2 members instead of the local executor's 4): the per-seed
     results and weights must not change (engine.MIN_STACK)."""
