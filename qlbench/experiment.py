@@ -436,9 +436,12 @@ def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, lo
         commit_method(p, method, pre, res, measure_cost(p, method, pre, dtype, log), log)
 
 
-def snapshots(p: Plan, method: str, pre: engine.Pretrained, log) -> engine.Snapshots:
+def snapshots(p: Plan, method: str, pre: engine.Pretrained, log) -> engine.Snapshots | None:
     """The snapshots of `method`'s stack `pre` while it trains (engine/snapshot.py), keyed by its cells' configs, its
-    members and what else changes its numbers' bits (device, compile, capture)."""
+    members and what else changes its numbers' bits (device, compile, capture); None for a method that does not
+    train, or with snapshots off."""
+    if not adapters.get(method).trains or p.snapshot_every_s is None:
+        return None
     functions = list(dict.fromkeys(f for f, _ in pre.members))
     key = stable_hash(
         {
@@ -459,7 +462,7 @@ def adapt_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, 
     A trained method's stack snapshots as it goes and resumes a stopped run's snapshot (`snapshots`; with
     `p.force`, a stopped run's is removed first: the stack starts from its first epoch)."""
     functions = list(dict.fromkeys(f for f, _ in pre.members))
-    saved = snapshots(p, method, pre, log) if adapters.get(method).trains and p.snapshot_every_s is not None else None
+    saved = snapshots(p, method, pre, log)
     if saved is not None and p.force:
         saved.clear()
     work = lambda: engine.adapt(
@@ -475,8 +478,8 @@ def commit_method(p: Plan, method: str, pre: engine.Pretrained, res: engine.Adap
     then the stack's snapshot, if any, is removed."""
     for f in dict.fromkeys(f for f, _ in pre.members):
         commit_cell(p, method, f, res, [i for i, (g, _) in enumerate(res.members) if g == f], pre, costs, log)
-    if adapters.get(method).trains and p.snapshot_every_s is not None:
-        snapshots(p, method, pre, log).clear()
+    if (saved := snapshots(p, method, pre, log)) is not None:
+        saved.clear()
 
 
 def commit_cell(
