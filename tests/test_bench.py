@@ -16,6 +16,7 @@ from qlbench.bench.models import stacked_model
 from helpers import ReplayByRerun, one_line_error
 
 
+@pytest.mark.slow  # 44 s on 2 cores: under -m slow (CI), so the default suite stays within about 10 minutes
 def test_quick_bench_writes_consistent_report(tmp_path, capsys, monkeypatch):
     from qlbench.bench import cases
 

@@ -165,6 +165,7 @@ def test_task_data_sizes_follow_the_card():
     assert len(d.y_train) == parametric.TRAIN_TOTAL // 16 and len(d.y_test) == parametric.TEST_PER_TASK
 
 
+@pytest.mark.slow  # 19 s on 2 cores: under -m slow (CI), so the default suite stays within about 10 minutes
 def test_the_held_out_report_reads_the_records(tmp_path, capsys):
     """`qlbench report` on a parametric held-out run writes the held-out table and figures; its interpolation cell
     for lora is the mean over the record's interpolation tasks of their final MSE, recomputed here from the JSON."""

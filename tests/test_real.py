@@ -97,6 +97,7 @@ def damage_adapter(folder, how: str) -> None:
         config.write_text(json.dumps(saved))
 
 
+@pytest.mark.slow  # 29 s on 2 cores: under -m slow (CI), so the default suite stays within about 10 minutes
 def test_a_tiny_run_writes_records_resumes_and_reports(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("QLBENCH_CACHE", str(tmp_path / "cache"))  # the instructions' embeddings, not in ~/.cache
     argv = ["real", "--methods", "lora,instruct-queryable", "--seeds", "1", "--epochs", "1", "--train-per-task", "4"]

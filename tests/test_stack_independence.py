@@ -82,6 +82,7 @@ def per_seed(out, function: str, method: str) -> list[dict]:
 RUN = ["--budget", "smoke", "--seeds", "1", "--methods", "lora,queryable", "--no-progress"]
 
 
+@pytest.mark.slow  # 17 s on 2 cores: under -m slow (CI), so the default suite stays within about 10 minutes
 def test_a_cell_alone_in_a_sweep_and_after_a_resume_gives_the_same_numbers(tmp_path, capsys):
     """One seed: the cell alone is a one-member stack, in a two-function sweep a two-member one; the resumed sweep
     trains levy alone again after matyas's records survived an interruption."""
