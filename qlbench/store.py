@@ -316,6 +316,11 @@ class Store:
         """A stack's snapshot while it trains (engine/snapshot.py); `key` is the hash of what its numbers depend on."""
         return self.root / "snapshots" / arch / f"{method}-{budget}-{key}.pt"
 
+    def snapshots(self, arch: str) -> list[Path]:
+        """The snapshots in the folder of stacks on `arch` that stopped before their records were written (or that
+        another process is training), sorted."""
+        return sorted((self.root / "snapshots" / arch).glob("*.pt"))
+
     @staticmethod
     def model_of(record: Path) -> Path:
         """The adapter weights saved with a record."""

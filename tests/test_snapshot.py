@@ -221,6 +221,25 @@ def test_snapshots_off_writes_none(tmp_path, monkeypatch):
     assert not (tmp_path / "snapshots").exists()
 
 
+def test_a_run_names_the_snapshots_left_of_other_configurations(tmp_path, capsys):
+    """A run removes its own stack's snapshot once its records are written; a snapshot of another configuration
+    (left by a stopped run) stays untouched, and the run says how many remain, where and their size."""
+    other = tmp_path / "snapshots" / "deep-narrow" / "lora-smoke-0123456789ab.pt"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"x" * 2_500_000)
+    args = ["run", "--function", "matyas", "--budget", "smoke", "--methods", "lora", "--no-progress",
+            "--snapshot-every", "0", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"qlbench run: 1 snapshot(s) of stacks stopped mid-stage remain in {other.parent} (2.5 MB): a run of the same "
+        "configuration resumes from them; delete them to free the space"
+    ) in err.splitlines()
+    assert list(other.parent.iterdir()) == [other] and other.read_bytes() == b"x" * 2_500_000
+    other.unlink()
+    assert cli.main(args) == 0 and "snapshot(s)" not in capsys.readouterr().err
+
+
 @pytest.mark.faults  # about a minute: run by `make test-faults` (CI)
 def test_a_killed_quick_run_resumes_from_its_snapshot_to_the_same_numbers(tmp_path):
     """`qlbench run` killed (SIGKILL) once its stack has saved a snapshot; run again, it resumes there, and its

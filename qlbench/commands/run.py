@@ -12,6 +12,7 @@ import time
 from qlbench import adapters, engine, experiment, planning, ray_executor, results, runner, text, zoo
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
+from qlbench.store import Store
 
 
 def register(subparsers) -> None:
@@ -221,4 +222,23 @@ def run(args, functions: list[str]) -> int:
     failed = frame[frame["cell_status"] == "failed"].drop_duplicates("record") if len(frame) else frame
     for row in failed.itertuples():
         log(f"qlbench {args.command}: {row.function}/{row.method} failed: {row.message}")
+    if left := snapshots_left(plan.store, plan.arch):
+        log(f"qlbench {args.command}: {left}")
     return 1 if len(failed) else 0
+
+
+def snapshots_left(store: Store, arch: str) -> str | None:
+    """What the results folder still holds of snapshots on `arch` once a run is over, or None: a run removes its own
+    stacks' as their records are written, so these are stacks of other configurations stopped mid-stage (or one of
+    this run that failed, or one another process is training). A run of their configuration resumes from them; until
+    then they only take space (a Transformer full-soap stack of 5: about 1.2 GB)."""
+    sizes = []
+    for path in store.snapshots(arch):
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile by the process that trains it
+            sizes.append(path.stat().st_size)
+    if not sizes:
+        return None
+    return (
+        f"{len(sizes)} snapshot(s) of stacks stopped mid-stage remain in {store.root / 'snapshots' / arch} "
+        f"({sum(sizes) / 1e6:.1f} MB): a run of the same configuration resumes from them; delete them to free the space"
+    )
