@@ -61,12 +61,12 @@ test: setup-dev
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup-dev
-	$(BIN)/ruff check qlbench tests
-	$(BIN)/ruff format --check qlbench tests
+	$(BIN)/ruff check qlbench tests docs/gpu
+	$(BIN)/ruff format --check qlbench tests docs/gpu
 
 format: setup-dev
-	$(BIN)/ruff check --fix qlbench tests
-	$(BIN)/ruff format qlbench tests
+	$(BIN)/ruff check --fix qlbench tests docs/gpu
+	$(BIN)/ruff format qlbench tests docs/gpu
 
 # the long checks (every method's step compiled by Inductor against its eager run, the compiled bench, ...); CI runs
 # them after the default suite
