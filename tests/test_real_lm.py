@@ -87,6 +87,12 @@ def test_a_damaged_record_is_set_aside_and_recomputed(tmp_path):
         (["real-lm", "--seeds", "0"], ["--seeds must be an integer from 1 to 100"]),
         (["real-lm", "--methods", "lora,lora"], ["listed twice"]),
         (["real-lm", "--epochs", "0"], ["epochs"]),
+        (["real-lm", "--device", "tpu"], ["unknown device 'tpu'", "valid: auto, cpu, cuda"]),
+        pytest.param(
+            ["real-lm", "--device", "cuda"],
+            ["CUDA is not available", "valid: auto, cpu"],
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: --device cuda is valid"),
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, tmp_path, argv, words):

@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds 0..N-1 (default 3)")
     p.add_argument("--epochs", type=int, default=20, help="adaptation passes over the training set (default 20)")
-    options.add_training_options(p, "threads")
+    options.add_training_options(p, "threads", "device")
     options.add_output_options(p)  # records and table under OUT/real-lm/
     p.set_defaults(func=run)
 
@@ -46,7 +46,7 @@ def run(args) -> int:
         raise UsageError(f"qlbench real-lm needs the hf extra (pip install 'qlbench[hf]'): {err}") from None
     with usage_errors():
         config = real_lm.LMConfig(epochs=args.epochs, seeds=tuple(range(args.seeds)))
-        work = real_lm.plan(methods, config, out)
+        work = real_lm.plan(methods, config, out, args.device)  # the device checked before any work
     check_out(out, "results folder")
     import torch
 
