@@ -52,8 +52,8 @@ INSTRUCTIONS = (
 METHODS = ("base", "lora", "queryable", "instruct-queryable")
 TARGETS = ["q_proj", "v_proj"]
 PROMPT = 2 + LENGTH  # BOS x1..x5 SEP
-CPU = torch.device("cpu")
 ANSWER = LENGTH + 1  # y1..y5 EOS
+CPU = torch.device("cpu")
 
 
 def answer(task: str, x: np.ndarray) -> np.ndarray:

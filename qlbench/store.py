@@ -312,14 +312,18 @@ class Store:
         """Suite record files matching the pattern parts, sorted."""
         return sorted(self.root.glob(f"suites/{arch}/{suite}/{schedule}/{method}/{budget}-*.json"))
 
+    def snapshot_dir(self, arch: str) -> Path:
+        """Where the snapshots of stacks on `arch` live while they train (engine/snapshot.py)."""
+        return self.root / "snapshots" / arch
+
     def snapshot_path(self, arch: str, method: str, budget: str, key: str) -> Path:
-        """A stack's snapshot while it trains (engine/snapshot.py); `key` is the hash of what its numbers depend on."""
-        return self.root / "snapshots" / arch / f"{method}-{budget}-{key}.pt"
+        """A stack's snapshot while it trains; `key` is the hash of what its numbers depend on."""
+        return self.snapshot_dir(arch) / f"{method}-{budget}-{key}.pt"
 
     def snapshots(self, arch: str) -> list[Path]:
         """The snapshots in the folder of stacks on `arch` that stopped before their records were written (or that
         another process is training), sorted."""
-        return sorted((self.root / "snapshots" / arch).glob("*.pt"))
+        return sorted(self.snapshot_dir(arch).glob("*.pt"))
 
     @staticmethod
     def model_of(record: Path) -> Path:

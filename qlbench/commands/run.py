@@ -239,6 +239,6 @@ def snapshots_left(store: Store, arch: str) -> str | None:
     if not sizes:
         return None
     return (
-        f"{len(sizes)} snapshot(s) of stacks stopped mid-stage remain in {store.root / 'snapshots' / arch} "
+        f"{len(sizes)} snapshot(s) of stacks stopped mid-stage remain in {store.snapshot_dir(arch)} "
         f"({sum(sizes) / 1e6:.1f} MB): a run of the same configuration resumes from them; delete them to free the space"
     )
