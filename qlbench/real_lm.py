@@ -309,7 +309,7 @@ def table(paths: list[Path]) -> tuple[pd.DataFrame, str]:
         row |= {t: cell([s["per_task"][t]["exact_match"] for s in entries]) for t in TASKS}
         row |= {"exact match": cell([s["exact_match"] for s in entries]),
                 "answer CE": cell([s["answer_ce"] for s in entries])}  # fmt: skip
-        if m != "lora" and "lora" in recs:
+        if m not in ("lora", "base") and "lora" in recs:  # base is a reference row: printed, not a hypothesis
             common = sorted(set(seeds(m)) & set(seeds("lora")))
             # higher exact match is better: paired_test's "win" is a lower score, so compare the error rates
             err = lambda who, common=common: [1 - seeds(who)[s]["exact_match"] for s in common]

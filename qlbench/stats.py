@@ -19,9 +19,10 @@ Conventions (docs/methods.md, "Interpretations in the statistics", says the same
   The primary p is the t-test's when defined, else Wilcoxon's. Outcome: "win" / "loss" when p < ALPHA, there
   are at least MIN_PAIRS pairs, and the method is lower / higher (sign of mean(d) for the t-test, of the
   signed-rank sums for Wilcoxon); otherwise "tie".
-- **Multiplicity.** A table asks many questions at once (every function x method against the baseline: about 40 at
-  3 seeds), so `compare` decides on Holm-adjusted p over that family (`holm`, per (arch, budget) and metric), not on
-  each raw p: a win or loss (the tables' † and win/tie/loss) needs p_holm < ALPHA. The raw p stays beside it.
+- **Multiplicity.** A table asks many questions at once (every function x trained method against the baseline), so
+  `compare` decides on Holm-adjusted p over that family (`holm`, per (arch, budget) and metric), not on each raw p:
+  a win or loss (the tables' † and win/tie/loss) needs p_holm < ALPHA. The raw p stays beside it. The reference rows
+  (`frozen`, `mean`) are printed with their raw p, but they are not hypotheses and are not in the family.
   `paired_test` alone decides one comparison on its raw p; a caller that runs a family of them adjusts it.
 - **Minimum seeds.** An exact two-sided Wilcoxon (or sign) test on n pairs cannot go below 2 / 2**n: 0.25 for n = 3,
   0.0625 for n = 5, 0.03125 for n = 6. With 5 seeds only the t-test can reach p < 0.05, so a comparison that
@@ -260,8 +261,9 @@ def holm(pvalues) -> np.ndarray:
 def compare(frame: pd.DataFrame, metric: str, baseline: str = adapters.BASELINE) -> pd.DataFrame:
     """Every method against `baseline` (a method name or "best-static") in every (arch, budget, function): one row
     with CELL, method, baseline, the fields of `paired_test` and p_holm, its p Holm-adjusted over the family of one
-    table (every (function, method) of the same (arch, budget)). `outcome` is decided on p_holm: a raw win or loss
-    whose p_holm is not below ALPHA is a tie. Empty when the baseline is absent."""
+    table (every (function, trained method) of the same (arch, budget)). `outcome` is decided on p_holm: a raw win or
+    loss whose p_holm is not below ALPHA is a tie. The reference rows (frozen, mean) keep their raw p, but they are
+    not hypotheses: p_holm NaN, outcome "reference", outside the family. Empty when the baseline is absent."""
     p = pairs(frame, metric_column(metric), baseline)
     rows = [
         {**dict(zip(CELL + ["method", "baseline"], key)), **paired_test(g["a"], g["b"])}
@@ -282,17 +284,31 @@ def compare(frame: pd.DataFrame, metric: str, baseline: str = adapters.BASELINE)
         "outcome",
     ]
     out = pd.DataFrame(rows, columns=cols)
-    out.insert(cols.index("p") + 1, "p_holm", out.groupby(["arch", "budget"])["p"].transform(holm))
+    out.insert(cols.index("p") + 1, "p_holm", _holm_trained(out, ["arch", "budget"]))
     out["outcome"] = out["outcome"].where(out["p_holm"] < ALPHA, "tie")  # p_holm >= p: only fewer claims
+    out.loc[out["method"].isin(REFERENCE), "outcome"] = REFERENCE_OUTCOME
     return out
 
 
+REFERENCE_OUTCOME = "reference"  # a reference row's outcome: its raw p is shown, it is not a hypothesis
+
+
+def _holm_trained(comparison: pd.DataFrame, family: list[str]) -> pd.Series:
+    """Holm-adjusted p over each family (rows sharing the `family` columns) of the comparisons between trained
+    methods; a reference row (frozen, mean: printed, not a hypothesis) gets NaN and is not counted in the family."""
+    trained = ~comparison["method"].isin(REFERENCE)
+    adjusted = comparison[trained].groupby(family)["p"].transform(holm)
+    return adjusted.reindex(comparison.index)
+
+
 def win_tie_loss(comparison: pd.DataFrame) -> pd.DataFrame:
-    """Across functions, per (arch, budget, method): wins, ties, losses from `compare` (its outcome, decided on the
-    Holm-adjusted p) and the two-sided sign test on wins vs losses (ties dropped; NaN when there is no win or loss).
+    """Across functions, per (arch, budget, trained method): wins, ties, losses from `compare` (its outcome, decided
+    on the Holm-adjusted p; reference rows are not counted) and the two-sided sign test on wins vs losses (ties
+    dropped; NaN when there is no win or loss).
     With f decided functions its p cannot go below 2 / 2**f."""
     rows = []
-    for (arch, budget, method), g in comparison.groupby(["arch", "budget", "method"], sort=False):
+    trained = comparison[~comparison["method"].isin(REFERENCE)]
+    for (arch, budget, method), g in trained.groupby(["arch", "budget", "method"], sort=False):
         wins, ties, losses = (int((g["outcome"] == o).sum()) for o in ("win", "tie", "loss"))
         rows.append(
             {
@@ -324,3 +340,91 @@ def log_ratios(frame: pd.DataFrame, metric: str, baseline: str = adapters.BASELI
             n_div_base=("b", lambda s: int(np.isinf(s).sum())),
         )  # mean(+inf, -inf) = NaN
     return out.reset_index()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Across functions: does a method beat the baseline on the zoo, not on one function?
+
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0  # the resampling's generator: the same frame always gives the same interval
+
+
+def log_ratio_pairs(frame: pd.DataFrame, column: str, baseline: str = adapters.BASELINE) -> pd.DataFrame:
+    """`pairs` with r = ln(a / b) per (function, seed): both diverged 0, only the method +inf, only the baseline
+    -inf."""
+    p = pairs(frame, column, baseline)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.log(p["a"].to_numpy(float) / p["b"].to_numpy(float))
+    both = np.isinf(p["a"]) & np.isinf(p["b"])
+    return p.assign(r=np.where(both, 0.0, r))
+
+
+def hierarchical_bootstrap(groups: list[np.ndarray], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED):
+    """Bootstrap distribution of the mean over every value of `groups` (one array per function, its seeds' values):
+    each resample draws the functions with replacement, then within each drawn function its seeds with replacement,
+    so the interval carries both how much functions differ and how much seeds do. Returns (resamples,) means."""
+    sizes = np.array([len(g) for g in groups])  # (F,)
+    padded = np.full((len(groups), sizes.max()), np.nan)  # (F, S_max)
+    for i, g in enumerate(groups):
+        padded[i, : len(g)] = g
+    rng = np.random.default_rng(seed)
+    f = rng.integers(len(groups), size=(resamples, len(groups)))  # (B, F): the drawn functions
+    n = sizes[f]  # (B, F): each drawn function's seed count
+    s = (rng.random((resamples, len(groups), sizes.max())) * n[..., None]).astype(int)  # (B, F, S_max)
+    drawn = padded[f[..., None], s]  # (B, F, S_max)
+    keep = np.arange(sizes.max()) < n[..., None]  # a function with fewer seeds draws only that many
+    with np.errstate(invalid="ignore"):  # +inf and -inf in one resample: NaN, as their mean is undefined
+        return np.where(keep, drawn, 0.0).sum(axis=(1, 2)) / keep.sum(axis=(1, 2))
+
+
+def across_functions(frame: pd.DataFrame, metric: str, baseline: str = adapters.BASELINE) -> pd.DataFrame:
+    """Every trained method against `baseline` across the functions of each (arch, budget): one row per method.
+
+    The question a reader asks of a zoo ("does X beat LoRA here?"), asked once per method rather than per function:
+    - the pairs are every (function, seed) where both have a measurement, on r = ln(MSE_method / MSE_baseline), so
+      every function weighs by its seeds whatever its scale;
+    - effect: the geometric-mean ratio exp(mean r) (below 1 = lower MSE than the baseline); a diverged seed makes it
+      inf (or 0 where only the baseline diverged), never hidden;
+    - ci_low, ci_high: its 95 % percentile interval from `hierarchical_bootstrap` over functions and seeds;
+    - p: `paired_test` of r against 0: the t-test on r (Wilcoxon signed-rank when a seed diverged);
+      p_holm: Holm over the table's methods (trained methods only; frozen and mean are not hypotheses);
+    - outcome: win / loss when p_holm < ALPHA and the interval excludes 1 (qlbench interpretation: the pooled test
+      treats the (function, seed) pairs as exchangeable, the bootstrap does not, and a claim needs both); else tie.
+    Columns: arch, budget, method, baseline, functions, n, n_div, n_div_base, gm_ratio, ci_low, ci_high, p, p_holm,
+    outcome. Empty when the baseline is absent."""
+    cols = ["arch", "budget", "method", "baseline", "functions", "n", "n_div", "n_div_base", "gm_ratio"]
+    cols += ["ci_low", "ci_high", "p", "p_holm", "outcome"]
+    p = log_ratio_pairs(frame, metric_column(metric), baseline)
+    p = p[~p["method"].isin(REFERENCE)]
+    rows = []
+    for (arch, budget, method), g in p.groupby(["arch", "budget", "method"], sort=False):
+        r = g["r"].to_numpy(float)  # (pairs,)
+        test = paired_test(r, np.zeros_like(r))  # the t-test (or Wilcoxon) of the log ratios against 0
+        groups = [fg["r"].to_numpy(float) for _, fg in g.groupby("function", sort=True)]
+        boot = hierarchical_bootstrap(groups)
+        # inverted_cdf picks resampled values (no interpolation), so an inf end stays inf; NaN: undefined resamples
+        ci = (math.nan, math.nan)
+        if not np.isnan(boot).any():
+            ci = tuple(math.exp(q) for q in np.quantile(boot, [0.025, 0.975], method="inverted_cdf"))
+        rows.append(
+            {
+                "arch": arch,
+                "budget": budget,
+                "method": method,
+                "baseline": baseline,
+                "functions": len(groups),
+                "n": test["n"],
+                "n_div": int(np.isinf(g["a"]).sum()),
+                "n_div_base": int(np.isinf(g["b"]).sum()),
+                "gm_ratio": math.exp(_mean(r)),
+                "ci_low": ci[0],
+                "ci_high": ci[1],
+                "p": test["p"],
+                "outcome": test["outcome"],
+            }
+        )
+    out = pd.DataFrame(rows, columns=[c for c in cols if c != "p_holm"])
+    out.insert(cols.index("p_holm"), "p_holm", out.groupby(["arch", "budget"])["p"].transform(holm))
+    excludes_one = (out["ci_low"] > 1) | (out["ci_high"] < 1)
+    out["outcome"] = out["outcome"].where((out["p_holm"] < ALPHA) & excludes_one, "tie")
+    return out

@@ -132,11 +132,16 @@ def test_significance_mark_only_where_paired_test_says_so(frame):
 
 
 def test_the_legend_and_the_statistics_table_state_the_holm_family(frame):
-    """The best-train table's family: six comparisons with LoRA on six_hump (replora failed: no pairs) and two on
-    dropwave. doran's raw p (0.0198) is below 0.05, its Holm p (3 x 0.0198, see test_seed_counts_are_shown) is not;
-    the CSV and the statistics table keep both."""
+    """The best-train table's family: four comparisons of trained methods with LoRA on six_hump (replora failed: no
+    pairs; frozen and mean are reference rows, not hypotheses) and two on dropwave. doran's raw p (0.0198) is below
+    0.05, its Holm p (3 x 0.0198, see test_seed_counts_are_shown) is not; the CSV and the statistics table keep
+    both. The reference rows keep their raw p, with no Holm p and no outcome but "reference"."""
     data = report.table_data(frame, "best-train")
-    assert "Holm-adjusted p < 0.05 over the table's 8 comparisons with LoRA" in report.paper_markdown(data)
+    md = report.paper_markdown(data)
+    assert "Holm-adjusted p < 0.05 over the table's 6 comparisons of trained methods with LoRA" in md
+    for method in ("frozen", "mean"):
+        ref = row(data, "six_hump", method)
+        assert ref["p_vs_lora"] < 1e-4 and math.isnan(ref["p_holm_vs_lora"]) and ref["vs_lora"] == "reference"
     doran = row(data, "dropwave", "doran")
     assert doran["p_vs_lora"] < 0.05 < doran["p_holm_vs_lora"] and doran["vs_lora"] == "tie"
     assert not doran["sig_vs_lora"]
@@ -148,8 +153,8 @@ def test_the_legend_and_the_statistics_table_state_the_holm_family(frame):
 def test_seed_counts_are_shown(frame):
     md = report.paper_markdown(report.table_data(frame, "best-train"))
     assert "n = 5 seeds" in md and "inf (k/n div.; m ok: mean ± std)" in md
-    # 3 pairs, raw t p = 0.0198, but the 6th smallest of the table's 8 comparisons with LoRA (five others are below
-    # 4e-4): Holm 3 x 0.0198 = 0.059, so no †
+    # 3 pairs, raw t p = 0.0198, but the 4th smallest of the table's 6 comparisons of trained methods with LoRA
+    # (three others are below 4e-4): Holm 3 x 0.0198 = 0.059, so no †
     assert md_cells(md, "dropwave")["doran"] == "***0.800 ± 0.10 (n=3)***"
     assert md_cells(md, "dropwave")["dora"] == "-"  # not run
 

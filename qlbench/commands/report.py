@@ -22,7 +22,13 @@ def register(subparsers) -> None:
         "mean ± std, best marked, significance against LoRA), paired statistics "
         "and figures, for every (arch, budget) in a results folder.",
     )
-    p.add_argument("folder", type=path_arg, metavar="RESULTS", help="a results folder (as given to run/sweep --out)")
+    p.add_argument(
+        "folder",
+        type=path_arg,
+        metavar="RESULTS",
+        help="a results folder (as given to run/sweep --out), or a report's per-seed CSV (per-seed.csv.gz), which "
+        "rebuilds that report's tables",
+    )
     p.add_argument("--arch", help="only this arch (default: every arch in the folder)")
     p.add_argument("--budget", help="only this budget (default: every budget in the folder)")
     p.add_argument(
@@ -35,7 +41,11 @@ def register(subparsers) -> None:
         "train table always shows best-train)",
     )
     p.add_argument("--format", default=",".join(text.FORMATS), help=f"comma-separated from: {', '.join(text.FORMATS)}")
-    p.add_argument("--out", type=path_arg, help="folder for the tables and figures (default <RESULTS>/report)")
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        help="folder for the tables and figures (default <RESULTS>/report; for a per-seed CSV, the folder it is in)",
+    )
     p.add_argument("--no-figures", action="store_true", help="tables only")
     p.set_defaults(func=run)
 
@@ -52,6 +62,8 @@ def run(args) -> int:
         )
     if args.arch is not None and args.arch not in ARCHS:
         raise UsageError(f"unknown arch {args.arch!r}; valid: {', '.join(ARCHS)}")
+    if results.is_per_seed(args.folder):
+        return _from_per_seed(args, formats)
     if not args.folder.is_dir():
         raise UsageError(f"results folder {args.folder} " + ("is a file" if args.folder.exists() else "does not exist"))
     check_out(args.out or args.folder / "report", "report folder")
@@ -136,3 +148,34 @@ def _single_task(args, frame, formats, out: Path, log) -> dict:
             figures=not args.no_figures,
             gradients=gradients if len(gradients) else None,
         )
+
+
+def _from_per_seed(args, formats) -> int:
+    """`qlbench report per-seed.csv.gz`: the single-task tables rebuilt from a report's per-seed CSV (no curves or
+    gradients: those figures and the gradient table need the JSON records)."""
+    from qlbench import report
+
+    if not args.folder.is_file():
+        raise UsageError(f"per-seed CSV {args.folder} " + ("is a folder" if args.folder.exists() else "does not exist"))
+    out = args.out or args.folder.parent
+    check_out(out, "report folder")
+    try:
+        frame = full = results.load_per_seed(args.folder)
+    except store.DamagedFile as err:
+        raise UsageError(str(err)) from None
+    for key, value in (("arch", args.arch), ("budget", args.budget), ("backbone_init", args.backbone_init)):
+        if value is not None:
+            if value not in set(frame[key]):
+                present = ", ".join(sorted(map(str, set(frame[key]))))
+                raise UsageError(f"no rows with {key} {value!r} in {args.folder}; present: {present}")
+            frame = frame[frame[key] == value]
+    if frame.empty:
+        raise UsageError(f"per-seed CSV {args.folder} has no rows")
+    if (out / results.PER_SEED_FILE).resolve() == args.folder.resolve() and len(frame) < len(full):
+        raise UsageError(f"--arch/--budget/--backbone-init would replace {args.folder} with a part of it: give --out")
+    with usage_errors():
+        written = report.write_report(frame, None, out, metric=args.metric, formats=tuple(formats), figures=False)
+    print(written["markdown"])
+    print(f"cell records: {written['provenance']}")
+    print(f"\nwritten to {out}: {', '.join(sorted(set(str(Path(p).relative_to(out)) for p in written['files'])))}")
+    return 0

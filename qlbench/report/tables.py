@@ -153,11 +153,12 @@ def legend(data: pd.DataFrame, fmt: str) -> str:
     """What the marks mean, how many comparisons the † family holds (its Holm correction), the seed count, inf =
     diverged."""
     k = MARKS[fmt]
-    family = int(data["p_vs_lora"].notna().sum())  # every (function, method) compared with LoRA in this table
+    family = int(data["p_holm_vs_lora"].notna().sum())  # every (function, trained method) compared with LoRA
     return (
         f"{k['bold']} = lowest mean overall; {k['italic']} = lowest mean among adapters (full fine-tuning excluded); "
         f"{k['dagger']} = differs from LoRA, paired by seed, Holm-adjusted p {k['lt']} 0.05 over the table's "
-        f"{family} comparisons with LoRA (raw p in the paired-statistics table; paired t-test, Wilcoxon signed-rank "
+        f"{family} comparisons of trained methods with LoRA (raw p in the paired-statistics table; paired t-test, "
+        "Wilcoxon signed-rank "
         f"when a seed diverged; at least 3 pairs); inf (k/n div.; m ok: mean {k['pm']} std) = k of n seeds diverged, "
         "counted as MSE = inf in every mark and test, the m survivors' mean shown; frozen and mean are reference "
         f"columns, never marked; mean {k['pm']} sample std over n = {_seeds(data)} seeds unless marked (n=k); "
@@ -189,7 +190,8 @@ STATS_LEGEND = (
     "Paired by seed within the function; diff = method - baseline (negative = lower MSE). t p and the "
     "CI are n/a when a seed diverged (inf); Wilcoxon ranks a diverged seed above every finite one. Wilcoxon p and "
     "t p are raw; Holm p is the primary p (t-test, else Wilcoxon) Holm-adjusted over this table's family (every "
-    "function x method against the baseline), since a table makes that many claims at once. result: win/loss "
+    "function x trained method against the baseline), since a table makes that many claims at once; frozen and mean "
+    "are reference rows (result: reference), outside the family. result: win/loss "
     "when Holm p < 0.05 with at least 3 pairs, else tie. An exact two-sided "
     "Wilcoxon cannot go below 0.25 with 3 pairs and 0.0625 with 5. Sign test: wins vs losses across "
     "functions, ties dropped."
@@ -246,6 +248,51 @@ def wtl_table(wtl: pd.DataFrame) -> pd.DataFrame:
             "sign test p": w["sign_p"].map(text.p_value),
         }
     )
+
+
+def _ratio_text(r) -> str:
+    """Geometric-mean ratio [95% bootstrap CI]; n/a where undefined (+inf and -inf among the pairs)."""
+    if math.isnan(r.gm_ratio):
+        return "n/a"
+    ci = "n/a" if math.isnan(r.ci_low) else f"{text.num(r.ci_low, 3)}, {text.num(r.ci_high, 3)}"
+    return f"{text.num(r.gm_ratio, 3)} [{ci}]"
+
+
+def across_table(across: pd.DataFrame) -> pd.DataFrame:
+    """`stats.across_functions` as text, one row per trained method: functions, (function, seed) pairs, diverged
+    seeds (method/baseline), geometric-mean MSE ratio to the baseline [95% bootstrap CI], p (raw), Holm p, result."""
+    a = across.sort_values("method", key=_method_key)
+    return pd.DataFrame(
+        {
+            "method": a["method"],
+            "functions": a["functions"],
+            "pairs": a["n"],
+            "diverged": [f"{x}/{y}" for x, y in zip(a["n_div"], a["n_div_base"])],
+            "MSE ratio to LoRA [95% CI]": [_ratio_text(r) for r in a.itertuples()],
+            "p": a["p"].map(text.p_value),
+            "Holm p": a["p_holm"].map(text.p_value),
+            "result": a["outcome"],
+        }
+    )
+
+
+ACROSS_LEGEND = (
+    "Across functions: each trained method against LoRA over every (function, seed) pair, on the log of the MSE "
+    "ratio. ratio = geometric mean of MSE_method / MSE_LoRA (below 1 = lower MSE), its 95% CI from a bootstrap that "
+    "resamples functions, then seeds within each; a diverged seed makes the ratio inf. p: paired t-test on the log "
+    "ratios (Wilcoxon signed-rank when a seed diverged); Holm p: over this table's methods (frozen and mean are "
+    "reference rows, not hypotheses). result: win/loss when Holm p < 0.05 and the CI excludes 1, else tie."
+)
+
+
+def across_markdown(frame: pd.DataFrame, metric: str) -> str:
+    """The across-functions test of one (arch, budget) slice against LoRA as Markdown with its legend; "" when LoRA
+    or any other trained method is missing."""
+    across = stats.across_functions(frame, metric)
+    if across.empty:
+        return ""
+    title = f"Across functions vs LoRA ({stats.metric(metric).label})"
+    return f"#### {title}\n\n{text.markdown(across_table(across))}\n\n{ACROSS_LEGEND}"
 
 
 # --------------------------------------------------------------------------------------------------------------

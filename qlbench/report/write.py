@@ -172,9 +172,23 @@ def _slice_report(frame, curves, folder: Path, metric: str, formats, draw: bool,
     folder.mkdir(parents=True, exist_ok=True)
     prov = results.provenance(frame)
     parts = [f"## {arch}, budget {budget}", prov]
+    if headline := tables.across_markdown(frame, metric):  # the question a reader asks first: across the zoo
+        parts.append(headline.replace("#### ", "### Headline: ", 1))
+        comp = stats.across_functions(frame, metric)
+        _write_table(
+            files,
+            folder / f"across-vs-lora-{metric}",
+            [f for f in formats if f != "latex"],
+            md=headline,
+            latex="",
+            csv=comp,
+            provenance=prov,
+        )
     for m in dict.fromkeys(["best-train", metric]):  # the train table, then the chosen test table
         data = tables.table_data(frame, m)
         md = tables.paper_markdown(data)
+        if across := tables.across_markdown(frame, m):
+            md = f"{md}\n\n{across}"
         _write_table(
             files,
             folder / f"table-{m}",
@@ -273,13 +287,17 @@ def write_report(
     table (vs LoRA, paired) and the gradient figures of each slice that has any.
     Every slice and every table's Markdown states the provenance of its records (`results.provenance`: their
     commits, and a warning when they are not one clean commit's).
+    out_dir/per-seed.csv.gz holds the frame's per-seed rows (`results.write_per_seed`): `qlbench report` on that file
+    rebuilds every table.
     Returns {"markdown": the report text, "files": [paths written], "provenance": of every record of `frame`}.
     ValueError (one line) for an empty frame, a bad metric or format.
     """
     _validate(frame, metric, formats)
-    out_dir, files, sections = Path(out_dir), [], []
+    out_dir, files, sections, given = Path(out_dir), [], [], frame
     if "backbone_init" not in frame:
         frame = frame.assign(backbone_init=DEFAULT_INIT)
+    # rows in one order whatever the loader's (records or a per-seed CSV): the same frame gives the same files
+    frame = frame.sort_values(["arch", "budget", "backbone_init", "function", "method", "seed"], kind="stable")
     for (arch, budget, init), group in frame.groupby(["arch", "budget", "backbone_init"], sort=True):
         label = arch if init == DEFAULT_INIT else f"{arch}, {init} init"
         folder = out_dir / _slug(arch if init == DEFAULT_INIT else f"{arch}-{init}") / _slug(budget)
@@ -289,8 +307,10 @@ def write_report(
         if gradients is not None and len(g := _init_slice(gradients, *key)):
             sections.append(_gradient_section(g, folder, formats, figures, files, results.provenance(group)))
     md = "\n\n".join(sections) + "\n"
+    if "record" in frame:  # the records every table above reads, compactly, beside them (rebuilt from: report CSV)
+        files.append(results.write_per_seed(frame, out_dir / results.PER_SEED_FILE))
     if "md" in formats:
         out_dir.mkdir(parents=True, exist_ok=True)
         store.write_text(md, out_dir / "report.md")
         files.append(out_dir / "report.md")
-    return {"markdown": md, "files": files, "provenance": results.provenance(frame)}
+    return {"markdown": md, "files": files, "provenance": results.provenance(given)}

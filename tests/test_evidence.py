@@ -1,0 +1,186 @@
+"""Evidence a reviewer can check: which comparisons are hypotheses (the Holm family), the test across functions
+against an independent computation, and the per-seed CSV a committed report is rebuilt from."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats as sps
+from test_stats import make_frame
+
+from qlbench import results, stats
+from qlbench.report import tables, write_report
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Holm family holds the comparisons between trained methods
+
+
+def test_reference_rows_keep_their_raw_p_but_are_not_in_the_holm_family():
+    """target: d = (-0.5, -0.4, -0.7) against LoRA, raw t p = 1 - sqrt(128/135) = 0.0263 (test_stats). frozen and
+    mean sit near LoRA (larger p). They are printed, not hypotheses: target is a family of one and a win. Planted bug:
+    counting them makes target the smallest p of three, Holm 3 x 0.0263 = 0.079, a tie."""
+    lora = [1.0, 2.0, 3.0]
+    spec = {
+        "target": {
+            "lora": lora,
+            "queryable": [0.5, 1.6, 2.3],
+            "frozen": [1.1, 1.9, 3.2],
+            "mean": [0.9, 2.2, 2.9],
+        }
+    }
+    c = stats.compare(make_frame(spec), "best-train").set_index("method")
+    raw = 1 - math.sqrt(128 / 135)
+    assert c.loc["queryable", "p"] == pytest.approx(raw)
+    assert c.loc["queryable", "p_holm"] == pytest.approx(raw)
+    assert c.loc["queryable", "outcome"] == "win"
+    for ref in ("frozen", "mean"):
+        assert c.loc[ref, "p"] > raw and math.isnan(c.loc[ref, "p_holm"]) and c.loc[ref, "outcome"] == "reference"
+    assert stats.win_tie_loss(c.reset_index())["method"].tolist() == ["queryable"]  # references: no W/T/L
+    # the planted bug, computed: Holm over every row would make target a tie
+    everything = stats.holm(c["p"].to_numpy())[list(c.index).index("queryable")]
+    assert everything == pytest.approx(3 * raw) and everything > stats.ALPHA
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Across functions: an independent computation
+
+
+def ratio_frame(ratios: dict[str, list[float]], base: list[float]) -> pd.DataFrame:
+    """LoRA scores `base` per seed on every function; queryable scores base x ratio; frozen 10 x base."""
+    spec = {
+        f: {"lora": base, "queryable": [b * r for b, r in zip(base, rs)], "frozen": [10 * b for b in base]}
+        for f, rs in ratios.items()
+    }
+    return make_frame(spec)
+
+
+def test_across_functions_equals_a_plain_computation():
+    """Three functions x four seeds. The geometric-mean ratio is exp(mean ln r) over the 12 pairs; p is scipy's
+    one-sample t-test of ln r (computed here, not through qlbench's paired_test); frozen is not a hypothesis."""
+    ratios = {"f1": [0.5, 0.6, 0.55, 0.7], "f2": [0.9, 0.8, 1.1, 0.95], "f3": [0.4, 0.45, 0.5, 0.42]}
+    base = [1.0, 2.0, 0.5, 4.0]
+    a = stats.across_functions(ratio_frame(ratios, base), "best-train")
+    assert a["method"].tolist() == ["queryable"]
+    r = np.log(np.concatenate(list(ratios.values())))
+    q = a.iloc[0]
+    assert q["functions"] == 3 and q["n"] == 12 and q["n_div"] == 0
+    assert q["gm_ratio"] == pytest.approx(math.exp(r.mean()), rel=1e-12)
+    assert q["p"] == pytest.approx(sps.ttest_1samp(r, 0.0).pvalue, rel=1e-9)
+    assert q["p_holm"] == pytest.approx(q["p"])  # one trained method: a family of one
+    assert q["ci_low"] < q["gm_ratio"] < q["ci_high"] < 1 and q["outcome"] == "win"
+
+
+def test_the_interval_resamples_functions_not_only_seeds():
+    """Planted bug: a bootstrap that keeps every function and resamples only seeds gives [1, 1] here, since each
+    function's seeds share one ratio (e^-1, 1, e^1): the spread is all between functions. Resampling functions must
+    show it (a mean over three draws of {-1, 0, 1} reaches -1 and +1 with probability 1/27 each)."""
+    ratios = {"f1": [math.e**-1] * 4, "f2": [1.0] * 4, "f3": [math.e] * 4}
+    q = stats.across_functions(ratio_frame(ratios, [1.0, 2.0, 0.5, 4.0]), "best-train").iloc[0]
+    assert q["gm_ratio"] == pytest.approx(1.0)
+    assert q["ci_low"] == pytest.approx(math.exp(-1)) and q["ci_high"] == pytest.approx(math.e)
+    assert q["outcome"] == "tie"
+
+
+def test_the_bootstrap_equals_a_loop_over_the_same_draws():
+    """The vectorised resampling against a plain loop that consumes the generator's draws in the same order, with
+    functions of unequal seed counts (one function's draws are limited to its own seeds)."""
+    groups = [np.array([0.1, -0.2, 0.3]), np.array([1.0, 2.0]), np.array([-0.5, 0.0, 0.5, 0.25])]
+    got = stats.hierarchical_bootstrap(groups, resamples=50, seed=7)
+    rng = np.random.default_rng(7)
+    f = rng.integers(3, size=(50, 3))
+    u = rng.random((50, 3, 4))
+    want = []
+    for b in range(50):
+        values = [groups[f[b, j]][int(u[b, j, k] * len(groups[f[b, j]]))] for j in range(3) for k in range(4)
+                  if k < len(groups[f[b, j]])]  # fmt: skip
+        want.append(np.mean(values))
+    assert got == pytest.approx(np.array(want), rel=1e-12)
+
+
+def test_a_diverged_seed_makes_the_ratio_inf_and_is_counted():
+    """A diverged seed is ln r = +inf: the ratio is inf (never hidden from the mean), p comes from Wilcoxon, and the
+    count of diverged seeds is reported."""
+    from test_stats import Div
+
+    spec = {
+        "f1": {"lora": [1.0, 2.0, 3.0, 4.0], "queryable": [Div(0.1), 1.0, 1.5, 2.0]},
+        "f2": {"lora": [1.0, 2.0, 3.0, 4.0], "queryable": [0.5, 1.0, 1.5, 2.0]},
+    }
+    q = stats.across_functions(make_frame(spec), "best-train").iloc[0]
+    assert q["n_div"] == 1 and q["gm_ratio"] == math.inf
+    d = np.array([math.inf] + [math.log(0.5)] * 7)
+    assert q["p"] == pytest.approx(sps.wilcoxon(d).pvalue)
+
+
+def test_the_table_prints_the_ratio_its_interval_and_the_holm_p():
+    a = stats.across_functions(ratio_frame({"f1": [0.5] * 3, "f2": [0.5] * 3}, [1.0, 2.0, 3.0]), "best-train")
+    t = tables.across_table(a).iloc[0]
+    assert t["MSE ratio to LoRA [95% CI]"] == "0.500 [0.500, 0.500]" and t["pairs"] == 6
+    md = tables.across_markdown(ratio_frame({"f1": [0.5, 0.6, 0.55]}, [1.0, 2.0, 3.0]), "best-train")
+    assert md.startswith("#### Across functions vs LoRA") and tables.ACROSS_LEGEND in md
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The per-seed CSV: what a committed report is rebuilt from
+
+
+def full_frame() -> pd.DataFrame:
+    """A `results.load`-shaped frame with every PER_SEED_CSV column: a diverged seed, a failed cell, an all-digit
+    commit (which a careless reader turns into a number)."""
+    f = make_frame(
+        {
+            "f1": {"lora": [1.0, 2.0, 3.0], "queryable": [0.5, 1.5, 2.5], "mean": [4.0, 4.0, 4.0]},
+            "f2": {"lora": [1.0, 2.0, 3.0], "queryable": [0.1, 2.0, "failed"]},
+        }
+    )
+    f.loc[(f["function"] == "f2") & (f["method"] == "lora") & (f["seed"] == 1), "status"] = "diverged"
+    f["backbone_init"] = "kaiming"
+    for c in results.PER_SEED_CSV:
+        if c not in f:
+            f[c] = math.nan
+    f["record"] = [f"/somewhere/out/records/deep-narrow/{a}/{b}/quick-0.json" for a, b in zip(f.function, f.method)]
+    f["commit"], f["dirty"], f["message"] = "1234567890" * 4, False, None
+    f.loc[f["status"] == "diverged", list(results.DIVERGED_INF)] = math.inf
+    return f
+
+
+def test_the_per_seed_csv_round_trips_and_is_byte_stable(tmp_path):
+    f = full_frame()
+    path = results.write_per_seed(f, tmp_path / "a" / results.PER_SEED_FILE)
+    back = results.load_per_seed(path)
+    assert back["commit"].eq("1234567890" * 4).all() and back["record"].iloc[0].startswith("records/")
+    key = ["function", "method", "seed"]
+    a, b = f.sort_values(key).reset_index(drop=True), back.sort_values(key).reset_index(drop=True)
+    for c in ("status", "seed", "method"):
+        assert a[c].tolist() == b[c].tolist()
+    for c in results.DIVERGED_INF:
+        np.testing.assert_array_equal(a[c].to_numpy(float), b[c].to_numpy(float))  # inf and NaN as written
+    again = results.write_per_seed(back, tmp_path / "b" / results.PER_SEED_FILE)
+    assert path.read_bytes() == again.read_bytes()  # no name or time in the gzip header: a rebuild is identical
+
+
+def test_a_damaged_per_seed_csv_is_one_line(tmp_path):
+    bad = tmp_path / "per-seed.csv"
+    bad.write_text("arch,budget\nx,y\n")
+    with pytest.raises(results.DamagedFile, match="lacks column"):
+        results.load_per_seed(bad)
+    gz = tmp_path / "per-seed.csv.gz"
+    gz.write_bytes(b"\x1f\x8b\x08not gzip")
+    with pytest.raises(results.DamagedFile, match="does not read"):
+        results.load_per_seed(gz)
+
+
+def test_a_report_from_the_per_seed_csv_equals_the_report_from_the_frame(tmp_path):
+    """Every table of a report, written from a frame and again from the per-seed CSV that report wrote: the same
+    bytes (the CSV carries everything the tables read)."""
+    f = full_frame()
+    write_report(f, None, tmp_path / "one", formats=("md", "csv"), figures=False)
+    back = results.load_per_seed(tmp_path / "one" / results.PER_SEED_FILE)
+    write_report(back, None, tmp_path / "two", formats=("md", "csv"), figures=False)
+    one = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in (tmp_path / "one").rglob("*") if p.is_file()}
+    two = {p.relative_to(tmp_path / "two"): p.read_bytes() for p in (tmp_path / "two").rglob("*") if p.is_file()}
+    assert one.keys() == two.keys() and len(one) > 5
+    assert [k for k in one if one[k] != two[k]] == []
