@@ -10,13 +10,13 @@
 #   make lint     ruff: lint and format check
 #   make figures  regenerate figures/ from the notebooks
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
-#   make results-snapshot  the quick sweeps of both backbones (9 functions, every method) and their report in docs/results
+#   make results-snapshot  the quick sweeps of both backbones (9 functions; deep-narrow 10 seeds, Transformer 3) and
+#                          their report in docs/results/zoo, rebuilt from its per-seed CSV (README's first tables)
 #   make pareto-snapshot   the accuracy-cost Pareto sweeps of docs/results/pareto (ackley and the zoo-4 suite, live
 #                          deep-narrow, quick)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
 #   make real-lm-snapshot  the causal-LM experiment of docs/results/real-lm (a tiny decoder through peft, 3 seeds)
 #   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
-#   make matched-snapshot  README's parameter-matched deep-narrow table (docs/results/matched)
 #   make mechanism-snapshot  the routing-vs-sharing baselines without the epsilon artifact and on a live backbone
 #   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 5 seeds; records in
 #                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
@@ -33,7 +33,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
-	suites-snapshot language-snapshot matched-snapshot mechanism-snapshot check-clean clean
+	suites-snapshot language-snapshot mechanism-snapshot check-clean clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -98,49 +98,42 @@ check-clean:
 	  echo "snapshot targets need a clean tree: commit or stash first (records must name one commit)" >&2; exit 1; fi
 
 # deep-narrow: every method of the paper plus the routing-vs-sharing baselines; the Transformer: every adapter (its
-# full-soap stack of 18 members takes about a minute per step on one core of the 2-core CPU: hours; docs/speed.md)
+# full-soap stack takes about a minute per step on one core of the 2-core CPU: hours; docs/speed.md)
 SNAPSHOT_DN_METHODS ?= full-soap,lora,lora-matched,dora,hyra,replora,doran,vb-lora,moe-lora,lily,queryable,instruct-queryable,frozen,mean
 SNAPSHOT_TF_METHODS ?= lora,lora-matched,dora,hyra,replora,doran,queryable,instruct-queryable,frozen,mean
-# A committed snapshot's one-commit provenance line, "Provenance: every record from commit <hash> (clean tree).",
-# replaced by what was measured and how to reproduce it (the variable named by $(2)) in the Markdown files of $(1);
-# a line that warns of several commits or a dirty tree is left as it is.
-define describe_provenance
-	find $(1) -name '*.md' | \
-	  xargs sed -i 's|^Provenance: every record from commit [0-9a-f]* (clean tree)\.$$|$($(2))|'
+# README's headline: LoRA, LoRA of instruct-queryable's size and the routed methods
+HEADLINE_METHODS ?= lora,lora-matched,queryable,instruct-queryable,frozen,mean
+HEADLINE_SEEDS ?= 10
+TF_SEEDS ?= 3
+# A committed report is rebuilt from its per-seed CSV, so that a test can rebuild it: $(1) a results folder, $(2) the
+# report's folder under docs/results (replaced). The CSV comes from the records; every table from the CSV, and each
+# table's provenance line names the commit(s) its records were written from.
+define commit_report
+	$(BIN)/qlbench report $(1) --format csv --no-figures --out $(1)/per-seed-export >/dev/null
+	rm -rf $(2) && mkdir -p $(2) && cp $(1)/per-seed-export/per-seed.csv.gz $(2)/
+	$(BIN)/qlbench report $(2)/per-seed.csv.gz --format md,csv >/dev/null
 endef
 
-# its own records folder, as the other snapshots have: a sweep resumes the finished cells of its folder, and ./results
-# holds whatever earlier commits wrote there (the report's provenance line names the commits of what it read)
-RESULTS_PROVENANCE := Provenance: every record from one commit of a clean tree; the quick budget, nine functions, 3 \
-	seeds on deep-narrow and 2 on the Transformer; reproduce with `make results-snapshot`.
+# the zoo report (docs/results/zoo): the quick budget, nine functions; deep-narrow in the paper's setting (default init)
+# with every method and on the live (kaiming) backbone with the headline methods, $(HEADLINE_SEEDS) seeds each; the
+# Transformer with every adapter, $(TF_SEEDS) seeds. Its own records folder: a sweep resumes the finished cells of it.
 results-snapshot: check-clean setup
-	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(SNAPSHOT_DN_METHODS) --out snapshot-results
-	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --methods $(SNAPSHOT_TF_METHODS) --out snapshot-results
-	$(BIN)/qlbench report snapshot-results --budget quick --out docs/results
-	$(call describe_provenance,docs/results/report.md docs/results/deep-narrow/quick docs/results/transformer/quick,RESULTS_PROVENANCE)
-
-# the parameter-matched deep-narrow snapshot: LoRA, LoRA of instruct-queryable's size and the routed methods, nine
-# functions, quick budget, 3 seeds, one commit (README's first table)
-MATCHED_METHODS ?= lora,lora-matched,queryable,instruct-queryable,frozen,mean
-matched-snapshot: check-clean setup
-	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --methods $(MATCHED_METHODS) --out matched-results \
-	  --no-progress
-	rm -rf docs/results/matched
-	$(BIN)/qlbench report matched-results --budget quick --out docs/results/matched
-	find docs/results/matched \( -name '*.pdf' -o -name '*.tex' \) -delete
+	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --seeds $(HEADLINE_SEEDS) \
+	  --methods $(SNAPSHOT_DN_METHODS) --out snapshot-results --no-progress
+	$(BIN)/qlbench sweep --arch deep-narrow --budget quick --threads 1 --seeds $(HEADLINE_SEEDS) --backbone-init kaiming \
+	  --methods $(HEADLINE_METHODS) --out snapshot-results --no-progress
+	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --seeds $(TF_SEEDS) \
+	  --methods $(SNAPSHOT_TF_METHODS) --out snapshot-results --no-progress
+	$(call commit_report,snapshot-results,docs/results/zoo)
 
 # the routing-vs-sharing baselines without the epsilon artifact (float64, eps 1e-30) and on the live backbone,
-# 3 functions, 5 seeds (docs/why.md, "Routing or sharing?")
+# 3 functions, 5 seeds, LoRA of instruct-queryable's size beside them (docs/why.md, "Routing or sharing?")
 MECHANISM_RUN = $(BIN)/qlbench sweep --functions dropwave,levy,ackley --arch deep-narrow --budget quick --seeds 5 \
-	--methods lora,vb-lora,moe-lora,lily,queryable --threads 1 --out mechanism-results --no-progress
+	--methods lora,lora-matched,vb-lora,moe-lora,lily,queryable --threads 1 --out mechanism-results --no-progress
 mechanism-snapshot: check-clean setup
 	$(MECHANISM_RUN) --dtype float64 --eps 1e-30
 	$(MECHANISM_RUN) --backbone-init kaiming
-	mkdir -p docs/results/mechanism && head -n 11 docs/results/mechanism/report.md > mechanism-results/header.md
-	rm -rf docs/results/mechanism
-	$(BIN)/qlbench report mechanism-results --format md,csv --no-figures --out docs/results/mechanism
-	cat mechanism-results/header.md docs/results/mechanism/report.md > mechanism-results/report.md
-	cp mechanism-results/report.md docs/results/mechanism/report.md
+	$(call commit_report,mechanism-results,docs/results/mechanism)
 
 # the accuracy-cost Pareto snapshot: one function on the live (kaiming) deep-narrow backbone, quick budget, 3 seeds
 PARETO_GRID ?= r=4,8 M=4,8 k=1,2,4
@@ -167,7 +160,6 @@ real-lm-snapshot: check-clean setup-dev
 	rm -rf docs/results/real-lm && mkdir -p docs/results/real-lm
 	cp $$($(BIN)/python -c "from qlbench import real_lm; \
 	  print(real_lm.record_path('real-results', real_lm.LMConfig(), '').parent)")/real-lm.md docs/results/real-lm/
-	sed -i 's|^Provenance: every record from commit [0-9a-f]* (clean tree)\.$$|Provenance: every record from one commit of a clean tree; a 2-layer decoder pretrained here, adapted through peft, 3 seeds; reproduce with `make real-lm-snapshot`.|' docs/results/real-lm/real-lm.md
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley
@@ -213,8 +205,6 @@ LANGUAGE ?= docs/results/language-records
 LANGUAGE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --seeds 5 \
 	--out $(LANGUAGE) --no-progress
 P := param-sin-cos
-LANGUAGE_PROVENANCE := Provenance: every record from one commit of a clean tree; the parametric suites on the live \
-	deep-narrow, quick budget, 5 seeds; reproduce with `make language-snapshot`.
 language-snapshot: check-clean setup
 	$(LANGUAGE_RUN) --suite $(P)-4 --schedule held-out --methods frozen,mean
 	( $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods instruct-queryable,lora,poly,frozen,mean,text-lora-code && \
@@ -230,8 +220,7 @@ language-snapshot: check-clean setup
 	  xargs -I{} install -D {} $(CURDIR)/docs/results/language/{}
 	sed 's#](suites/#](language/suites/#g; s#](heldout/#](language/heldout/#g' results/language-report/report.md \
 	  > docs/results/language-report.md
-	$(call describe_provenance,docs/results/language docs/results/language-report.md,LANGUAGE_PROVENANCE)
 
 
 clean:
-	rm -rf $(VENV) results pareto-results matched-results mechanism-results real-results .pytest_cache .hypothesis
+	rm -rf $(VENV) results snapshot-results pareto-results mechanism-results real-results .pytest_cache .hypothesis

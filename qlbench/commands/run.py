@@ -218,6 +218,8 @@ def run(args, functions: list[str]) -> int:
     print()
     if len(frame):
         print(text.markdown(report.method_table(frame)))
+        if note := report.collapse_note(frame):
+            print(f"\n{note}")
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {plan.store.root / 'records' / plan.arch}")
     failed = frame[frame["cell_status"] == "failed"].drop_duplicates("record") if len(frame) else frame
     for row in failed.itertuples():

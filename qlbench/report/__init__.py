@@ -24,6 +24,7 @@ from qlbench.report.figures import (
 from qlbench.report.suite import write_suite_report
 from qlbench.report.tables import (
     STATS_LEGEND,
+    collapse_note,
     comparison_table,
     concentration_legend,
     concentration_table,
@@ -40,6 +41,7 @@ __all__ = [
     "STATS_LEGEND",
     "atom_usage_figure",
     "atom_weight_figure",
+    "collapse_note",
     "comparison_table",
     "concentration_figure",
     "concentration_legend",

@@ -295,6 +295,44 @@ def across_markdown(frame: pd.DataFrame, metric: str) -> str:
     return f"#### {title}\n\n{text.markdown(across_table(across))}\n\n{ACROSS_LEGEND}"
 
 
+COLLAPSE_TOLERANCE = 0.01  # a trained row "scores what mean scores" within 1 % of mean's MSE on every seed
+
+
+def collapse_note(frame: pd.DataFrame, metric: str = "test-at-best-train") -> str:
+    """One line per (arch, budget, backbone init) slice in which trained rows score what the `mean` row scores on
+    every function and seed (within COLLAPSE_TOLERANCE): such a row predicts a constant, and a table of them says
+    nothing about the methods. On the default deep-narrow init the cause is known (its pretrained backbone is constant
+    over the inputs, docs/why.md), and the line names the option for a live backbone. "" when no row collapsed or
+    there is no `mean` row."""
+    p = stats.pairs(frame, stats.metric_column(metric), "mean")
+    p = p[~p["method"].isin(stats.REFERENCE)]
+    if p.empty:
+        return ""
+    init = frame["backbone_init"] if "backbone_init" in frame else pd.Series("default", index=frame.index)
+    p = p.merge(frame.assign(backbone_init=init)[[*stats.CELL, "backbone_init"]].drop_duplicates(), on=stats.CELL)
+    p["at_mean"] = (p["a"] - p["b"]).abs() <= COLLAPSE_TOLERANCE * p["b"]
+    lines = []
+    slices = p.groupby(["arch", "budget", "backbone_init"], sort=True)
+    for (arch, budget, init), g in slices:
+        collapsed = g.groupby("method")["at_mean"].all()
+        if not collapsed.any():
+            continue
+        where = "" if g["function"].nunique() == 1 else " on every function"
+        names = ", ".join(stats.method_order(collapsed[collapsed].index))
+        line = "" if len(slices) == 1 else f"{arch}, {init} init, budget {budget}: "
+        line += (
+            f"{int(collapsed.sum())} of {len(collapsed)} trained rows ({names}) score what `mean` scores{where} and "
+            f"seed (within {COLLAPSE_TOLERANCE:.0%}): they predict a constant."
+        )
+        if str(arch).startswith("deep-narrow") and init == "default":
+            line += (
+                " The default deep-narrow backbone is constant over its inputs after pretraining (docs/why.md); "
+                "`--backbone-init kaiming` pretrains a live one."
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Gradient concentration (data from qlbench.diagnostics).
 

@@ -187,6 +187,8 @@ def _slice_report(frame, curves, folder: Path, metric: str, formats, draw: bool,
     for m in dict.fromkeys(["best-train", metric]):  # the train table, then the chosen test table
         data = tables.table_data(frame, m)
         md = tables.paper_markdown(data)
+        if m == metric and (note := tables.collapse_note(frame, m)):
+            md = f"{md}\n\n{note}"
         if across := tables.across_markdown(frame, m):
             md = f"{md}\n\n{across}"
         _write_table(
