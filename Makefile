@@ -21,7 +21,7 @@
 #   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 5 seeds; records in
 #                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
 #                          sequential, shifts-ackley held-out, every default row and the same-instruction control
-#   make language-snapshot the held-out experiment on the parametric suites (docs/results/language-report.md; records
+#   make language-snapshot the held-out experiment on the parametric suites (docs/results/language/report.md; records
 #                          in $(LANGUAGE), resumed; two processes of one thread)
 #   Every snapshot target first runs check-clean: it refuses a tree with uncommitted changes to tracked files
 #   (untracked files do not count), so that every record it writes names one commit and its report says so.
@@ -33,7 +33,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
-	suites-snapshot language-snapshot mechanism-snapshot check-clean clean
+	suites-snapshot suites-report language-snapshot language-report mechanism-snapshot check-clean clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -180,6 +180,14 @@ diag-snapshot: check-clean setup
 	    --out $(DIAG)/diagnose-$$init || exit 1; \
 	  cp $(DIAG)/diagnose-$$init/$$m-route-map.png figures/route-map-dropwave-$$m-$$init.png; done; done
 
+# A suite report from its records folder $(1) into $(2) under docs/results (replaced): report.md, every table
+# (.md, .csv) and figure (.png); a test rebuilds the tables from the records (the records hold no model weights).
+define commit_suite_report
+	rm -rf $(2) && $(BIN)/qlbench report $(1) --format md,csv --out $(2)/.full >/dev/null
+	cd $(2)/.full && find . -name '*.md' -o -name '*.csv' -o -name '*.png' | xargs -I{} install -D {} $(CURDIR)/$(2)/{}
+	rm -rf $(2)/.full
+endef
+
 SUITES ?= docs/results/suite-records
 SUITE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --seeds 5 \
 	--out $(SUITES) --no-progress
@@ -192,13 +200,13 @@ suites-snapshot: check-clean setup
 	for sched in joint sequential; do $(SUITE_RUN) --suite zoo-4 --schedule $$sched --methods $(SUITE_BASELINES) || exit 1; done
 	$(SUITE_RUN) --suite shifts-ackley --schedule held-out
 	$(SUITE_RUN) --suite shifts-ackley-same-instruction --schedule held-out --methods instruct-queryable
-	$(BIN)/qlbench report $(SUITES) --format md,csv --out results/suite-report
-	rm -rf docs/results/suites && mkdir -p docs/results/suites
-	cd results/suite-report && find suites -name '*.md' -o -name '*.csv' -o -name '*.png' | \
-	  xargs -I{} install -D {} $(CURDIR)/docs/results/{}
-	cp results/suite-report/report.md docs/results/suites-report.md
+	$(MAKE) suites-report
 
-# the held-out experiment of issue "does the instruction work through its meaning?" (docs/results/language-report.md):
+# the suite snapshot's report (docs/results/suites) from its committed records, no training
+suites-report: setup
+	$(call commit_suite_report,$(SUITES),docs/results/suites)
+
+# the held-out experiment (docs/results/language/report.md):
 # the parametric suites (qlbench suites param-sin-cos-16), live deep-narrow, quick, 5 seeds; the first command trains
 # the backbone the three sizes share, then two streams of one thread each (records resume: only missing rows train)
 LANGUAGE ?= docs/results/language-records
@@ -214,12 +222,11 @@ language-snapshot: check-clean setup
 	  for T in 4 16; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods text-lora,task-code,frozen,mean || exit 1; done && \
 	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods text-lora ) & b=$$!; \
 	wait $$a; ra=$$?; wait $$b; rb=$$?; [ $$ra = 0 ] && [ $$rb = 0 ]
-	$(BIN)/qlbench report $(LANGUAGE) --format md,csv --out results/language-report
-	rm -rf docs/results/language && mkdir -p docs/results/language
-	cd results/language-report && find suites heldout -name '*.md' -o -name '*.csv' -o -name '*.png' | \
-	  xargs -I{} install -D {} $(CURDIR)/docs/results/language/{}
-	sed 's#](suites/#](language/suites/#g; s#](heldout/#](language/heldout/#g' results/language-report/report.md \
-	  > docs/results/language-report.md
+	$(MAKE) language-report
+
+# the held-out experiment's report (docs/results/language) from its committed records, no training
+language-report: setup
+	$(call commit_suite_report,$(LANGUAGE),docs/results/language)
 
 
 clean:

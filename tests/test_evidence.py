@@ -292,3 +292,31 @@ def test_rows_that_score_what_mean_scores_are_named_under_the_table():
     moved = make_frame({"f1": {"lora": [0.5, 1.0, 2.0], "mean": mean}})
     assert tables.collapse_note(moved) == ""  # a row that learned something: no line
     assert tables.collapse_note(make_frame({"f1": {"lora": mean}})) == ""  # no mean row: nothing to compare with
+
+
+SUITE_REPORTS = {"suites": "suite-records", "language": "language-records"}  # report folder: its records folder
+
+
+def without_figures(md: str) -> str:
+    """A report's Markdown without its figure lines (a rebuild draws none) and the blank lines they leave."""
+    lines = [line for line in md.splitlines() if not line.startswith("![")]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+@pytest.mark.parametrize("name", ["suites", pytest.param("language", marks=pytest.mark.slow)])  # language: ~30 s
+def test_a_committed_suite_report_is_rebuilt_from_its_records(name, tmp_path, capsys):
+    """The suite and held-out reports from their committed JSON records (no model weights): every table (.md, .csv)
+    the same as committed, report.md the same but for its figure lines, and nothing committed that they do not make."""
+    from qlbench import cli
+
+    committed_dir = RESULTS / name
+    assert cli.main(["report", str(RESULTS / SUITE_REPORTS[name]), "--format", "md,csv", "--no-figures",
+                     "--out", str(tmp_path)]) == 0  # fmt: skip
+    capsys.readouterr()
+    made = {p.relative_to(tmp_path).as_posix(): p for p in tmp_path.rglob("*") if p.suffix in (".md", ".csv")}
+    committed = {p.relative_to(committed_dir).as_posix(): p for p in committed_dir.rglob("*") if p.is_file()}
+    committed = {n: p for n, p in committed.items() if not n.endswith(".png")}
+    assert sorted(made) == sorted(committed)
+    differ = [n for n in made if without_figures(made[n].read_text()) != without_figures(committed[n].read_text())]
+    assert differ == [], f"{name}: tables differ from their records: {differ[:5]}"
+    assert not list((RESULTS / SUITE_REPORTS[name]).rglob("*.pt"))  # records only, no weights
