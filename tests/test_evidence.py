@@ -320,3 +320,59 @@ def test_a_committed_suite_report_is_rebuilt_from_its_records(name, tmp_path, ca
     differ = [n for n in made if without_figures(made[n].read_text()) != without_figures(committed[n].read_text())]
     assert differ == [], f"{name}: tables differ from their records: {differ[:5]}"
     assert not list((RESULTS / SUITE_REPORTS[name]).rglob("*.pt"))  # records only, no weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tables the manuals quote: every number from a committed report
+
+SOURCE = re.compile(r"<!-- records: (\S+) -->")
+NUMBER = re.compile(r"(?<![\w.])(?:\d[\d,]*\.?\d*(?:e[-+]?\d+)?|inf)(?![\w.])")
+MANUALS = [ROOT / "README.md", ROOT / "docs" / "why.md"]
+
+
+def quoted_tables(path: Path) -> list[tuple[int, str | None, list[str]]]:
+    """(line number, source or None, body rows) of every Markdown table with a ± in `path`; its source is the
+    `<!-- records: FILE -->` comment on one of the three lines above it."""
+    lines, out, i = path.read_text().splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].startswith("|"):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            rows = lines[i + 2 : j]
+            if any("±" in r for r in rows):
+                above = [m.group(1) for line in lines[max(0, i - 3) : i] if (m := SOURCE.search(line))]
+                out.append((i + 1, above[-1] if above else None, rows))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def numbers(text_: str) -> set[str]:
+    return set(NUMBER.findall(text_.replace("*", "").replace("†", " ")))
+
+
+def unsupported(rows: list[str], source: Path) -> list[str]:
+    """The numbers of `rows` (every cell but the first) that the source file does not hold."""
+    held = numbers(source.read_text())
+    cells = [c for r in rows for c in r.strip("|").split("|")[1:]]
+    return sorted({n for c in cells for n in numbers(c)} - held)
+
+
+@pytest.mark.parametrize("manual", MANUALS, ids=lambda p: p.name)
+def test_every_results_table_in_the_manuals_quotes_a_committed_report(manual):
+    tables_ = quoted_tables(manual)
+    assert [line for line, source, _ in tables_ if source is None] == [], "results tables without a records source"
+    for line, source, rows in tables_:
+        path = ROOT / source
+        assert path.is_file() and path.is_relative_to(RESULTS), f"{manual.name}:{line}: {source} is not committed"
+        assert unsupported(rows, path) == [], f"{manual.name}:{line}: numbers not in {source}"
+
+
+def test_a_number_that_is_not_in_the_report_is_caught(tmp_path):
+    """Planted bug: one digit changed in a quoted row."""
+    source = tmp_path / "table.md"
+    source.write_text("| f | lora |\n|---|---|\n| ackley | 0.486 ± 0.031 |\n")
+    assert unsupported(["| ackley | 0.486 ± 0.031 |"], source) == []
+    assert unsupported(["| ackley | 0.487 ± 0.031 |"], source) == ["0.487"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from qlbench import adapters, continual, engine, multitask, parametric, runner, suite_stats, suites, text
+from qlbench.report import heldout
 
 F64 = torch.float64
 LARGEST = f"{parametric.PREFIX}{max(parametric.SIZES)}"
@@ -189,12 +190,54 @@ def test_the_held_out_report_reads_the_records(tmp_path, capsys):
     assert (folder / "distance.png").is_file() and (folder / "table.md").is_file()
     rows = {r["method"]: r for r in pd.read_csv(folder / "table.csv").to_dict("records")}
     assert set(rows) == {"lora", "task-code", "instruct-queryable"}
-    assert rows["lora"]["vs code"] == rows["task-code"]["vs lora"] == "-"  # only a language row is tested
+    for split in ("interpolation", "extrapolation"):  # only a language row is tested, each split apart
+        assert rows["lora"][f"vs code ({split})"] == rows["task-code"][f"vs lora ({split})"] == "-"
     rec = json.loads(p.record_path("lora").read_text())
     split = [t["split"] for t in rec["run_info"]["config"]["suite_card"]["tasks"]]
     per_seed = [np.mean([s["stage_task_mse"][-1][i] for i, v in enumerate(split) if v == "interpolation"])
                 for s in rec["train_info"]["per_seed"]]  # fmt: skip
     assert rows["lora"]["interpolation"].split(" ± ")[0] == text.num(float(np.mean(per_seed)), 3)
-    for column in ("vs code", "vs lora"):
+    for column in heldout.TESTS:
         assert rows["instruct-queryable"][column].split()[-1] in ("win", "tie", "loss")
     assert "## Held-out tasks" in capsys.readouterr().out
+
+
+def test_the_held_out_tests_are_one_family_across_t_and_splits():
+    """Two T, two splits, instruct-queryable against task-code and against LoRA: 8 paired tests, one Holm family.
+    At T = 4 its interpolation MSE is 0.5 below the others' on every seed but for a little noise (raw p tiny); the
+    other tests are nulls. Every Holm p equals the step-down formula over all eight raw p (scipy's paired t-test,
+    computed here); Holm within one T (a family of four) would give other values."""
+    from scipy import stats as sps
+
+    rows = []
+    noise = [0.01, -0.02, 0.015, -0.005, 0.0]
+    for T in (4, 16):
+        for method in ("lora", "task-code", "instruct-queryable"):
+            for seed, e in enumerate(noise):
+                for split in ("interpolation", "extrapolation"):
+                    base = 1.0 + 0.1 * seed + (0.3 * e if method == "lora" else e if method == "task-code" else -e)
+                    effect = -0.5 if (T, split, method) == (4, "interpolation", "instruct-queryable") else 0.0
+                    rows.append({"arch": "deep-narrow", "backbone_init": "kaiming", "budget": "quick",
+                                 "schedule": "held-out", "T": T, "method": method, "seed": seed, "task": f"{split}-0",
+                                 "split": split, "distance": 0.1, "mse": base + effect, "paraphrased": np.nan,
+                                 "shuffled": np.nan})  # fmt: skip
+    tasks = pd.DataFrame(rows)
+    frame = pd.DataFrame(columns=["suite", "method", "schedule", "average", "status"])
+    table = heldout.summary(tasks, frame).set_index(["T", "method"])
+    raw = {}
+    for (T, split), g in tasks.groupby(["T", "split"]):
+        w = g.pivot(index="seed", columns="method", values="mse")
+        for who, other in (("code", "task-code"), ("lora", "lora")):
+            raw[(T, f"vs {who} ({split})")] = sps.ttest_rel(w["instruct-queryable"], w[other]).pvalue
+    order = sorted(raw, key=raw.get)  # Holm by hand: (m - j + 1) p_(j), running max, capped at 1
+    holm, running = {}, 0.0
+    for j, k in enumerate(order):
+        running = max(running, min(1.0, (len(order) - j) * raw[k]))
+        holm[k] = running
+    assert len(raw) == 8
+    for (T, column), p_holm in holm.items():
+        cell = table.loc[(T, "instruct-queryable"), column]
+        assert f"Holm {text.num(p_holm, 2)})" in cell and f"(p {text.num(raw[(T, column)], 2)}," in cell
+    assert table.loc[(4, "instruct-queryable"), "vs code (interpolation)"].endswith("win")
+    assert table.loc[(16, "instruct-queryable"), "vs code (interpolation)"].endswith("tie")
+    assert table.loc[(4, "lora"), "vs code (interpolation)"] == "-"

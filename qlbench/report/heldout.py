@@ -8,7 +8,8 @@ controls; and two figures.
     <out>/heldout/<arch>[-<init>]/<budget>/<schedule>/
         table.md|csv        per T and row: held-out MSE by split and over both, the trained tasks' average, the
                             language rows' held-out MSE with paraphrases and with shuffled sentences, and their
-                            paired tests of the held-out MSE against their code row and LoRA (Holm over one T)
+                            paired tests of each split's held-out MSE against their code row and LoRA (Holm over
+                            the whole experiment: every T and both splits)
         distance.png        each held-out task's MSE (mean over seeds) against its distance in parameter space to
                             the nearest training task, one panel per T
         tasks.png           held-out MSE by split against T
@@ -37,9 +38,10 @@ NOTE = (
     "Test MSE on standardised labels (1 = predicting each task's mean), mean ± std over seeds of the mean over the "
     "held-out tasks of a split (held-out: of both); trained: the average over the tasks trained on; paraphrased / "
     "shuffled: the held-out MSE with each held-out task's paraphrases in place of its sentence / with task t given "
-    "task t + 1's sentence (instruction rows); vs code / vs lora: a language row's mean difference of the held-out "
-    "MSE (both splits) against its identity control (task-code for instruct-queryable, text-lora-code for text-lora) "
-    "/ against LoRA, paired over seeds, raw p and Holm p over the tests of one T; win = significantly lower."
+    "task t + 1's sentence (instruction rows); vs code / vs lora (split): a language row's mean difference of the "
+    "held-out MSE of that split against its identity control (task-code for instruct-queryable, text-lora-code for "
+    "text-lora) / against LoRA, paired over seeds, raw p and Holm p over every test of the experiment (every T, both "
+    "splits); win = significantly lower."
 )
 
 
@@ -75,32 +77,45 @@ def _per_seed(g: pd.DataFrame, column: str, split: str | None = None) -> pd.Seri
     return g.groupby("seed")[column].mean()
 
 
+TESTS = tuple(f"vs {who} ({split})" for who in ("code", "lora") for split in SPLITS)  # the tested columns
+
+
+def _cells(row: dict, m: pd.DataFrame, g: pd.DataFrame, frame: pd.DataFrame, key: tuple) -> list:
+    """Fill one (T, method) row's MSE cells in place; return its paired tests [(row, column, paired_test)]: a
+    language row against its code row and against LoRA, on each split's held-out MSE apart."""
+    for split in (*SPLITS, None):
+        v = _per_seed(m, "mse", split)
+        row[split or "held-out"] = text.mean_std(v.mean(), v.std(ddof=1), len(v)) if len(v) else "-"
+    method = row["method"]
+    f = frame[(frame["suite"] == f"{parametric.PREFIX}{key[-1]}") & (frame["method"] == method)]
+    f = f[f["schedule"] == key[3]]
+    row["trained"] = suite_stats.cell(f["average"], f["status"]) if len(f) else "-"
+    for column in ("paraphrased", "shuffled"):
+        v = _per_seed(m, column)
+        row[column] = text.mean_std(v.mean(), v.std(ddof=1), len(v)) if v.notna().any() else "-"
+    tested = []
+    for who, other in (("code", CODE_OF.get(method)), ("lora", BLIND if method in CODE_OF else None)):
+        base = g[g["method"] == other]
+        for split in SPLITS if len(base) else ():
+            pair = pd.concat([_per_seed(m, "mse", split), _per_seed(base, "mse", split)], axis=1, join="inner")
+            tested.append((row, f"vs {who} ({split})", stats.paired_test(pair.iloc[:, 0], pair.iloc[:, 1])))
+    return tested
+
+
 def summary(tasks: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (slice, T, method): n seeds, held-out MSE per split, trained average, paraphrased and shuffled
     held-out MSE (text), and each language row's paired tests over seeds against its code row and against BLIND
-    ("vs code", "vs lora"), Holm-adjusted over the tests of one T."""
+    on each split apart (TESTS), Holm-adjusted over every test of the experiment (every T and both splits of one
+    (arch, init, budget, schedule)): the experiment asks them all at once."""
     out = []
     keys = ["arch", "backbone_init", "budget", "schedule", "T"]
-    for key, g in tasks.groupby(keys, sort=True):
-        tested = []
-        for method in stats.method_order(g["method"].unique()):
-            m = g[g["method"] == method]
-            row = dict(zip(keys, key)) | {"method": method, "n": m["seed"].nunique()}
-            for split in (*SPLITS, None):
-                v = _per_seed(m, "mse", split)
-                row[split or "held-out"] = text.mean_std(v.mean(), v.std(ddof=1), len(v)) if len(v) else "-"
-            suite = f"{parametric.PREFIX}{key[-1]}"
-            f = frame[(frame["suite"] == suite) & (frame["method"] == method) & (frame["schedule"] == key[3])]
-            row["trained"] = suite_stats.cell(f["average"], f["status"]) if len(f) else "-"
-            for column in ("paraphrased", "shuffled"):
-                v = _per_seed(m, column)
-                row[column] = text.mean_std(v.mean(), v.std(ddof=1), len(v)) if v.notna().any() else "-"
-            for column, other in (("vs code", CODE_OF.get(method)), ("vs lora", BLIND if method in CODE_OF else None)):
-                base = g[g["method"] == other]
-                if len(base):
-                    pair = pd.concat([_per_seed(m, "mse"), _per_seed(base, "mse")], axis=1, join="inner")
-                    tested.append((row, column, stats.paired_test(pair.iloc[:, 0], pair.iloc[:, 1])))
-            out.append(row)
+    for _, experiment in tasks.groupby(keys[:4], sort=True):
+        tested = []  # one family: every test of the experiment, every T and both splits
+        for key, g in experiment.groupby(keys, sort=True):
+            for method in stats.method_order(g["method"].unique()):
+                m = g[g["method"] == method]
+                out.append(dict(zip(keys, key)) | {"method": method, "n": m["seed"].nunique()})
+                tested += _cells(out[-1], m, g, frame, key)
         adjusted = stats.holm([t["p"] for *_, t in tested])
         for (row, column, t), p_holm in zip(tested, adjusted):
             outcome = t["outcome"] if p_holm < stats.ALPHA else "tie"
@@ -119,8 +134,7 @@ def summary(tasks: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
                 "trained",
                 "paraphrased",
                 "shuffled",
-                "vs code",
-                "vs lora",
+                *TESTS,
             ]
         )
         .fillna("-")
@@ -188,7 +202,7 @@ def write_heldout_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FOR
         folder = folder / _slug(schedule)
         rows = table[(table[["arch", "backbone_init", "budget", "schedule"]] == list(key)).all(axis=1)]
         columns = [Column("T", "T"), Column("row", "method"), Column("n", "n")]
-        shown = (*SPLITS, "held-out", "trained", "paraphrased", "shuffled", "vs code", "vs lora")
+        shown = (*SPLITS, "held-out", "trained", "paraphrased", "shuffled", *TESTS)
         columns += [Column(c, c) for c in shown]
         columns = [c for c in columns if c.field in rows and (rows[c.field] != "-").any()]
         records = frame[frame["suite"].isin(parametric.names()) & (frame["schedule"] == schedule)]
