@@ -1,6 +1,7 @@
 """`qlbench real-lm`: the causal-LM experiment (qlbench/real_lm.py): a tiny decoder, pretrained here, adapted through
-peft with LoRA, Queryable LoRA and Instruction-Queryable LoRA to three generation tasks told apart by their
-instruction alone; records and a table."""
+peft with LoRA (at r 8, at instruct-queryable's parameter count, and with the instruction's words in its prompt),
+Queryable LoRA and Instruction-Queryable LoRA to three generation tasks told apart by their instruction alone; records
+and a table."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ def register(subparsers) -> None:
         help="adapt a tiny pretrained decoder to three instructed generation tasks (needs the hf extra)",
         description="The causal-LM experiment: a 2-layer Llama-style decoder built from a config and pretrained here "
         "on copying letters, adapted through peft to reverse, shift and swap them, three tasks over the same inputs "
-        "told apart only by their instruction; greedy exact match per task (KV cache on), every method, several "
-        "seeds, paired with LoRA; records and table under OUT/real-lm/. Needs `pip install 'qlbench[hf]'`.",
+        "told apart only by their instruction (lora-prompt reads its words in the prompt, instruct-queryable routes "
+        "on its embedding; the other rows see the letters only); greedy exact match per task (KV cache on), every "
+        "method, several seeds, paired with LoRA; records and table under OUT/real-lm/. Needs "
+        "`pip install 'qlbench[hf]'`.",
     )
     p.add_argument(
         "--methods", default=",".join(real_lm.METHODS), metavar="M1,M2", help=f"any of: {', '.join(real_lm.METHODS)}"
