@@ -148,18 +148,22 @@ pareto-snapshot: check-clean setup
 	cp pareto-results/pareto/ackley-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/
 	cp pareto-results/pareto/zoo-4-joint-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/zoo-4-joint/
 
-# the real-model snapshot: the bundled all-MiniLM-L6-v2 through peft, 3 seeds (qlbench real; needs setup-dev's hf extra)
+# the real-model snapshot: the bundled all-MiniLM-L6-v2 through peft, 3 seeds (qlbench real; needs setup-dev's hf
+# extra); its JSON records (no weights) beside the table, which a test rebuilds from them
 real-snapshot: check-clean setup-dev
 	$(BIN)/qlbench real --seeds 3 --threads 1 --out real-results --no-progress
-	rm -rf docs/results/real && mkdir -p docs/results/real
-	cp $$($(BIN)/python -c "from qlbench import real; \
-	  print(real.record_path('real-results', real.RealConfig(), '').parent)")/real.* docs/results/real/
+	rm -rf docs/results/real && mkdir -p docs/results/real/records
+	folder=$$($(BIN)/python -c "from qlbench import real; \
+	  print(real.record_path('real-results', real.RealConfig(), '').parent)") && \
+	  cp $$folder/real.md $$folder/real.csv $$folder/real.png docs/results/real/ && \
+	  cp $$folder/*.json docs/results/real/records/
 
 real-lm-snapshot: check-clean setup-dev
 	$(BIN)/qlbench real-lm --seeds 3 --threads 1 --out real-results --no-progress
-	rm -rf docs/results/real-lm && mkdir -p docs/results/real-lm
-	cp $$($(BIN)/python -c "from qlbench import real_lm; \
-	  print(real_lm.record_path('real-results', real_lm.LMConfig(), '').parent)")/real-lm.md docs/results/real-lm/
+	rm -rf docs/results/real-lm && mkdir -p docs/results/real-lm/records
+	folder=$$($(BIN)/python -c "from qlbench import real_lm; \
+	  print(real_lm.record_path('real-results', real_lm.LMConfig(), '').parent)") && \
+	  cp $$folder/real-lm.md docs/results/real-lm/ && cp $$folder/*.json docs/results/real-lm/records/
 
 DIAG ?= diag-results
 DIAG_FUNCTIONS ?= dropwave,levy,ackley

@@ -410,3 +410,13 @@ def table(paths: list[Path]) -> tuple[pd.DataFrame, str]:
         "lora-matched and queryable see the letters only (qlbench/real_lm.py)."
     )
     return pd.DataFrame(rows), legend
+
+
+def markdown(paths: list[Path]) -> str:
+    """real-lm.md: the table of the records `paths`, its legend and their provenance (what `qlbench real-lm` writes
+    beside the records, and what a committed copy is rebuilt from)."""
+    rows, legend = table(paths)
+    return (
+        f"### A tiny decoder: three instructed generation tasks\n\n{text.markdown(rows)}\n\n{legend}\n\n"
+        f"{provenance(paths)}\n"
+    )

@@ -376,3 +376,20 @@ def test_a_number_that_is_not_in_the_report_is_caught(tmp_path):
     source.write_text("| f | lora |\n|---|---|\n| ackley | 0.486 ± 0.031 |\n")
     assert unsupported(["| ackley | 0.486 ± 0.031 |"], source) == []
     assert unsupported(["| ackley | 0.487 ± 0.031 |"], source) == ["0.487"]
+
+
+def test_the_real_model_tables_are_rebuilt_from_their_records(tmp_path):
+    """real.md / real.csv (MiniLM through peft) and real-lm.md (the tiny decoder) from the JSON records committed
+    beside them."""
+    pytest.importorskip("peft")
+    from qlbench import real_lm
+    from qlbench.report import real as real_report
+
+    records = sorted((RESULTS / "real" / "records").glob("*.json"))
+    assert records, "docs/results/real has no records"
+    real_report.write(records, tmp_path)
+    for name in ("real.md", "real.csv"):
+        assert (tmp_path / name).read_text() == (RESULTS / "real" / name).read_text(), name
+    records = sorted((RESULTS / "real-lm" / "records").glob("*.json"))
+    assert records, "docs/results/real-lm has no records"
+    assert real_lm.markdown(records) == (RESULTS / "real-lm" / "real-lm.md").read_text()

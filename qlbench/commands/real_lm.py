@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from qlbench import real_lm, runner, store, text
+from qlbench import real_lm, runner, store
 from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
 from qlbench.progress import bar
 
@@ -59,10 +59,8 @@ def run(args) -> int:
     with bar(total=todo, desc="real-lm", disable=args.no_progress) as progress:
         paths = runner.run(work, progress=progress.update, log=log)
     finished = [p for p in paths if p.exists()]
-    table, legend = real_lm.table(finished)
     folder = real_lm.record_path(out, config, methods[0]).parent
-    prov = real_lm.provenance(finished)
-    md = f"### A tiny decoder: three instructed generation tasks\n\n{text.markdown(table)}\n\n{legend}\n\n{prov}\n"
+    md = real_lm.markdown(finished)
     store.write_text(md, folder / "real-lm.md")
     print(md)
     print(f"records and table in {folder}")
