@@ -12,11 +12,12 @@
 #   make bench    speed benchmarks (side by side, one run; what they measure: docs/speed.md)
 #   make results-snapshot  the quick sweeps of both backbones (9 functions; deep-narrow 10 seeds, Transformer 3) and
 #                          their report in docs/results/zoo, rebuilt from its per-seed CSV (README's first tables)
-#   make pareto-snapshot   the accuracy-cost Pareto sweeps of docs/results/pareto (ackley and the zoo-4 suite, live
-#                          deep-narrow, quick)
+#   make pareto-snapshot   the accuracy-cost Pareto sweeps (ackley and the zoo-4 suite, live deep-narrow, quick) into
+#                          pareto-results/pareto (not committed: its tables have no per-seed records form yet)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
 #   make real-lm-snapshot  the causal-LM experiment of docs/results/real-lm (a tiny decoder through peft, 3 seeds)
-#   make diag-snapshot     the measurements of docs/why.md: both backbone inits, 3 functions, into $(DIAG)
+#   make diag-snapshot     the figures of docs/why.md (gradient profiles, signal, route maps): both backbone inits,
+#                          3 functions, records in $(DIAG)
 #   make mechanism-snapshot  the routing-vs-sharing baselines without the epsilon artifact and on a live backbone
 #   make suites-snapshot   the multi-task snapshot (quick budget, live (kaiming) deep-narrow, 5 seeds; records in
 #                          $(SUITES), resumed: only rows without a record train): zoo-4 and shifts-ackley, joint and
@@ -144,9 +145,6 @@ pareto-snapshot: check-clean setup
 	  --grid "$(PARETO_GRID)" --budget quick --threads 1 --out pareto-results --no-progress
 	$(BIN)/qlbench pareto --suite zoo-4 --schedule joint --backbone-init kaiming --methods instruct-queryable,lora \
 	  --grid "$(PARETO_SUITE_GRID)" --budget quick --threads 1 --out pareto-results --no-progress
-	rm -rf docs/results/pareto && mkdir -p docs/results/pareto/zoo-4-joint
-	cp pareto-results/pareto/ackley-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/
-	cp pareto-results/pareto/zoo-4-joint-deep-narrow-kaiming-quick/pareto.* docs/results/pareto/zoo-4-joint/
 
 # the real-model snapshot: the bundled all-MiniLM-L6-v2 through peft, 3 seeds (qlbench real; needs setup-dev's hf
 # extra); its JSON records (no weights) beside the table, which a test rebuilds from them
@@ -172,9 +170,7 @@ diag-snapshot: check-clean setup
 	  $(BIN)/qlbench sweep --functions $(DIAG_FUNCTIONS) --arch deep-narrow --budget quick --threads 1 \
 	    --backbone-init $$init --noise absolute --out $(DIAG) --no-progress || exit 1; done
 	$(BIN)/qlbench report $(DIAG) --arch deep-narrow --budget quick --format md,csv --out $(DIAG)/report
-	mkdir -p docs/results/diagnostics
-	for d in deep-narrow deep-narrow-kaiming; do mkdir -p docs/results/diagnostics/$$d; \
-	  cp $(DIAG)/report/$$d/quick/*.md docs/results/diagnostics/$$d/; \
+	for d in deep-narrow deep-narrow-kaiming; do \
 	  cp $(DIAG)/report/$$d/quick/gradient-profile.png figures/gradient-profile-$$d.png; \
 	  cp $(DIAG)/report/$$d/quick/gradient-concentration.png figures/gradient-concentration-$$d.png; done
 	$(BIN)/qlbench signal --function dropwave --backbone-init default,kaiming,orthogonal --threads 1 --out $(DIAG) \

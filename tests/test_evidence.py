@@ -393,3 +393,20 @@ def test_the_real_model_tables_are_rebuilt_from_their_records(tmp_path):
     records = sorted((RESULTS / "real-lm" / "records").glob("*.json"))
     assert records, "docs/results/real-lm has no records"
     assert real_lm.markdown(records) == (RESULTS / "real-lm" / "real-lm.md").read_text()
+
+
+REBUILT_ELSEWHERE = ("suites/", "language/", "real/real.md", "real-lm/real-lm.md")  # the tests above rebuild these
+SPEED = "bench/"  # `qlbench bench` reports: speed figures with their JSON beside them, not result tables
+
+
+def test_every_committed_table_has_records_it_is_rebuilt_from():
+    """A table under docs/results is one of a per-seed report's, a suite report's or a real-model table: one that a
+    test above rebuilds from its committed records. Anything else is a table nobody can check."""
+    covered = [p.parent for p in COMMITTED]
+    orphans = []
+    for md in sorted(RESULTS.rglob("*.md")):
+        name = md.relative_to(RESULTS).as_posix()
+        if any(md.is_relative_to(c) for c in covered) or name.startswith((*REBUILT_ELSEWHERE, SPEED)):
+            continue
+        orphans.append(name)
+    assert orphans == [], "tables under docs/results without records"
