@@ -270,8 +270,8 @@ def test_the_check_finds_a_commit_that_is_not_in_the_history():
 
 def test_rows_that_score_what_mean_scores_are_named_under_the_table():
     """lora and queryable sit within 1 % of mean on every function and seed (a constant prediction); dora moves on
-    one seed of one function (2 % off), so it is not named. The default deep-narrow line names the cause and the
-    option; the same numbers on the kaiming init name no cause."""
+    one seed of f2 (2 % off), so it is named on f1 only. The default deep-narrow line names the cause and the option;
+    the same numbers on the kaiming init name no cause. One function: the count of trained rows."""
     mean = [1.0, 2.0, 4.0]
     spec = {
         f: {
@@ -285,10 +285,13 @@ def test_rows_that_score_what_mean_scores_are_named_under_the_table():
     }
     f = make_frame(spec)
     note = tables.collapse_note(f.assign(backbone_init="default"))
-    assert note.startswith("2 of 3 trained rows (lora, queryable) score what `mean` scores on every function and seed")
+    assert note.startswith("Trained rows that score what `mean` scores on every seed (within 1%), so they predict a ")
+    assert "f1 (lora, dora, queryable); f2 (lora, queryable)." in note  # dora moved on one seed of f2
     assert "--backbone-init kaiming" in note
     live = tables.collapse_note(f.assign(backbone_init="kaiming"))
-    assert "2 of 3" in live and "kaiming" not in live
+    assert "f2 (lora, queryable)" in live and "kaiming" not in live
+    one = tables.collapse_note(make_frame({"f2": spec["f2"]}).assign(backbone_init="default"))
+    assert one.startswith("2 of 3 trained rows (lora, queryable) score what `mean` scores on every seed")
     moved = make_frame({"f1": {"lora": [0.5, 1.0, 2.0], "mean": mean}})
     assert tables.collapse_note(moved) == ""  # a row that learned something: no line
     assert tables.collapse_note(make_frame({"f1": {"lora": mean}})) == ""  # no mean row: nothing to compare with

@@ -299,11 +299,11 @@ COLLAPSE_TOLERANCE = 0.01  # a trained row "scores what mean scores" within 1 % 
 
 
 def collapse_note(frame: pd.DataFrame, metric: str = "test-at-best-train") -> str:
-    """One line per (arch, budget, backbone init) slice in which trained rows score what the `mean` row scores on
-    every function and seed (within COLLAPSE_TOLERANCE): such a row predicts a constant, and a table of them says
-    nothing about the methods. On the default deep-narrow init the cause is known (its pretrained backbone is constant
-    over the inputs, docs/why.md), and the line names the option for a live backbone. "" when no row collapsed or
-    there is no `mean` row."""
+    """One line per (arch, budget, backbone init) slice that has trained rows scoring what the `mean` row scores on
+    every seed of a function (within COLLAPSE_TOLERANCE): such a row predicts a constant there, and says nothing about
+    its method. The line names them (per function when the slice has several). On the default deep-narrow init the
+    cause is known (its pretrained backbone is constant over the inputs, docs/why.md), and the line names the option
+    for a live backbone. "" when no row collapsed or there is no `mean` row."""
     p = stats.pairs(frame, stats.metric_column(metric), "mean")
     p = p[~p["method"].isin(stats.REFERENCE)]
     if p.empty:
@@ -311,19 +311,26 @@ def collapse_note(frame: pd.DataFrame, metric: str = "test-at-best-train") -> st
     init = frame["backbone_init"] if "backbone_init" in frame else pd.Series("default", index=frame.index)
     p = p.merge(frame.assign(backbone_init=init)[[*stats.CELL, "backbone_init"]].drop_duplicates(), on=stats.CELL)
     p["at_mean"] = (p["a"] - p["b"]).abs() <= COLLAPSE_TOLERANCE * p["b"]
-    lines = []
     slices = p.groupby(["arch", "budget", "backbone_init"], sort=True)
+    lines = []
     for (arch, budget, init), g in slices:
-        collapsed = g.groupby("method")["at_mean"].all()
-        if not collapsed.any():
+        at_mean = g.groupby(["function", "method"])["at_mean"].all()  # every seed of the cell
+        collapsed = {f: stats.method_order(m[m].index.get_level_values("method")) for f, m in at_mean.groupby(level=0)}
+        collapsed = {f: m for f, m in collapsed.items() if m}
+        if not collapsed:
             continue
-        where = "" if g["function"].nunique() == 1 else " on every function"
-        names = ", ".join(stats.method_order(collapsed[collapsed].index))
         line = "" if len(slices) == 1 else f"{arch}, {init} init, budget {budget}: "
-        line += (
-            f"{int(collapsed.sum())} of {len(collapsed)} trained rows ({names}) score what `mean` scores{where} and "
-            f"seed (within {COLLAPSE_TOLERANCE:.0%}): they predict a constant."
-        )
+        within = f"on every seed (within {COLLAPSE_TOLERANCE:.0%}), so they predict a constant"
+        if g["function"].nunique() == 1:
+            (names,) = collapsed.values()
+            trained = g["method"].nunique()
+            line += f"{len(names)} of {trained} trained rows ({', '.join(names)}) score what `mean` scores {within}."
+        else:
+            line += (
+                f"Trained rows that score what `mean` scores {within}: "
+                + "; ".join(f"{f} ({', '.join(m)})" for f, m in collapsed.items())
+                + "."
+            )
         if str(arch).startswith("deep-narrow") and init == "default":
             line += (
                 " The default deep-narrow backbone is constant over its inputs after pretraining (docs/why.md); "
