@@ -329,13 +329,14 @@ def test_a_committed_suite_report_is_rebuilt_from_its_records(name, tmp_path, ca
 # The tables the manuals quote: every number from a committed report
 
 SOURCE = re.compile(r"<!-- records: (\S+) -->")
+DECIMAL = re.compile(r"\d\.\d")  # a table with a decimal number in a body cell (its first column aside) is results
 NUMBER = re.compile(r"(?<![\w.])(?:\d[\d,]*\.?\d*(?:e[-+]?\d+)?|inf)(?![\w.])")
 MANUALS = [ROOT / "README.md", ROOT / "docs" / "why.md"]
 
 
 def quoted_tables(path: Path) -> list[tuple[int, str | None, list[str]]]:
-    """(line number, source or None, body rows) of every Markdown table with a ± in `path`; its source is the
-    `<!-- records: FILE -->` comment on one of the three lines above it."""
+    """(line number, source or None, body rows) of every Markdown table of results in `path` (a decimal number in a
+    body cell); its source is the `<!-- records: FILE -->` comment on one of the three lines above it."""
     lines, out, i = path.read_text().splitlines(), [], 0
     while i < len(lines):
         if lines[i].startswith("|"):
@@ -343,7 +344,7 @@ def quoted_tables(path: Path) -> list[tuple[int, str | None, list[str]]]:
             while j < len(lines) and lines[j].startswith("|"):
                 j += 1
             rows = lines[i + 2 : j]
-            if any("±" in r for r in rows):
+            if any(DECIMAL.search(c) for r in rows for c in r.strip("|").split("|")[1:]):
                 above = [m.group(1) for line in lines[max(0, i - 3) : i] if (m := SOURCE.search(line))]
                 out.append((i + 1, above[-1] if above else None, rows))
             i = j
