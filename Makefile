@@ -208,19 +208,27 @@ suites-report: setup
 
 # the held-out experiment (docs/results/language/report.md):
 # the parametric suites (qlbench suites param-sin-cos-16), live deep-narrow, quick, 5 seeds; the first command trains
-# the backbone the three sizes share, then two streams of one thread each (records resume: only missing rows train)
+# the backbone every suite of the family shares, then two streams of one thread each (records resume: only missing
+# rows train). At every T (4, 16, 64), under the fixed total (param-sin-cos-T: 1,600 training samples) and at a fixed
+# n per task (param-sin-cos-T-n50): the language rows, their identity controls (task-code, text-lora-code), the
+# controls that can transfer without words (param-code, text-lora-params, nearest-task), lora, frozen and mean;
+# poly at T = 64 and the sequential schedule at T = 16 as before. Stream a: instruct-queryable's side and the LoRA
+# rows; stream b: text-lora's. About 3 h of wall time from nothing (today's rows resumed: about 2 h more).
 LANGUAGE ?= docs/results/language-records
 LANGUAGE_RUN = $(BIN)/qlbench suite --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 --seeds 5 \
 	--out $(LANGUAGE) --no-progress
 P := param-sin-cos
+LANGUAGE_A := instruct-queryable,task-code,param-code,lora,nearest-task,frozen,mean
+LANGUAGE_B := text-lora,text-lora-code,text-lora-params
 language-snapshot: check-clean setup
 	$(LANGUAGE_RUN) --suite $(P)-4 --schedule held-out --methods frozen,mean
-	( $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods instruct-queryable,lora,poly,frozen,mean,text-lora-code && \
-	  for T in 4 16; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods instruct-queryable,lora || exit 1; done && \
-	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods instruct-queryable,task-code,lora,frozen ) & a=$$!; \
-	( $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods text-lora,task-code && \
-	  for T in 4 16; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods text-lora,task-code,frozen,mean || exit 1; done && \
-	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods text-lora ) & b=$$!; \
+	( for T in 64 16 4; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods $(LANGUAGE_A) || exit 1; done && \
+	  $(LANGUAGE_RUN) --suite $(P)-64 --schedule held-out --methods poly && \
+	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods instruct-queryable,task-code,lora,frozen && \
+	  for T in 64 16 4; do $(LANGUAGE_RUN) --suite $(P)-$$T-n50 --schedule held-out --methods $(LANGUAGE_A) || exit 1; done ) & a=$$!; \
+	( for T in 64 16 4; do $(LANGUAGE_RUN) --suite $(P)-$$T --schedule held-out --methods $(LANGUAGE_B) || exit 1; done && \
+	  $(LANGUAGE_RUN) --suite $(P)-16 --schedule sequential --methods text-lora && \
+	  for T in 64 16 4; do $(LANGUAGE_RUN) --suite $(P)-$$T-n50 --schedule held-out --methods $(LANGUAGE_B) || exit 1; done ) & b=$$!; \
 	wait $$a; ra=$$?; wait $$b; rb=$$?; [ $$ra = 0 ] && [ $$rb = 0 ]
 	$(MAKE) language-report
 

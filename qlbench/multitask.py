@@ -27,6 +27,38 @@ language), `text-lora-code` the same for text-lora; `no-instruction`, `no-langua
 are the instruction ablation's structural variants (ablation.py). The same-instruction control is a suite of its
 own (`<suite>-same-instruction`, suites.py).
 
+The code controls cannot transfer by construction: a held-out task's random code was never trained on, so a
+language row beating them on held-out tasks does not separate the sentence's meaning from its being a task
+identifier. Three rows transfer without words, on the parametric suites only (parametric.py; PARAMETRIC_ROWS, refused
+elsewhere because they read each task's parameters):
+    param-code        instruct-queryable fed parametric.codes (a fixed seeded linear projection of the task's true
+                      parameters into the embedding's 384 dimensions) instead of e(c): an identity code that is
+                      smooth in parameter space, so it can interpolate; what "a task descriptor that carries the
+                      parameters" gives the router, with no language at all.
+    text-lora-params  text-lora fed the same codes: the oracle descriptor for the hypernetwork, an upper bound for
+                      what text-lora's sentences could carry.
+    nearest-task      lora-per-task (one LoRA per task, trained as that row is), with every task no stage trains
+                      evaluated through the adapter of its nearest trained task in parameter space (parametric.closest
+                      over parametric.distance; the first of equally near ones): the nearest-neighbour baseline a
+                      descriptor must beat to have transferred more than a lookup. qlbench interpretation: a routing
+                      rule of the evaluation (`held_out_route` "nearest", a setting multitask applies and hashes; the
+                      trained model is lora-per-task's), not a method of its own, so its training is lora-per-task's
+                      step for step; a held-out task's own, never-trained factors stay in the model (and in its
+                      parameter count) and are never read. Under joint every task is trained, so it is lora-per-task.
+The "params" instruction source is the suite's (a function card has no parameters): it is set on the method's config
+after the method's own checks, and `instruction_table` is its only reader; paraphrases are not evaluated for it
+(the paraphrases state the same parameters).
+
+Labels under two standardisations (held-out tasks): every task's labels are standardised by its own clean mean and
+std over the box (suites.py), which for a never-trained task is an oracle a zero-shot method would not have. So for
+every task no stage trains, the final test MSE is also recorded with that task's labels standardised by the trained
+tasks' statistics instead (`train_standardised_task_mse` per seed, null for trained tasks, beside
+`train_label_stats`): the pooled mean m and std s (population) of the trained tasks' training labels in raw units
+(a label y of task t is sd_t y + mu_t raw), the held-out labels as (sd_h y + mu_h - m) / s, and the model's output
+read in those units as it stands (`restandardise`). qlbench interpretation: the model's output for a held-out task
+is taken as it comes; mapping it back through the task's own (mu_h, sd_h) would be the oracle again. A record
+without the field (written before it) reads as missing.
+
 Over 500 lines: one workload (plan, data and instructions, evaluation per stage, records) whose parts all read the
 SuitePlan; the generic parts live in runner.py and engine/.
 """
@@ -41,7 +73,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, cost, engine, instructions, planning, results, runner, suites, zoo
+from qlbench import adapters, cost, engine, instructions, parametric, planning, results, runner, suites, zoo
 from qlbench.adapters import instruct, queryable
 from qlbench.adapters.base import isolate_tasks
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
@@ -58,11 +90,19 @@ STRUCTURAL_VARIANTS = {
     "no-language-prior": {"tau_lang": 0.0},
     "instruction-only": {"query": "instruction-only"},
 }
+PARAMETER_SOURCE = "params"  # a suite row's instruction source: each task's parameter code (parametric.codes)
+ROUTES = ("own", "nearest")  # `held_out_route`: how a task no stage trains is evaluated (its own task index or the
+# nearest trained task's); a setting multitask applies itself (no method's config has it)
 VARIANTS = {  # row -> (registered method, its fixed settings)
     "task-code": ("instruct-queryable", {"instruction_source": "random"}),
     "text-lora-code": ("text-lora", {"instruction_source": "random"}),  # text-lora's identity control
+    # controls that can transfer without words (module docstring): parametric suites only
+    "param-code": ("instruct-queryable", {"instruction_source": PARAMETER_SOURCE}),
+    "text-lora-params": ("text-lora", {"instruction_source": PARAMETER_SOURCE}),
+    "nearest-task": ("lora-per-task", {"held_out_route": "nearest"}),
     **{name: ("instruct-queryable", settings) for name, settings in STRUCTURAL_VARIANTS.items()},
 }
+PARAMETRIC_ROWS = ("param-code", "text-lora-params", "nearest-task")  # they read each task's parameters
 DEFAULT_ROWS = (
     "lora",
     "lora-matched",
@@ -116,6 +156,7 @@ class SuitePlan:
     backbone_init: str = DEFAULT_INIT
     eps: float = adapters.EPS
     capture: bool = False  # record the training step in CUDA graphs (engine/step.py; CUDA only; not hashed)
+    routes: dict[str, str] = dataclasses.field(default_factory=dict)  # row -> its held_out_route ("own" if absent)
 
     noun = "row"  # runner.Workload: a unit is a row
 
@@ -146,27 +187,37 @@ class SuitePlan:
         """(suite card, seed): the card, since a control suite shares its card's backbone and data."""
         return [(suites.data_name(self.suite.name), s) for s in self.seeds]
 
+    def route(self, row: str) -> str:
+        """The row's held_out_route (ROUTES)."""
+        return self.routes.get(row, "own")
+
     def cell_config(self, row: str) -> dict:
         """The row's fully resolved config. A task-owned row on a schedule with stages that leave tasks out carries
         "task_decay": "own-stages" (isolate_tasks): records written before it decayed every task in every stage and
-        must not be reused; every other row's hash is as before."""
+        must not be reused; a row routing held-out tasks elsewhere carries its "held_out_route"; every other row's
+        hash is as before."""
         method, _ = method_of(row)
         isolated = adapters.get(method).kind == "task" and self.schedule != "joint"
-        return ({"task_decay": "own-stages"} if isolated else {}) | {
-            "suite": self.suite.name,
-            "suite_card": suites.card_config(self.suite),
-            "schedule": self.schedule,
-            "arch": self.arch,
-            "row": row,
-            "method": method,
-            "method_config": dataclasses.asdict(self.configs[row]),
-            "budget": dataclasses.asdict(self.budget) | {"seeds": len(self.seeds)},
-            "seeds": self.seeds,
-            "dtype": self.dtype,
-            "backbone_init": self.backbone_init,
-            "eps": self.eps,
-            "schema": SCHEMA,
-        }
+        routed = {"held_out_route": self.route(row)} if self.route(row) != "own" else {}
+        return (
+            ({"task_decay": "own-stages"} if isolated else {})
+            | routed
+            | {
+                "suite": self.suite.name,
+                "suite_card": suites.card_config(self.suite),
+                "schedule": self.schedule,
+                "arch": self.arch,
+                "row": row,
+                "method": method,
+                "method_config": dataclasses.asdict(self.configs[row]),
+                "budget": dataclasses.asdict(self.budget) | {"seeds": len(self.seeds)},
+                "seeds": self.seeds,
+                "dtype": self.dtype,
+                "backbone_init": self.backbone_init,
+                "eps": self.eps,
+                "schema": SCHEMA,
+            }
+        )
 
     def record_path(self, row: str) -> Path:
         h = stable_hash(self.cell_config(row))
@@ -184,7 +235,7 @@ class SuitePlan:
         )
 
 
-SUITE_SOURCES = ("card", "random")  # the instruction sources a suite row takes (instruction_table)
+SUITE_SOURCES = ("card", "random", PARAMETER_SOURCE)  # the instruction sources a suite row takes (instruction_table)
 SUITE_COMPILE = ("auto", "off")  # experiment.plan's compile settings a suite honours: its steps run eager
 
 
@@ -238,19 +289,32 @@ def plan(
     n_seeds = planning.seed_count(b, seeds)
     reserved = {"tasks": f"the suite's task count ({len(s.tasks)})"}
     overrides = planning.check_overrides(overrides, [method_of(r)[0] for r in chosen], reserved)
-    configs, sizes = {}, {}
+    configs, sizes, routes = {}, {}, {}
     for r in chosen:
         name, fixed = method_of(r)
         settings = overrides | fixed | {"tasks": len(s.tasks)}
+        suite_source = settings.get("instruction_source") == PARAMETER_SOURCE  # the suite's, not the method's
         try:
-            configs[r] = adapters.get(name).make_config(**settings)
+            configs[r] = adapters.get(name).make_config(
+                **{k: v for k, v in settings.items() if not (suite_source and k == "instruction_source")}
+            )
         except (TypeError, ValueError) as err:
             raise ValueError(f"{r}: {err}") from None
+        if suite_source and hasattr(configs[r], "instruction_source"):  # past the method's checks (made for cards)
+            configs[r].instruction_source = PARAMETER_SOURCE
         source = getattr(configs[r], "instruction_source", None)
         if source not in (None, *SUITE_SOURCES):  # checked before any work (instruction_table would, after it)
             raise ValueError(
                 f"{r}: instruction_source {source!r} is not available on a suite (each task reads its own sentence, "
-                f"or a task code); valid: {', '.join(SUITE_SOURCES)}"
+                f"a task code or its parameters' code); valid: {', '.join(SUITE_SOURCES)}"
+            )
+        routes[r] = settings.get("held_out_route", "own")
+        if routes[r] not in ROUTES:
+            raise ValueError(f"{r}: held_out_route {routes[r]!r}; valid: {', '.join(ROUTES)}")
+        if (source == PARAMETER_SOURCE or routes[r] != "own") and s.name not in parametric.names():
+            raise ValueError(
+                f"{r} reads each task's parameters, which only a parametric suite has, not {s.name!r}; valid: "
+                f"{', '.join(parametric.names())}"
             )
         sizes[r] = planning.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
     dev = engine.resolve_device(device)
@@ -273,6 +337,7 @@ def plan(
         backbone_init=backbone_init,
         eps=float(eps),
         capture=use_capture,
+        routes={r: route for r, route in routes.items() if route != "own"},
     )
 
 
@@ -295,10 +360,22 @@ def task_data(suite: suites.Suite, seeds: list[int], tasks: list[int], *, dtype,
     return engine.StackedData.stack(splits, ids)
 
 
+def parameter_codes(suite: suites.Suite) -> torch.Tensor:
+    """(T, 384) float64: each task's parameter code (parametric.codes) at the sentence embedding's dimension;
+    ValueError naming the parametric suites for a suite without task parameters."""
+    if suite.name not in parametric.names():
+        raise ValueError(
+            f"suite {suite.name!r} has no task parameters; valid: {', '.join(parametric.names())} (parametric suites)"
+        )
+    return parametric.codes([parametric.params(t) for t in suite.tasks], instructions.DIM)
+
+
 def instruction_table(suite: suites.Suite, config, texts: list[str] | None = None) -> torch.Tensor:
     """The router's e (T, d_c) float64 for the suite's tasks: each task's sentence (or `texts[t]`) through the
     frozen encoder, or for `instruction_source` random (the task-code row) a seeded random vector per task of the
-    sentence embedding's norm."""
+    sentence embedding's norm, or for params (param-code, text-lora-params) each task's parameter code."""
+    if config.instruction_source == PARAMETER_SOURCE:
+        return instruct.router_input(parameter_codes(suite), config.instruction_dim)
     texts = suite.instructions() if texts is None else texts
     raw = instructions.embed(texts).to(torch.float64)  # (T, 384)
     if config.instruction_source == "random":
@@ -332,13 +409,74 @@ def bind(model, table: torch.Tensor, members: int) -> None:
 
 
 @torch.no_grad()
-def task_mse(model, data: engine.StackedData, tasks: int) -> torch.Tensor:
-    """(E, T) test MSE of each task: the mean squared error over its held-out samples."""
+def task_mse(
+    model, data: engine.StackedData, tasks: int, route: torch.Tensor | None = None, y: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(E, T) test MSE of each task: the mean squared error over its held-out samples. `route` (T,) long: the task
+    index each task's samples are run with (held_out_routes; default its own); `y` (E, N): other labels for the
+    test samples (default data.y_test)."""
     model.eval()
-    sq = engine.squared_errors(model, data.x_test, data.y_test, task=data.task_test)  # (E, N)
+    task = data.task_test if route is None else route.to(data.task_test.device)[data.task_test]
+    sq = engine.squared_errors(model, data.x_test, data.y_test if y is None else y, task=task)  # (E, N)
     model.train()
-    one_hot = torch.nn.functional.one_hot(data.task_test, tasks).to(sq)  # (E, N, T)
+    one_hot = torch.nn.functional.one_hot(data.task_test, tasks).to(sq)  # (E, N, T): grouped by the sample's task
     return ((sq.unsqueeze(-1) * one_hot).sum(1) / one_hot.sum(1)).cpu()
+
+
+def held_out_routes(suite: suites.Suite, schedule: str, rule: str) -> torch.Tensor:
+    """(T,) long: the task index each task is evaluated with under `rule` (ROUTES): its own ("own"), or for
+    "nearest" each task no stage of `schedule` trains the nearest trained task in parameter space
+    (parametric.closest: the first of equally near ones), the trained tasks their own."""
+    T = len(suite.tasks)
+    route = torch.arange(T)
+    if rule == "own":
+        return route
+    trained = sorted({t for group in suite.schedule_stages(schedule) for t in group})
+    p = [parametric.params(t) for t in suite.tasks]
+    for t in sorted(set(range(T)) - set(trained)):
+        route[t] = trained[parametric.closest(p[t], [p[i] for i in trained])]
+    return route
+
+
+def own_statistics(suite: suites.Suite) -> torch.Tensor:
+    """(T, 2) float64: each task's (mean, std) of its clean function over the box, by which its labels are
+    standardised (suites.Suite.standardisation)."""
+    return torch.tensor([suite.standardisation(t) for t in suite.tasks], dtype=torch.float64)
+
+
+def pooled_statistics(y: torch.Tensor, task: torch.Tensor, own: torch.Tensor, trained: list[int]) -> torch.Tensor:
+    """(E, 2) float64: per member, the mean and the population std of the raw training labels (sd_t y + mu_t,
+    `own` (T, 2)) of the samples of y (E, N) whose task (E, N) is one of `trained`, pooled over those tasks."""
+    raw = own[task, 1] * y.to(torch.float64) + own[task, 0]  # (E, N)
+    keep = torch.isin(task, torch.tensor(trained, device=task.device)).to(torch.float64)
+    n = keep.sum(1)
+    mean = (raw * keep).sum(1) / n
+    var = (((raw - mean.unsqueeze(1)) ** 2) * keep).sum(1) / n
+    return torch.stack([mean, var.sqrt()], 1)
+
+
+def restandardise(y: torch.Tensor, task: torch.Tensor, own: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """Labels y (E, N), standardised by their task's own statistics `own` (T, 2), standardised instead by each
+    member's `pooled` (E, 2) mean and std: (sd_t y + mu_t - m) / s, in float64."""
+    raw = own[task, 1] * y.to(torch.float64) + own[task, 0]
+    return (raw - pooled[:, :1]) / pooled[:, 1:]
+
+
+def train_standardised_mse(
+    p: SuitePlan, model, data: engine.StackedData, route: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """((E, T) test MSE with every task's labels standardised by the trained tasks' pooled statistics, NaN for the
+    trained tasks; (E, 2) those statistics), or None when every task is trained (no held-out task)."""
+    T = len(p.suite.tasks)
+    trained = sorted({t for group in stages(p) for t in group})
+    if len(trained) == T:
+        return None
+    own = own_statistics(p.suite).to(data.y_train.device)
+    pooled = pooled_statistics(data.y_train, data.task_train, own, trained)  # (E, 2)
+    y = restandardise(data.y_test, data.task_test, own, pooled).to(data.y_test.dtype)
+    mse = task_mse(model, data, T, route, y)
+    mse[:, trained] = math.nan
+    return mse, pooled.cpu()
 
 
 @torch.no_grad()
@@ -405,14 +543,15 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     init = [generator("init", name, p.arch, "suite", p.suite.name, s) for s in seeds]
     model = method.build(pre.model(device=p.device, dtype=dtype), config, init, trained_labels(p, everything))
     routes = isinstance(config, queryable.QueryableConfig)
+    route = held_out_routes(p.suite, p.schedule, p.route(row))  # (T,): the task index each task is evaluated with
     base = instruction_table(p.suite, config) if reads_instruction(config) else None  # (T, d_c): the tasks' own
     if base is not None:
         bind(model, base, len(seeds))
-    out = {"initial_task_mse": task_mse(model, everything, T)}  # (E, T)
+    out = {"initial_task_mse": task_mse(model, everything, T, route)}  # (E, T)
     stage_mse, stage_usage, curves = [], [], []
 
     def evaluate_stage(k: int) -> None:  # every task on stage k's final parameters
-        stage_mse.append(task_mse(model, everything, T))
+        stage_mse.append(task_mse(model, everything, T, route))
         if routes:
             stage_usage.append(usage(model, everything, T))
 
@@ -435,13 +574,15 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
         for k in range(len(stages(p))):
             evaluate_stage(k)
     out["stage_task_mse"] = torch.stack(stage_mse, 1)  # (E, S, T)
+    if (standardised := train_standardised_mse(p, model, everything, route)) is not None:
+        out["train_standardised_task_mse"], out["train_label_stats"] = standardised  # (E, T), (E, 2)
     if routes:
         out["usage"] = torch.stack(stage_usage, 1)  # (E, S, T, M)
     if base is not None:
         n = min(len(t.paraphrases) for t in p.suite.tasks)
         para = []
         for i in range(n):
-            if config.instruction_source == "random":  # a task code has no words to paraphrase
+            if config.instruction_source in ("random", PARAMETER_SOURCE):  # a code has no words to paraphrase
                 continue
             bind(model, instruction_table(p.suite, config, [t.paraphrases[i] for t in p.suite.tasks]), len(seeds))
             para.append(task_mse(model, everything, T))
@@ -508,7 +649,13 @@ def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> No
                 for c in res["curves"]
             ],
         }
-        for key in ("usage", "paraphrase_task_mse", "shuffled_task_mse"):
+        for key in (
+            "usage",
+            "paraphrase_task_mse",
+            "shuffled_task_mse",
+            "train_standardised_task_mse",
+            "train_label_stats",
+        ):
             if key in res:
                 entry[key] = res[key][e].tolist()
         per_seed.append(_finite(entry))

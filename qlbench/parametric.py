@@ -29,12 +29,34 @@ qlbench interpretation of the data: a suite's training tasks share TRAIN_TOTAL t
 epoch; every task has TEST_PER_TASK test samples. The sequential schedule runs STAGES stages of
 T / STAGES training tasks each.
 
+Fixed n per task (the crossing of T with the data per task):
+
+    param-sin-cos-T-n50   the same tasks as param-sin-cos-T, FIXED_N = 50 training samples per task (T x 50 in all)
+
+Under the fixed total, T = 4, 16, 64 gives each task 400, 100, 25 samples, so "more tasks" is also "less data per
+task"; at a fixed n only the number of tasks changes (and the total data, and the compute per epoch, with it).
+qlbench interpretation: n = 50, not one of 400, 100, 25, so that no fixed-n suite is a fixed-total one under another
+name (n = 100 would make T = 16 the same card as param-sin-cos-16, n = 25 T = 64), and so that T = 64 costs 3,200
+samples per epoch, twice a fixed-total row (n = 100: four times). They share the family's backbone, tasks, held-out
+tasks and draws (`data_name`): a task's first 50 training inputs are those of every other member.
+
 Distance between tasks (`distance`): Euclidean, each parameter divided by its training range (shift 3 units,
-k 0.75, theta 60 degrees), so one unit is one training range along any axis.
+k 0.75, theta 60 degrees), so one unit is one training range along any axis; `closest` names the nearest of a list
+(the nearest-task row's routing, multitask.py).
+
+Parameter codes (`codes`: the param-code and text-lora-params rows, multitask.py): a task's parameters, centred on
+the training region's midpoint CENTRE and divided by RANGES, times a fixed seeded Gaussian matrix M (d, 4) with
+entries of variance 1 / d, d the sentence embedding's 384: code(p) = M u(p), u(p) = (p - CENTRE) / RANGES. It is
+linear in the parameters, so ||code(p) - code(q)|| <= ||M||_2 distance(p, q) (||M||_2 = 1.07 at d = 384): nearby
+tasks get nearby codes and a held-out task's code lies between (or, extrapolating, past) its neighbours', unlike
+task-code's seeded random vector per task, which a held-out task receives untrained. A code's norm is about ||u||
+(0.29 to 1.16 over the pool's 80 tasks; e(c) is a unit vector). One M for the family (keyed by FUNCTION and d), so
+a task has the same code at every T.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -56,12 +78,30 @@ STEEPNESS = (0.75, 1.0, 1.25, 1.5)
 TRAIN_ANGLES = tuple(range(0, 61, 5))
 EXTRAPOLATION_ANGLES = tuple(range(70, 91, 5))
 RANGES = (3.0, 3.0, 0.75, 60.0)  # (dx, dy, k, theta): the training region's width along each parameter
+CENTRE = (0.0, 0.0, 1.125, 30.0)  # the training region's midpoint (parameter codes are centred on it)
+FIXED_N = 50  # training samples per task of the fixed-n suites (param-sin-cos-T-n50)
 
 Params = tuple[float, float, float, float]  # (dx, dy, k, theta)
 
 
+def suite_name(T: int, n: int | None = None) -> str:
+    """The suite of T training tasks: under the fixed total (n None), or with n training samples per task."""
+    return f"{PREFIX}{T}" + ("" if n is None else f"-n{n}")
+
+
 def names() -> list[str]:
-    return [f"{PREFIX}{t}" for t in SIZES]
+    """The fixed-total suites (param-sin-cos-T), then the fixed-n ones (param-sin-cos-T-n50)."""
+    return [*(suite_name(t) for t in SIZES), *(suite_name(t, FIXED_N) for t in SIZES)]
+
+
+def size(name: str) -> tuple[int, int | None]:
+    """(T, the fixed training samples per task or None under the fixed total) of a suite of `names`; ValueError
+    for another name (listing them)."""
+    for T in SIZES:
+        for n in (None, FIXED_N):
+            if name == suite_name(T, n):
+                return T, n
+    raise ValueError(f"unknown parametric suite {name!r}; valid: {', '.join(names())}")
 
 
 def data_name(name: str) -> str:
@@ -145,6 +185,37 @@ def nearest(p: Params, among: list[Params]) -> float:
     return min(distance(p, q) for q in among)
 
 
+def closest(p: Params, among: list[Params]) -> int:
+    """The index in `among` of the task nearest p (`distance`; the first of equally near ones), so that
+    distance(p, among[closest(p, among)]) == nearest(p, among)."""
+    if not among:
+        raise ValueError("no task to be nearest to: `among` is empty")
+    return min(range(len(among)), key=lambda i: distance(p, among[i]))
+
+
+def scaled(p: Params) -> tuple[float, float, float, float]:
+    """u(p) = (p - CENTRE) / RANGES: the parameters in training ranges about the training region's midpoint, so
+    that ||u(p) - u(q)|| = distance(p, q)."""
+    return tuple((x - c) / r for x, c, r in zip(p, CENTRE, RANGES))
+
+
+@functools.cache
+def _code_matrix(dim: int) -> torch.Tensor:
+    g = generator("param-code", FUNCTION, dim)
+    return torch.randn(dim, len(RANGES), generator=g, dtype=torch.float64) / math.sqrt(dim)
+
+
+def code_matrix(dim: int) -> torch.Tensor:
+    """M (dim, 4) float64: the fixed seeded Gaussian projection of the parameter codes, entries N(0, 1 / dim)."""
+    return _code_matrix(dim).clone()
+
+
+def codes(ps: list[Params], dim: int) -> torch.Tensor:
+    """(len(ps), dim) float64: each task's parameter code M u(p) (module docstring)."""
+    u = torch.tensor([scaled(p) for p in ps], dtype=torch.float64).reshape(len(ps), len(RANGES))
+    return u @ _code_matrix(dim).T
+
+
 def _task(name: str, p: Params, split: str) -> dict:
     instruction, *paraphrases = sentences(p)
     dx, dy, k, theta = p
@@ -162,15 +233,15 @@ def _task(name: str, p: Params, split: str) -> dict:
 
 def card(name: str) -> dict:
     """The generated card of suite `name` as a table (suites.from_dict checks it as it checks a TOML card);
-    ValueError for a name that is not one (listing them)."""
-    if name not in names():
-        raise ValueError(f"unknown parametric suite {name!r}; valid: {', '.join(names())}")
-    T = int(name.removeprefix(PREFIX))
+    ValueError for a name that is not one (listing them). A fixed-n suite is its fixed-total twin's card with n
+    training samples per task (and its own description)."""
+    T, n = size(name)
     train, inter, extra = pool()
     lo, hi = -math.pi, math.pi
+    per_task = "" if n is None else f", {n} training samples per task"
     return dict(
         description=f"Sin-Cos under {T} training shifts, steepnesses and rotations stated in words, and "
-        f"{N_INTERPOLATION} + {N_EXTRAPOLATION} held-out ones (inside and past the training angles)",
+        f"{N_INTERPOLATION} + {N_EXTRAPOLATION} held-out ones (inside and past the training angles){per_task}",
         bounds=[[lo, hi], [lo, hi]],
         source=dict(function=FUNCTION),
         task=[
@@ -178,7 +249,7 @@ def card(name: str) -> dict:
             *(_task(f"interp-{i}", p, "interpolation") for i, p in enumerate(inter)),
             *(_task(f"extrap-{i}", p, "extrapolation") for i, p in enumerate(extra)),
         ],
-        train_per_task=TRAIN_TOTAL // T,
+        train_per_task=TRAIN_TOTAL // T if n is None else n,
         test_per_task=TEST_PER_TASK,
         stages=STAGES,
     )

@@ -168,6 +168,16 @@ def test_a_suite_resumes_row_by_row_with_the_same_numbers(tmp_path):
         (["suite", "--suite", "zoo-4", "--methods", "lora,moe"], ["'moe'", "lora-per-task", "task-code"]),
         (["suite", "--suite", "zoo-4", "--hp", "tasks=3"], ["tasks", "suite's task count"]),
         (["suite", "--suite", "zoo-4", "--seeds", "0"], ["seeds", ">= 1"]),
+        # the rows that read each task's parameters, on a suite without them: the parametric suites named
+        *(
+            (["suite", "--suite", suite, "--methods", f"lora,{row}"], [row, "parametric", "param-sin-cos-64-n50"])
+            for row in multitask.PARAMETRIC_ROWS
+            for suite in ("zoo-4", "shifts-ackley-same-instruction")
+        ),
+        (
+            ["suite", "--suite", "zoo-4", "--methods", "instruct-queryable", "--hp", "instruction_source=params"],
+            ["instruct-queryable reads each task's parameters", "param-sin-cos-4"],
+        ),
     ],
 )
 def test_bad_suite_input_is_one_line_exit_2(capsys, tmp_path, argv, expect):

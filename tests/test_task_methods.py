@@ -235,3 +235,71 @@ def test_a_stage_of_every_task_keeps_the_plain_optimiser():
     model = build("lora-per-task", "deep-narrow", tasks=T)
     opt = adapters.get("lora").optimizer(model, None, lr=1e-2, weight_decay=0.01)
     assert adapters.base.isolate_tasks(opt, model, list(range(T))) is opt and len(opt.param_groups) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nearest-task: lora-per-task with each held-out task evaluated through its nearest training task's factors
+
+
+def routed_mse_by_hand(model, x, y, task, t: int, through: int) -> torch.Tensor:
+    """(E,) the MSE of task t's samples, every one run with task index `through` (one forward per member)."""
+    out = []
+    for e in range(x.shape[0]):
+        keep = task[e] == t
+        xe = x[e : e + 1, keep].expand(x.shape[0], -1, -1)
+        pred = model(xe, task=torch.full(xe.shape[:2], through))[e]
+        out.append((pred - y[e, keep]).pow(2).mean())
+    return torch.stack(out)
+
+
+def test_a_routed_task_is_evaluated_through_its_routes_factors():
+    """multitask.task_mse with route (0, 1, 0): task 2's samples go through task 0's LoRA (by hand: one forward with
+    task index 0), grouped as task 2's MSE; tasks 0 and 1 as without a route. A route to task 1 instead (a planted
+    wrong choice) gives another number, so the comparison can fail."""
+    from qlbench import engine, multitask
+
+    model = build("lora-per-task", "deep-narrow", tasks=T)
+    perturb(model, "route")
+    x, task = inputs(30)
+    y = torch.sin(x.sum(-1))
+    data = engine.StackedData(x, y, x, y, task, task)
+    plain = multitask.task_mse(model, data, T)
+    routed = multitask.task_mse(model, data, T, route=torch.tensor([0, 1, 0]))
+    assert torch.equal(routed[:, :2], plain[:, :2])
+    torch.testing.assert_close(routed[:, 2], routed_mse_by_hand(model, x, y, task, 2, 0), rtol=1e-12, atol=0)
+    assert (routed[:, 2] - plain[:, 2]).abs().min() > 1e-6
+    assert (routed[:, 2] - routed_mse_by_hand(model, x, y, task, 2, 1)).abs().min() > 1e-6
+
+
+def test_nearest_task_trains_as_lora_per_task_and_reports(tmp_path, capsys):
+    """A smoke held-out run of lora-per-task and nearest-task on param-sin-cos-4-n50 (a fixed-n suite): the same
+    training, so every trained task's MSE is equal bit for bit; a held-out task is lora-per-task's frozen backbone
+    (its factors never trained) but nearest-task's nearest training task's LoRA. The record's config carries the
+    route (its own hash), and the report writes the fixed-n design's own held-out table."""
+    import pandas as pd
+
+    from qlbench import cli, multitask, parametric, results, runner
+
+    suite = parametric.suite_name(4, parametric.FIXED_N)
+    p = multitask.plan(suite=suite, schedule="held-out", arch="deep-narrow", methods=["lora-per-task", "nearest-task"],
+                       out_dir=tmp_path / "r", budget="smoke", seeds=2, threads=1)  # fmt: skip
+    assert p.cell_config("nearest-task")["held_out_route"] == "nearest"
+    assert "held_out_route" not in p.cell_config("lora-per-task")
+    runner.run(p, progress=False, log=lambda m: None)
+    seeds = {r: results.read_record(p.record_path(r))["train_info"]["per_seed"] for r in p.rows}
+    held = list(p.suite.held_out)
+    route = multitask.held_out_routes(p.suite, "held-out", "nearest")
+    assert all(route[h] < 4 for h in held)
+    for own, near in zip(seeds["lora-per-task"], seeds["nearest-task"]):
+        R_own, R_near = own["stage_task_mse"][-1], near["stage_task_mse"][-1]
+        assert R_own[:4] == R_near[:4]  # trained tasks: bit for bit
+        assert [R_own[h] for h in held] == [own["initial_task_mse"][h] for h in held]
+        assert all(R_near[h] != R_own[h] for h in held)
+    assert cli.main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "out"), "--format", "md,csv",
+                     "--no-figures"]) == 0  # fmt: skip
+    capsys.readouterr()
+    folder = tmp_path / "out" / "heldout" / "deep-narrow" / "smoke" / "held-out-n50"
+    table = pd.read_csv(folder / "table.csv")
+    assert set(table["method"]) == {"lora-per-task", "nearest-task"} and (table["per task"] == 50).all()
+    assert "### Held-out tasks: param-sin-cos-T-n50, held-out" in (folder / "table.md").read_text()
+    assert not (tmp_path / "out" / "heldout" / "deep-narrow" / "smoke" / "held-out").exists()

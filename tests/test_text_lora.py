@@ -270,6 +270,7 @@ def test_bind_gives_each_member_its_card_instruction():
         ("instruction_dim", 385, "instruction_dim must be an integer from 1 to 384"),
         ("instruction_dim", True, "instruction_dim must be an integer from 1 to 384"),
         ("instruction_source", "text", "instruction_source must be one of card, generic"),
+        ("instruction_source", "params", "instruction_source must be one of card, generic"),  # a suite's only
         ("hidden", 0, "hidden must be an integer >= 1"),
         ("tasks", 0, "tasks must be an integer >= 1"),
     ],
@@ -312,3 +313,31 @@ def test_both_paths_give_the_same_gradients(monkeypatch):
     assert grads[0].keys() == grads[1].keys() and all(g.abs().max() > 0 for g in grads[0].values())
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_text_lora_params_trains_and_reports(tmp_path, capsys):
+    """A smoke held-out run of text-lora and text-lora-params on param-sin-cos-4: text-lora-params's hypernetwork
+    reads each task's parameter code (the table multitask binds is parametric.codes of the tasks' parameters), it
+    has a shuffled evaluation and no paraphrase, and the report tests text-lora against it on each split."""
+    import pandas as pd
+
+    from qlbench import cli, multitask, parametric, results, runner
+
+    p = multitask.plan(suite=f"{parametric.PREFIX}4", schedule="held-out", arch="deep-narrow",
+                       methods=["text-lora", "text-lora-params"], out_dir=tmp_path / "r", budget="smoke", seeds=2,
+                       threads=1)  # fmt: skip
+    config = p.configs["text-lora-params"]
+    codes = parametric.codes([parametric.params(t) for t in p.suite.tasks], instructions.DIM)
+    assert config.instruction_source == "params" and torch.equal(multitask.instruction_table(p.suite, config), codes)
+    runner.run(p, progress=False, log=lambda m: None)
+    rec = results.read_record(p.record_path("text-lora-params"))
+    assert rec["train_info"]["status"] == "ok" and rec["train_info"]["trainable_params"] == 31_824
+    assert all("paraphrase_task_mse" not in s and "shuffled_task_mse" in s for s in rec["train_info"]["per_seed"])
+    assert cli.main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "out"), "--format", "md,csv",
+                     "--no-figures"]) == 0  # fmt: skip
+    capsys.readouterr()
+    folder = tmp_path / "out" / "heldout" / "deep-narrow" / "smoke" / "held-out"
+    rows = {r["method"]: r for r in pd.read_csv(folder / "table.csv").to_dict("records")}
+    for split in ("interpolation", "extrapolation"):
+        assert rows["text-lora"][f"vs params ({split})"].split()[-1] in ("win", "tie", "loss")
+        assert rows["text-lora-params"][f"vs params ({split})"] == "-"

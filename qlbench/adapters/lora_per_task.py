@@ -7,6 +7,12 @@ All T factors of a layer are one matmul of rank T r: the rank-space state A_all 
 sample's own task's r entries before B_all, so task t's factors get gradient from task t's samples only. Each
 task's A_t starts as LoRA's A (U(+-1/sqrt(d_in)), drawn task by task) and B_t at zero; with one task the method is
 LoRA, number for number (tests/test_task_methods.py).
+
+A held-out task (one no stage of a suite trains) keeps its initial factors (B_t = 0: the frozen backbone). The
+suite row `nearest-task` (multitask.VARIANTS) is this method with every such task evaluated through the factors
+of its nearest trained task in parameter space instead (multitask.held_out_routes, parametric suites): the
+nearest-neighbour baseline of the held-out experiment, which transfers without words. qlbench interpretation: the
+routing is a rule of the evaluation (the forward reads the routed task index), so the method itself is unchanged.
 """
 
 from __future__ import annotations

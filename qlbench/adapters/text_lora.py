@@ -36,6 +36,12 @@ forward per (role, shape) key, (E, L, T r, d_in) and (E, L, d_out, T r), and kep
 layers (generated.py's pattern). `TextLora.bind` gives each member its function card's e(c) (instruct's rule, the
 "random" source included), so a single-task `qlbench run --methods text-lora` works.
 
+Suite rows (multitask.VARIANTS): `text-lora-code` reads a seeded random vector per task instead of e(c) (identity
+without language; a held-out task's code was never trained, so it cannot transfer by construction), and
+`text-lora-params` reads each task's parameter code (parametric.codes: a fixed linear projection of the task's true
+parameters, parametric suites only), the oracle descriptor: an upper bound on what a sentence that states those
+parameters could give the hypernetwork.
+
 Trainable, with R roles, S shapes, n backbone layers, d_t = task_dim, d_e = embed_dim:
     d_t (d_c + 1) + (n + R) d_e + d_h (d_t + 2 d_e + 1) + sum over shapes (d_h + 1) r (d_in + d_out)
 (31,824 on the deep-narrow MLP and 149,760 on the Transformer's q, k, v, o at the defaults.)
@@ -71,7 +77,7 @@ from qlbench.stacked import (
 NAME = "text-lora"
 FAMILY = "text_lora"  # parameter prefix and model.shared key (a method name with a hyphen is no attribute name)
 # the instruction sources that need nothing but a function card (instruct.SOURCES less "text"); a suite row takes
-# "card" or "random" (multitask.SUITE_SOURCES)
+# "card", "random" or the suite's own "params" (multitask.SUITE_SOURCES: set by multitask past these checks)
 SOURCES = ("card", "generic", "shuffled", "adversarial", "random")
 # up to this many tasks in a forward's table, a layer generates every task's factors and masks a rank-T r product
 # (cheaper for a suite's few tasks); above it, it works from the trunk's output and never forms a factor

@@ -25,7 +25,10 @@ def register(subparsers) -> None:
         "--methods",
         metavar="M1,M2",
         help=f"comma-separated (default: {','.join(multitask.DEFAULT_ROWS)}); any registered method, or task-code "
-        "(instruct-queryable with each task's sentence replaced by a seeded random vector: identity, no language)",
+        "(instruct-queryable with each task's sentence replaced by a seeded random vector: identity, no language), "
+        "or a variant (multitask.VARIANTS); on a parametric suite also param-code and text-lora-params (fed a fixed "
+        "projection of each task's parameters) and nearest-task (lora-per-task, each held-out task through its "
+        "nearest training task's LoRA)",
     )
     options.add_training_options(p)
     options.add_output_options(p)

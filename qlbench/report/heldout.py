@@ -1,20 +1,30 @@
 """The held-out section of a report: on the parametric suites (qlbench/parametric.py), zero-shot test MSE on the
 tasks no row trained on, inside the training region (interpolation) and past it (extrapolation), per number of
-training tasks T; each language row tested against its own identity control (the same row given a random code per
-task instead of the sentence: it cannot transfer by construction; instruct-queryable against task-code, text-lora
-against text-lora-code) and against LoRA (one update for every task); with the paraphrase and shuffled-sentence
-controls; and two figures.
+training tasks T; each language row (LANGUAGE) tested against its own identity control (the same row given a random
+code per task instead of the sentence: it cannot transfer by construction; instruct-queryable against task-code,
+text-lora against text-lora-code), against LoRA (one update for every task), and against the controls that can
+transfer without words: its parameter-code twin (PARAMS_OF: instruct-queryable against param-code, text-lora
+against text-lora-params, the same row fed a fixed projection of each task's true parameters) and nearest-task (one
+LoRA per training task, each held-out task through its nearest training task's); with the paraphrase and
+shuffled-sentence controls; and two figures.
 
-    <out>/heldout/<arch>[-<init>]/<budget>/<schedule>/
-        table.md|csv        per T and row: held-out MSE by split and over both, the trained tasks' average, the
-                            language rows' held-out MSE with paraphrases and with shuffled sentences, and their
-                            paired tests of each split's held-out MSE against their code row and LoRA (Holm over
-                            the whole experiment: every T and both splits)
+    <out>/heldout/<arch>[-<init>]/<budget>/<schedule>[-n<n>]/
+        table.md|csv        per T and row: held-out MSE by split and over both, the same per split with the labels
+                            standardised by the training tasks' statistics (records that have it), the trained
+                            tasks' average, the language rows' held-out MSE with paraphrases and with shuffled
+                            sentences, and their paired tests of each split's held-out MSE against each control
+                            (Holm over the whole experiment: every T, both splits, every control)
         distance.png        each held-out task's MSE (mean over seeds) against its distance in parameter space to
                             the nearest training task, one panel per T
         tasks.png           held-out MSE by split against T
 
-Input is `suite_stats.load`'s frame; only parametric suites' records are read.
+One experiment (table, Holm family, folder) per (arch, init, budget, schedule) and data design: the fixed-total
+suites param-sin-cos-T in `<schedule>/`, the fixed-n suites param-sin-cos-T-n<n> in `<schedule>-n<n>/`. Columns
+without a value are left out (the optional ones, OPTIONAL, from the CSV as well), so a table of records without
+the new rows or fields reads as before.
+
+Input is `suite_stats.load`'s frame; only parametric suites' records are read, and each record once more (by the
+frame's path) for the per-seed `train_standardised_task_mse` that `load` does not carry (missing in older records).
 """
 
 from __future__ import annotations
@@ -29,11 +39,17 @@ from matplotlib.figure import Figure
 from qlbench import parametric, results, stats, suite_stats, suites, text
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.report.write import _save_figure, _save_table, _slug
+from qlbench.store import DamagedFile
 from qlbench.text import Column
 
 CODE_OF = {"instruct-queryable": "task-code", "text-lora": "text-lora-code"}  # a language row -> its identity control
+LANGUAGE = tuple(CODE_OF)  # the rows that read the task's sentence
+PARAMS_OF = {"instruct-queryable": "param-code", "text-lora": "text-lora-params"}  # -> its parameter-code twin
 BLIND = "lora"  # one update for every task: what a row that reads no task does
+NEAREST = "nearest-task"  # one LoRA per training task, a held-out task through its nearest training task's
 SPLITS = suites.HELD_OUT_SPLITS
+TRAIN_STD = tuple(f"{split} (train std)" for split in SPLITS)  # held-out MSE, labels by the training statistics
+FIXED_TOTAL = 0  # `per_task` of a fixed-total suite (its per-task n depends on T)
 NOTE = (
     "Test MSE on standardised labels (1 = predicting each task's mean), mean ± std over seeds of the mean over the "
     "held-out tasks of a split (held-out: of both); trained: the average over the tasks trained on; paraphrased / "
@@ -43,27 +59,63 @@ NOTE = (
     "text-lora) / against LoRA, paired over seeds, raw p and Holm p over every test of the experiment (every T, both "
     "splits); win = significantly lower."
 )
+NOTE_TRAIN_STD = (
+    " Headline columns (interpolation, extrapolation, held-out and every test) standardise each held-out task's "
+    "labels by its own mean and std over the box, as the trained tasks' are (an oracle a zero-shot method would not "
+    "have); interpolation / extrapolation (train std): the same MSE with the held-out labels standardised instead by "
+    "the pooled mean and std of the training tasks' training labels (multitask.restandardise), not tested."
+)
+NOTE_TRANSFER = (
+    " vs params (split): instruct-queryable against param-code, text-lora against text-lora-params (the same row fed "
+    "a fixed seeded projection of each task's true parameters instead of its sentence: a control that can transfer); "
+    "vs nearest (split): a language row against nearest-task (one LoRA per training task, each held-out task "
+    "evaluated through its nearest training task's in parameter space); same pairing and Holm family."
+)
+
+
+def _train_standardised(path, cache: dict) -> dict:
+    """seed -> the per-seed train_standardised_task_mse (T,) of the record at `path`, for the seeds that have it
+    (none for an older record, a damaged one or no path)."""
+    if not isinstance(path, str) or not path:
+        return {}
+    if path not in cache:
+        try:
+            per_seed = results.read_record(path)["train_info"].get("per_seed") or []
+        except (DamagedFile, OSError):
+            per_seed = []
+        cache[path] = {
+            s["seed"]: s["train_standardised_task_mse"] for s in per_seed if s.get("train_standardised_task_mse")
+        }
+    return cache[path]
 
 
 def tasks_frame(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (record, seed, held-out task) of the parametric suites' ok seeds: arch, backbone_init, budget,
-    schedule, T, method, seed, task, split, distance (to the nearest training task of its suite), mse (after the
-    last stage), paraphrased, shuffled (NaN for rows without sentences)."""
-    rows = []
+    schedule, per_task (FIXED_TOTAL, or a fixed-n suite's n), T, method, seed, task, split, distance (to the
+    nearest training task of its suite), mse (after the last stage), mse_train_std (the same with the labels
+    standardised by the training tasks' statistics; NaN where the record lacks it), paraphrased, shuffled (NaN for
+    rows without sentences)."""
+    rows, cache = [], {}
     for _, r in frame[frame["suite"].isin(parametric.names()) & (frame["status"] == "ok")].iterrows():
         s = suites.get(r["suite"])
+        n = parametric.size(r["suite"])[1]
         trained = [parametric.params(t) for i, t in enumerate(s.tasks) if i not in s.held_out]
+        standardised = _train_standardised(r.get("path"), cache).get(r["seed"])
         for i in s.held_out:
             t = s.tasks[i]
             para, shuf = r.get("paraphrase"), r.get("shuffled_R")
             rows.append(
                 {k: r[k] for k in ("arch", "backbone_init", "budget", "schedule", "method", "seed")}
                 | {
+                    "per_task": FIXED_TOTAL if n is None else n,
                     "T": len(trained) if r["schedule"] == "held-out" else len(s.tasks) - len(s.held_out),
                     "task": t.name,
                     "split": t.split,
                     "distance": parametric.nearest(parametric.params(t), trained),
                     "mse": float(r["R"][-1, i]),
+                    "mse_train_std": np.nan
+                    if standardised is None or standardised[i] is None
+                    else float(standardised[i]),
                     "paraphrased": float(para[i]) if para is not None else np.nan,
                     "shuffled": float(shuf[i]) if shuf is not None else np.nan,
                 }
@@ -77,24 +129,47 @@ def _per_seed(g: pd.DataFrame, column: str, split: str | None = None) -> pd.Seri
     return g.groupby("seed")[column].mean()
 
 
-TESTS = tuple(f"vs {who} ({split})" for who in ("code", "lora") for split in SPLITS)  # the tested columns
+def _controls(method: str) -> tuple[tuple[str, str | None], ...]:
+    """(who, control row or None) of each test a row gets: a language row against its code row, LoRA, its
+    parameter-code twin and nearest-task; any other row none."""
+    language = method in LANGUAGE
+    return (
+        ("code", CODE_OF.get(method)),
+        ("lora", BLIND if language else None),
+        ("params", PARAMS_OF.get(method)),
+        ("nearest", NEAREST if language else None),
+    )
+
+
+WHO = ("code", "lora", "params", "nearest")
+TESTS = tuple(f"vs {who} ({split})" for who in WHO for split in SPLITS)  # the tested columns
+# columns a table has only where some row has a value (the tables of records before them read as before)
+OPTIONAL = (*TRAIN_STD, *(f"vs {who} ({split})" for who in ("params", "nearest") for split in SPLITS), "per task")
+
+
+def _text(v: pd.Series) -> str:
+    return text.mean_std(v.mean(), v.std(ddof=1), len(v)) if v.notna().any() else "-"
 
 
 def _cells(row: dict, m: pd.DataFrame, g: pd.DataFrame, frame: pd.DataFrame, key: tuple) -> list:
     """Fill one (T, method) row's MSE cells in place; return its paired tests [(row, column, paired_test)]: a
-    language row against its code row and against LoRA, on each split's held-out MSE apart."""
+    language row against each of its controls (_controls), on each split's held-out MSE apart. `key` the row's
+    (arch, init, budget, schedule, per_task, T)."""
     for split in (*SPLITS, None):
         v = _per_seed(m, "mse", split)
         row[split or "held-out"] = text.mean_std(v.mean(), v.std(ddof=1), len(v)) if len(v) else "-"
-    method = row["method"]
-    f = frame[(frame["suite"] == f"{parametric.PREFIX}{key[-1]}") & (frame["method"] == method)]
-    f = f[f["schedule"] == key[3]]
+    for split, column in zip(SPLITS, TRAIN_STD):
+        row[column] = _text(_per_seed(m.dropna(subset=["mse_train_std"]), "mse_train_std", split))
+    method, (schedule, per_task, T) = row["method"], key[3:]
+    suite = parametric.suite_name(T, None if per_task == FIXED_TOTAL else per_task)
+    f = frame[(frame["suite"] == suite) & (frame["method"] == method)]
+    f = f[f["schedule"] == schedule]
     row["trained"] = suite_stats.cell(f["average"], f["status"]) if len(f) else "-"
     for column in ("paraphrased", "shuffled"):
         v = _per_seed(m, column)
         row[column] = text.mean_std(v.mean(), v.std(ddof=1), len(v)) if v.notna().any() else "-"
     tested = []
-    for who, other in (("code", CODE_OF.get(method)), ("lora", BLIND if method in CODE_OF else None)):
+    for who, other in _controls(method):
         base = g[g["method"] == other]
         for split in SPLITS if len(base) else ():
             pair = pd.concat([_per_seed(m, "mse", split), _per_seed(base, "mse", split)], axis=1, join="inner")
@@ -103,18 +178,25 @@ def _cells(row: dict, m: pd.DataFrame, g: pd.DataFrame, frame: pd.DataFrame, key
 
 
 def summary(tasks: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (slice, T, method): n seeds, held-out MSE per split, trained average, paraphrased and shuffled
-    held-out MSE (text), and each language row's paired tests over seeds against its code row and against BLIND
-    on each split apart (TESTS), Holm-adjusted over every test of the experiment (every T and both splits of one
-    (arch, init, budget, schedule)): the experiment asks them all at once."""
+    """One row per (slice, data design, T, method): n seeds, held-out MSE per split (own and training-statistics
+    standardisation), trained average, paraphrased and shuffled held-out MSE (text), and each language row's paired
+    tests over seeds against each of its controls on each split apart (TESTS), Holm-adjusted over every test of the
+    experiment (every T, both splits and every control of one (arch, init, budget, schedule, design)): the
+    experiment asks them all at once. `per task` names a fixed-n design's n ("-" under the fixed total); a frame
+    without the per_task or mse_train_std columns (made by hand) reads as the fixed total without them."""
+    tasks = tasks.assign(**{c: v for c, v in (("per_task", FIXED_TOTAL), ("mse_train_std", np.nan)) if c not in tasks})
     out = []
-    keys = ["arch", "backbone_init", "budget", "schedule", "T"]
-    for _, experiment in tasks.groupby(keys[:4], sort=True):
-        tested = []  # one family: every test of the experiment, every T and both splits
+    keys = ["arch", "backbone_init", "budget", "schedule", "per_task", "T"]
+    for _, experiment in tasks.groupby(keys[:5], sort=True):
+        tested = []  # one family: every test of the experiment, every T, both splits and every control
         for key, g in experiment.groupby(keys, sort=True):
             for method in stats.method_order(g["method"].unique()):
                 m = g[g["method"] == method]
-                out.append(dict(zip(keys, key)) | {"method": method, "n": m["seed"].nunique()})
+                out.append(
+                    dict(zip(keys, key))
+                    | {"per task": "-" if key[4] == FIXED_TOTAL else str(key[4])}
+                    | {"method": method, "n": m["seed"].nunique()}
+                )
                 tested += _cells(out[-1], m, g, frame, key)
         adjusted = stats.holm([t["p"] for *_, t in tested])
         for (row, column, t), p_holm in zip(tested, adjusted):
@@ -122,22 +204,16 @@ def summary(tasks: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
             row[column] = (
                 f"{text.num(t['mean_diff'], 2)} (p {text.num(t['p'], 2)}, Holm {text.num(p_holm, 2)}) {outcome}"
             )
-    return (
-        pd.DataFrame(out)
-        .reindex(
-            columns=[
-                *keys,
-                "method",
-                "n",
-                *SPLITS,
-                "held-out",
-                "trained",
-                "paraphrased",
-                "shuffled",
-                *TESTS,
-            ]
-        )
-        .fillna("-")
+    columns = [*keys, "per task", "method", "n", *SPLITS, "held-out", *TRAIN_STD, "trained", "paraphrased", "shuffled"]
+    table = pd.DataFrame(out).reindex(columns=[*columns, *TESTS])
+    return table.astype({c: object for c in table if table[c].isna().all()}).fillna("-")  # an untested column: "-"
+
+
+def written(rows: pd.DataFrame) -> pd.DataFrame:
+    """One table's rows as written: without the internal per_task key, and without an OPTIONAL column that holds
+    no value."""
+    return rows.drop(
+        columns=[c for c in ("per_task", *OPTIONAL) if c in rows and (c == "per_task" or (rows[c] == "-").all())]
     )
 
 
@@ -195,18 +271,24 @@ def write_heldout_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FOR
         return {"markdown": "", "files": []}
     table = summary(tasks, frame)
     files, sections = [], []
-    for key, g in tasks.groupby(["arch", "backbone_init", "budget", "schedule"], sort=True):
-        arch, init, budget, schedule = key
-        label = f"{parametric.PREFIX}T, {schedule}, {arch}{'' if init == DEFAULT_INIT else f' ({init} init)'}, {budget}"
+    slices = ["arch", "backbone_init", "budget", "schedule", "per_task"]
+    for key, g in tasks.groupby(slices, sort=True):
+        arch, init, budget, schedule, per_task = key
+        n = None if per_task == FIXED_TOTAL else int(per_task)
+        family = f"{parametric.PREFIX}T" + ("" if n is None else f"-n{n}")
+        label = f"{family}, {schedule}, {arch}{'' if init == DEFAULT_INIT else f' ({init} init)'}, {budget}"
         folder = out_dir / "heldout" / _slug(arch if init == DEFAULT_INIT else f"{arch}-{init}") / _slug(budget)
-        folder = folder / _slug(schedule)
-        rows = table[(table[["arch", "backbone_init", "budget", "schedule"]] == list(key)).all(axis=1)]
+        folder = folder / _slug(schedule if n is None else f"{schedule}-n{n}")
+        rows = written(table[(table[slices] == list(key)).all(axis=1)])
         columns = [Column("T", "T"), Column("row", "method"), Column("n", "n")]
-        shown = (*SPLITS, "held-out", "trained", "paraphrased", "shuffled", *TESTS)
-        columns += [Column(c, c) for c in shown]
+        columns += [Column(c, c) for c in (*SPLITS, "held-out", *TRAIN_STD, "trained", "paraphrased", "shuffled")]
+        columns += [Column(c, c) for c in TESTS]
         columns = [c for c in columns if c.field in rows and (rows[c.field] != "-").any()]
-        records = frame[frame["suite"].isin(parametric.names()) & (frame["schedule"] == schedule)]
-        md = f"### Held-out tasks: {label}\n\n{text.table(rows.to_dict('records'), columns)}\n\n{NOTE}\n\n"
+        note = NOTE + (NOTE_TRAIN_STD if TRAIN_STD[0] in rows or TRAIN_STD[1] in rows else "")
+        note += NOTE_TRANSFER if any(c in rows for c in OPTIONAL if c.startswith("vs ")) else ""
+        design = frame["suite"].isin([parametric.suite_name(T, n) for T in parametric.SIZES])
+        records = frame[design & (frame["schedule"] == schedule)]
+        md = f"### Held-out tasks: {label}\n\n{text.table(rows.to_dict('records'), columns)}\n\n{note}\n\n"
         md += results.provenance(records)
         _save_table(files, folder, md, rows, formats)
         if figures:
@@ -217,6 +299,6 @@ def write_heldout_report(frame: pd.DataFrame, out_dir: Path, *, formats=text.FOR
                     files, tasks_figure(g, f"Held-out MSE against training tasks: {label}"), folder / "tasks", 100
                 )
             shown = sorted(p.name for p in files if p.parent == folder and p.suffix == ".png")
-            md += "\n\n" + "\n".join(f"![{n}]({folder.relative_to(out_dir).as_posix()}/{n})" for n in shown)
+            md += "\n\n" + "\n".join(f"![{f}]({folder.relative_to(out_dir).as_posix()}/{f})" for f in shown)
         sections.append(md)
     return {"markdown": "## Held-out tasks (parametric suites)\n\n" + "\n\n".join(sections) + "\n", "files": files}
