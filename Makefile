@@ -15,7 +15,7 @@
 #   make pareto-snapshot   the accuracy-cost Pareto sweeps (ackley and the zoo-4 suite, live deep-narrow, quick) into
 #                          pareto-results/pareto (not committed: its tables have no per-seed records form yet)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
-#   make real-lm-snapshot  the causal-LM experiment of docs/results/real-lm (a tiny decoder through peft, 3 seeds)
+#   make real-lm-snapshot  the causal-LM experiment of docs/results/real-lm (a tiny decoder through peft, 10 seeds)
 #   make diag-snapshot     the figures of docs/why.md (gradient profiles, signal, route maps): both backbone inits,
 #                          3 functions, records in $(DIAG)
 #   make mechanism-snapshot  the routing-vs-sharing baselines without the epsilon artifact and on a live backbone
@@ -130,7 +130,7 @@ results-snapshot: check-clean setup
 # the routing-vs-sharing baselines without the epsilon artifact (float64, eps 1e-30) and on the live backbone,
 # 3 functions, 5 seeds, LoRA of instruct-queryable's size beside them (docs/why.md, "Routing or sharing?")
 MECHANISM_RUN = $(BIN)/qlbench sweep --functions dropwave,levy,ackley --arch deep-narrow --budget quick --seeds 5 \
-	--methods lora,lora-matched,vb-lora,moe-lora,lily,queryable --threads 1 --out mechanism-results --no-progress
+	--methods lora,lora-matched,vb-lora,moe-lora,lily,queryable,frozen,mean --threads 1 --out mechanism-results --no-progress
 mechanism-snapshot: check-clean setup
 	$(MECHANISM_RUN) --dtype float64 --eps 1e-30
 	$(MECHANISM_RUN) --backbone-init kaiming
@@ -157,10 +157,10 @@ real-snapshot: check-clean setup-dev
 	  cp $$folder/*.json docs/results/real/records/
 
 real-lm-snapshot: check-clean setup-dev
-	$(BIN)/qlbench real-lm --seeds 3 --threads 1 --out real-results --no-progress
+	$(BIN)/qlbench real-lm --seeds 10 --threads 1 --out real-results --no-progress
 	rm -rf docs/results/real-lm && mkdir -p docs/results/real-lm/records
 	folder=$$($(BIN)/python -c "from qlbench import real_lm; \
-	  print(real_lm.record_path('real-results', real_lm.LMConfig(), '').parent)") && \
+	  print(real_lm.record_path('real-results', real_lm.LMConfig(seeds=tuple(range(10))), '').parent)") && \
 	  cp $$folder/real-lm.md docs/results/real-lm/ && cp $$folder/*.json docs/results/real-lm/records/
 
 DIAG ?= diag-results
