@@ -267,8 +267,13 @@ def readme_problems(text: str, drop: tuple[str, str] | None = None) -> list[str]
     return readme_option_problems(text, commands, defaults_of(parsers()["run"]))
 
 
+def command_manual() -> str:
+    """The README's command-line text and docs/commands.md (each command's own options), as one text."""
+    return "\n\n".join((ROOT / p).read_text(encoding="utf-8") for p in ("README.md", "docs/commands.md"))
+
+
 def test_the_readme_names_only_options_the_commands_have():
-    assert readme_problems((ROOT / "README.md").read_text(encoding="utf-8")) == []
+    assert readme_problems(command_manual()) == []
 
 
 @pytest.mark.parametrize(
@@ -287,13 +292,13 @@ def test_the_readme_names_only_options_the_commands_have():
     ],
 )  # fmt: skip
 def test_the_readme_option_check_finds_a_planted_mistake(old, new, problem):
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = command_manual()
     assert old in text
     assert problem in readme_problems(text.replace(old, new, 1))
 
 
 def test_the_readme_option_check_finds_a_command_that_lost_a_shared_option():
-    problems = readme_problems((ROOT / "README.md").read_text(encoding="utf-8"), drop=("suite", "--compile"))
+    problems = readme_problems(command_manual(), drop=("suite", "--compile"))
     assert "suite: README says it takes the training options, it lacks ['--compile']" in problems
     assert "suite: README names --compile, which it lacks" in problems  # its bullet's `--compile auto|off`
 
