@@ -27,9 +27,9 @@ EXTERNAL_SCHEMES = ("http://", "https://", "mailto:")
 # repository file), `<out>/records/...`, `/shared/...`. Placeholder characters are matched so that the whole token
 # can be skipped below.
 ROOTS = ("qlbench", "tests", "docs", "functions", "notebooks", "figures")
-EXTENSIONS = ("py", "md", "toml", "ipynb", "png", "pdf", "json", "csv", "tex")
+EXTENSIONS = ("py", "md", "toml", "ipynb", "png", "pdf", "json", "csv.gz", "csv", "tex")  # csv.gz before csv
 PATH_TOKEN = re.compile(
-    rf"(?<![\w./<>*{{}}$-])((?:{'|'.join(ROOTS)})/[\w./<>*{{}},$-]*\.(?:{'|'.join(EXTENSIONS)}))(?!\w)"
+    rf"(?<![\w./<>*{{}}$-])((?:{'|'.join(ROOTS)})/[\w./<>*{{}},$-]*\.(?:{'|'.join(map(re.escape, EXTENSIONS))}))(?!\w)"
 )
 # Placeholders and patterns, not paths: `functions/<name>.toml`, `docs/results/diagnostics/*/x.md`,
 # `figures/route-map-{a,b}.png`, `$(DIAG)/...`.
