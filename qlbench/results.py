@@ -26,7 +26,6 @@ latency_s_per_sample {"1": {adapted, frozen}, "256": {adapted, frozen}}; missing
 from __future__ import annotations
 
 import datetime as dt
-import gzip
 import importlib.metadata
 import math
 import os
@@ -42,7 +41,7 @@ import pandas as pd
 import torch
 
 import qlbench
-from qlbench import schema, store
+from qlbench import schema
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.store import DamagedFile, Store, finite, read_json, stable_hash
 
@@ -364,87 +363,6 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     if "status" in frame:  # a diverged seed's best values are inf, as every table counts them (not its last finite)
         diverged = frame["status"] == "diverged"
         frame.loc[diverged, list(DIVERGED_INF)] = math.inf
-    return frame
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Per-seed CSV: the compact form of a table's records that a committed report sits beside and is rebuilt from.
-
-PER_SEED_FILE = "per-seed.csv.gz"
-PER_SEED_CSV = (
-    "arch",
-    "budget",
-    "backbone_init",
-    "function",
-    "method",
-    "seed",
-    "status",
-    "best_train_mse",
-    "best_test_mse",
-    "test_at_best_train",
-    "best_train_epoch",
-    "best_test_epoch",
-    "diverged_epoch",
-    "source_train_mse",
-    "source_test_mse",
-    "source_test_mse_after",
-    "trainable_params",
-    "total_params",
-    "cell_status",
-    "message",
-    "wall_time_s",
-    "stacked_members",
-    *COST_COLUMNS,
-    "record",
-    "config_hash",
-    "commit",
-    "dirty",
-)  # one row per (arch, budget, backbone init, function, method, seed): everything a single-task table reads
-_TEXT = {"record": str, "config_hash": str, "commit": str, "message": str, "status": str, "cell_status": str}
-
-
-def _record_id(path: str) -> str:
-    """A record's path from its results folder's `records/` on (the folder itself differs between machines)."""
-    parts = Path(path).parts
-    return "/".join(parts[parts.index("records") :]) if "records" in parts else Path(path).name
-
-
-def write_per_seed(frame: pd.DataFrame, path: Path) -> Path:
-    """Write `load`'s frame as a per-seed CSV (PER_SEED_CSV, gzipped when `path` ends in .gz; atomic, byte-for-byte
-    the same for the same frame: rows sorted, no timestamp in the gzip header, floats written to round-trip)."""
-    out = frame.assign(record=frame["record"].map(_record_id)) if "record" in frame else frame
-    out = out.reindex(columns=list(PER_SEED_CSV))
-    out = out.sort_values(["arch", "budget", "backbone_init", "function", "method", "seed"], kind="stable")
-    data = out.to_csv(index=False).encode()
-    data = gzip.compress(data, mtime=0) if str(path).endswith(".gz") else data  # no name, no time in the header
-    store.atomic_write(Path(path), lambda tmp: Path(tmp).write_bytes(data))
-    return Path(path)
-
-
-def is_per_seed(path: Path) -> bool:
-    """Whether `path` names a per-seed CSV (a file ending in .csv or .csv.gz) rather than a results folder."""
-    return Path(path).name.endswith((".csv", ".csv.gz"))
-
-
-def load_per_seed(path: Path) -> pd.DataFrame:
-    """A per-seed CSV (`write_per_seed`) as `load`'s frame: what every single-task table and test reads. DamagedFile
-    (one line) for a file that does not read as one: not CSV, truncated, or without a column a table needs."""
-    try:
-        frame = pd.read_csv(path, dtype=_TEXT, keep_default_na=True)
-    except (OSError, EOFError, ValueError, pd.errors.ParserError, UnicodeDecodeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else repr(err)
-        raise DamagedFile(f"per-seed CSV {path} does not read: {reason}") from None
-    missing = [c for c in PER_SEED_CSV if c not in frame]
-    if missing:
-        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
-        raise DamagedFile(f"per-seed CSV {path} lacks column(s) {', '.join(missing[:4])}{more}")
-    frame["message"] = frame["message"].astype(object).where(frame["message"].notna(), None)
-    frame["dirty"] = frame["dirty"].map({True: True, False: False, "True": True, "False": False})
-    if frame["seed"].isna().any() or frame["status"].isna().any():
-        raise DamagedFile(f"per-seed CSV {path} has rows without a seed or status")
-    frame["seed"] = frame["seed"].astype(int)
-    diverged = frame["status"] == "diverged"
-    frame.loc[diverged, list(DIVERGED_INF)] = math.inf
     return frame
 
 

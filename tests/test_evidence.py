@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as sps
 from test_stats import make_frame
 
-from qlbench import results, stats
+from qlbench import per_seed, results, stats
 from qlbench.report import tables, write_report
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_the_table_prints_the_ratio_its_interval_and_the_holm_p():
 
 
 def full_frame() -> pd.DataFrame:
-    """A `results.load`-shaped frame with every PER_SEED_CSV column: a diverged seed, a failed cell, an all-digit
+    """A `results.load`-shaped frame with every per_seed.COLUMNS column: a diverged seed, a failed cell, an all-digit
     commit (which a careless reader turns into a number)."""
     f = make_frame(
         {
@@ -141,7 +141,7 @@ def full_frame() -> pd.DataFrame:
     )
     f.loc[(f["function"] == "f2") & (f["method"] == "lora") & (f["seed"] == 1), "status"] = "diverged"
     f["backbone_init"] = "kaiming"
-    for c in results.PER_SEED_CSV:
+    for c in per_seed.COLUMNS:
         if c not in f:
             f[c] = math.nan
     f["record"] = [f"/somewhere/out/records/deep-narrow/{a}/{b}/quick-0.json" for a, b in zip(f.function, f.method)]
@@ -152,8 +152,8 @@ def full_frame() -> pd.DataFrame:
 
 def test_the_per_seed_csv_round_trips_and_is_byte_stable(tmp_path):
     f = full_frame()
-    path = results.write_per_seed(f, tmp_path / "a" / results.PER_SEED_FILE)
-    back = results.load_per_seed(path)
+    path = per_seed.write(f, tmp_path / "a" / per_seed.FILE)
+    back = per_seed.load(path)
     assert back["commit"].eq("1234567890" * 4).all() and back["record"].iloc[0].startswith("records/")
     key = ["function", "method", "seed"]
     a, b = f.sort_values(key).reset_index(drop=True), back.sort_values(key).reset_index(drop=True)
@@ -161,7 +161,7 @@ def test_the_per_seed_csv_round_trips_and_is_byte_stable(tmp_path):
         assert a[c].tolist() == b[c].tolist()
     for c in results.DIVERGED_INF:
         np.testing.assert_array_equal(a[c].to_numpy(float), b[c].to_numpy(float))  # inf and NaN as written
-    again = results.write_per_seed(back, tmp_path / "b" / results.PER_SEED_FILE)
+    again = per_seed.write(back, tmp_path / "b" / per_seed.FILE)
     assert path.read_bytes() == again.read_bytes()  # no name or time in the gzip header: a rebuild is identical
 
 
@@ -169,11 +169,11 @@ def test_a_damaged_per_seed_csv_is_one_line(tmp_path):
     bad = tmp_path / "per-seed.csv"
     bad.write_text("arch,budget\nx,y\n")
     with pytest.raises(results.DamagedFile, match="lacks column"):
-        results.load_per_seed(bad)
+        per_seed.load(bad)
     gz = tmp_path / "per-seed.csv.gz"
     gz.write_bytes(b"\x1f\x8b\x08not gzip")
     with pytest.raises(results.DamagedFile, match="does not read"):
-        results.load_per_seed(gz)
+        per_seed.load(gz)
 
 
 def test_a_report_from_the_per_seed_csv_equals_the_report_from_the_frame(tmp_path):
@@ -181,7 +181,7 @@ def test_a_report_from_the_per_seed_csv_equals_the_report_from_the_frame(tmp_pat
     bytes (the CSV carries everything the tables read)."""
     f = full_frame()
     write_report(f, None, tmp_path / "one", formats=("md", "csv"), figures=False)
-    back = results.load_per_seed(tmp_path / "one" / results.PER_SEED_FILE)
+    back = per_seed.load(tmp_path / "one" / per_seed.FILE)
     write_report(back, None, tmp_path / "two", formats=("md", "csv"), figures=False)
     one = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in (tmp_path / "one").rglob("*") if p.is_file()}
     two = {p.relative_to(tmp_path / "two"): p.read_bytes() for p in (tmp_path / "two").rglob("*") if p.is_file()}
@@ -194,7 +194,7 @@ def test_a_report_from_the_per_seed_csv_equals_the_report_from_the_frame(tmp_pat
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-COMMITTED = sorted(RESULTS.rglob(results.PER_SEED_FILE))
+COMMITTED = sorted(RESULTS.rglob(per_seed.FILE))
 
 
 def test_there_are_committed_reports_with_per_seed_records():
@@ -206,7 +206,7 @@ def test_there_are_committed_reports_with_per_seed_records():
 def test_a_committed_report_is_rebuilt_from_its_per_seed_csv(csv, tmp_path):
     """Every table of the report (means, ±, marks, paired statistics, win/tie/loss, the test across functions, costs)
     from the per-seed CSV beside it: the same bytes as committed, and no committed table that the CSV does not make."""
-    write_report(results.load_per_seed(csv), None, tmp_path, formats=("md", "csv"), figures=False)
+    write_report(per_seed.load(csv), None, tmp_path, formats=("md", "csv"), figures=False)
     made = {p.relative_to(tmp_path).as_posix(): p for p in tmp_path.rglob("*") if p.is_file()}
     committed = {p.relative_to(csv.parent).as_posix(): p for p in csv.parent.rglob("*") if p.is_file()}
     assert sorted(committed) == sorted(made)

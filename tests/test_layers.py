@@ -76,7 +76,7 @@ LAYERS = [
         "qlbench.continual",
     ],
     ["qlbench.text", "qlbench.progress", "qlbench.zoo", "qlbench.parametric"],
-    ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.suites"],
+    ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.per_seed", "qlbench.suites"],
     ["qlbench.adapters"],
     ["qlbench.engine"],
     ["qlbench.planning", "qlbench.runner", "qlbench.experiment", "qlbench.cost", "qlbench.pareto_stack"],

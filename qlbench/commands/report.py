@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlbench import results, stats, store, suite_stats, text
+from qlbench import per_seed, results, stats, store, suite_stats, text
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, check_out, path_arg, usage_errors
 
@@ -62,7 +62,7 @@ def run(args) -> int:
         )
     if args.arch is not None and args.arch not in ARCHS:
         raise UsageError(f"unknown arch {args.arch!r}; valid: {', '.join(ARCHS)}")
-    if results.is_per_seed(args.folder):
+    if per_seed.is_csv(args.folder):
         return _from_per_seed(args, formats)
     if not args.folder.is_dir():
         raise UsageError(f"results folder {args.folder} " + ("is a file" if args.folder.exists() else "does not exist"))
@@ -160,7 +160,7 @@ def _from_per_seed(args, formats) -> int:
     out = args.out or args.folder.parent
     check_out(out, "report folder")
     try:
-        frame = full = results.load_per_seed(args.folder)
+        frame = full = per_seed.load(args.folder)
     except store.DamagedFile as err:
         raise UsageError(str(err)) from None
     for key, value in (("arch", args.arch), ("budget", args.budget), ("backbone_init", args.backbone_init)):
@@ -171,7 +171,7 @@ def _from_per_seed(args, formats) -> int:
             frame = frame[frame[key] == value]
     if frame.empty:
         raise UsageError(f"per-seed CSV {args.folder} has no rows")
-    if (out / results.PER_SEED_FILE).resolve() == args.folder.resolve() and len(frame) < len(full):
+    if (out / per_seed.FILE).resolve() == args.folder.resolve() and len(frame) < len(full):
         raise UsageError(f"--arch/--budget/--backbone-init would replace {args.folder} with a part of it: give --out")
     with usage_errors():
         written = report.write_report(frame, None, out, metric=args.metric, formats=tuple(formats), figures=False)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from qlbench import adapters, diagnostics, results, stats, store, text
+from qlbench import adapters, diagnostics, per_seed, results, stats, store, text
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.report import figures, tables
 
@@ -289,7 +289,7 @@ def write_report(
     table (vs LoRA, paired) and the gradient figures of each slice that has any.
     Every slice and every table's Markdown states the provenance of its records (`results.provenance`: their
     commits, and a warning when they are not one clean commit's).
-    out_dir/per-seed.csv.gz holds the frame's per-seed rows (`results.write_per_seed`): `qlbench report` on that file
+    out_dir/per-seed.csv.gz holds the frame's per-seed rows (`per_seed.write`): `qlbench report` on that file
     rebuilds every table.
     Returns {"markdown": the report text, "files": [paths written], "provenance": of every record of `frame`}.
     ValueError (one line) for an empty frame, a bad metric or format.
@@ -310,7 +310,7 @@ def write_report(
             sections.append(_gradient_section(g, folder, formats, figures, files, results.provenance(group)))
     md = "\n\n".join(sections) + "\n"
     if "record" in frame:  # the records every table above reads, compactly, beside them (rebuilt from: report CSV)
-        files.append(results.write_per_seed(frame, out_dir / results.PER_SEED_FILE))
+        files.append(per_seed.write(frame, out_dir / per_seed.FILE))
     if "md" in formats:
         out_dir.mkdir(parents=True, exist_ok=True)
         store.write_text(md, out_dir / "report.md")
