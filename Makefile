@@ -44,8 +44,9 @@ $(VENV)/.runtime: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.runtime
+$(VENV)/.dev: $(VENV)/.runtime docs/examples/qlbench-example-adapter/pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps -e docs/examples/qlbench-example-adapter  # docs/extending.md
 	touch $@
 
 setup: $(VENV)/.runtime

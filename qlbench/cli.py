@@ -20,6 +20,7 @@ from qlbench.commands import ablate as ablate_command
 from qlbench.commands import bench as bench_command
 from qlbench.commands import diagnose as diagnose_command
 from qlbench.commands import functions as functions_command
+from qlbench.commands import methods as methods_command
 from qlbench.commands import pareto as pareto_command
 from qlbench.commands import real as real_command
 from qlbench.commands import real_lm as real_lm_command
@@ -34,6 +35,7 @@ from qlbench.commands import verify as verify_command
 # run registers run and sweep
 COMMANDS = (
     functions_command,
+    methods_command,
     suites_command,
     run_command,
     suite_command,

@@ -201,8 +201,7 @@ def plan(
     methods = list(adapters.DEFAULT_METHODS if methods is None else methods)
     if not methods:
         raise ValueError(f"no method given; valid: {', '.join(adapters.names())}")
-    for m in methods:
-        adapters.get(m)
+    methods = [adapters.canonical(m) for m in methods]  # loads peft:<type> and package.module:NAME (one line if not)
     if len(set(methods)) != len(methods):
         raise ValueError(f"method listed twice in {','.join(methods)}")
     b = engine.budget(budget, arch)
@@ -251,6 +250,12 @@ def plan(
         methods_at_once=methods_at_once,
         snapshot_every_s=snapshot_every_s,
     )
+
+
+def member_path(model: torch.nn.Module) -> dict:
+    """{"member_path": how a method written for one member ran (adapters/member.py: "stacked" or "looped: why")},
+    or {} for qlbench's own stacked methods."""
+    return {"member_path": model.path} if isinstance(model, adapters.MemberStack) else {}
 
 
 def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -528,7 +533,9 @@ def commit_cell(
         grad_epochs=c.grad_epochs,
         per_seed=per_seed,
         cost=costs,
-        chosen=p.chosen | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()},
+        chosen=p.chosen
+        | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()}
+        | member_path(res.model),
         resumed_epoch=c.resumed_epoch,
     )
     if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:

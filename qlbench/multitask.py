@@ -126,7 +126,8 @@ def method_of(row: str) -> tuple[str, dict]:
     """(registered method, its fixed settings) of a row; ValueError listing the valid rows."""
     if row in VARIANTS:
         return VARIANTS[row]
-    if row in adapters.REGISTRY:
+    if row in adapters.REGISTRY or row.startswith(adapters.peft_tuners.PREFIX):
+        adapters.get(row)  # a peft tuner's name is checked here (unknown or refused: its own one-line error)
         return row, {}
     raise ValueError(f"unknown method {row!r}; valid: {', '.join(rows())}")
 

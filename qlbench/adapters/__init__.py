@@ -23,6 +23,8 @@ from qlbench.adapters import (
     lora_matched,
     lora_per_task,
     moe_lora,
+    outside,
+    peft_tuners,
     poly,
     queryable,
     reference,
@@ -42,8 +44,11 @@ from qlbench.adapters.base import (
     total_parameter_count,
     trainable_parameter_count,
 )
+from qlbench.adapters.member import MemberMethod, MemberStack
 
-REGISTRY: dict[str, Method] = {}
+REGISTRY: dict[str, Method] = {}  # qlbench's own methods, in table order
+LOADED: dict[str, Method] = {}  # methods from outside the registry, once `get` has loaded them (never in REGISTRY,
+# so that the tables, kinds and defaults of qlbench's own methods do not depend on what a process loaded before)
 
 
 def register(method: Method) -> Method:
@@ -116,16 +121,44 @@ def of_family(family: str) -> tuple[str, ...]:
 
 
 def kind_of(name: str) -> str | None:
-    """The kind of a registered method; None for a name the registry does not know (e.g. in an old record)."""
-    return REGISTRY[name].kind if name in REGISTRY else None
+    """The kind of a method (`get`'s names); None for a name no method answers to (e.g. in an old record)."""
+    try:
+        return get(name).kind
+    except ValueError:
+        return None
 
 
 def get(name: str) -> Method:
-    """The registered method, or a ValueError naming the valid choices."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown method {name!r}; valid: {', '.join(REGISTRY)}") from None
+    """The method called `name`, registered on first use when it comes from outside the registry: `peft:<type>`
+    (peft's tuner, peft_tuners.py), `package.module:NAME` (outside.py; registered under the method's own name, which
+    `canonical` returns) or an installed package's `qlbench.methods` entry point. A ValueError in one line names
+    what is wrong and the valid choices."""
+    if name in REGISTRY or name in LOADED:
+        return REGISTRY.get(name) or LOADED[name]
+    if name.startswith(peft_tuners.PREFIX):
+        method = peft_tuners.method(name)
+    elif outside.is_spec(name):
+        method = outside.load(name)
+    elif (method := outside.from_entry_point(name)) is None:
+        raise ValueError(
+            f"unknown method {name!r}; valid: {', '.join(REGISTRY)}, peft:<type> (qlbench methods --peft lists "
+            "them), package.module:NAME or an installed qlbench.methods entry point (docs/extending.md)"
+        )
+    known = REGISTRY.get(method.name) or LOADED.get(method.name)
+    if known is not None and known is not method:
+        raise ValueError(f"method {name!r} is called {method.name!r}, which clashes with another method of that name")
+    if getattr(method, "kind", None) not in KINDS:
+        raise ValueError(f"method {name!r} has kind {getattr(method, 'kind', None)!r}; valid: {', '.join(KINDS)}")
+    LOADED[method.name] = method
+    if name != method.name:
+        LOADED[name] = method  # package.module:NAME answers too
+    return method
+
+
+def canonical(name: str) -> str:
+    """The name a method's records carry: its own `name` (for package.module:NAME, the method's name; for
+    everything else, `name` itself); a ValueError as `get`'s."""
+    return get(name).name
 
 
 __all__ = [
@@ -133,11 +166,15 @@ __all__ = [
     "BASELINE",
     "EPS",
     "KINDS",
+    "MemberMethod",
+    "MemberStack",
     "Method",
     "NoConfig",
     "REGISTRY",
     "DEFAULT_METHODS",
     "EXTRA_BASELINES",
+    "LOADED",
+    "canonical",
     "get",
     "inject",
     "kind_of",

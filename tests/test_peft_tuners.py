@@ -1,0 +1,209 @@
+"""peft's tuners as methods (`peft:<type>`, qlbench/adapters/peft_tuners.py, stacked by adapters/member.py).
+
+Oracles: qlbench's own `lora` and `dora`, written independently for the stack, trained side by side with peft's
+LoRA (and LoRA with use_dora) from the same initial weights, on both backbones; the loop over members as the
+oracle of the vmapped stack. Planted bugs show each comparison can fail.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from qlbench import adapters, engine
+from qlbench.adapters import member, peft_tuners
+from qlbench.backbones import build_backbone
+
+SMOKE = {arch: engine.budget("smoke", arch) for arch in ("deep-narrow", "transformer")}
+MEMBERS = [("matyas", 0), ("levy", 1)]
+RUNNABLE = [t for t in peft_tuners.types() if t not in peft_tuners.REFUSED]
+
+
+@functools.cache
+def pretrained(arch: str) -> engine.Pretrained:
+    return engine.pretrain(engine.Backbones(arch, SMOKE[arch].pretrain), MEMBERS, device="cpu")
+
+
+def adapted(arch: str, method: str, init: dict[str, torch.Tensor] | None = None, **overrides):
+    """(result, initial trainable state) of `method` trained at the smoke budget in float64; `init` maps
+    parameter names to values copied in before training."""
+    start = {}
+
+    def prepare(model):
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, value in (init or {}).items():
+                params[name].copy_(value)
+        start.update({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+    config = adapters.get(method).make_config(**overrides)
+    res = engine.adapt(
+        pretrained(arch),
+        method,
+        config,
+        SMOKE[arch],
+        device="cpu",
+        dtype=torch.float64,
+        prepare=prepare,
+        diagnostics=False,
+    )
+    return res, start
+
+
+# qlbench parameter suffix -> peft's (the layer path is the same: `<path>.<ours>` and `<path>.linear.<theirs>`)
+PEFT_NAMES = {
+    "lora": {"lora_A": "lora_A.default.weight", "lora_B": "lora_B.default.weight"},
+    "dora": {
+        "dora_A": "lora_A.default.weight",
+        "dora_B": "lora_B.default.weight",
+        "dora_m": "lora_magnitude_vector.default.weight",
+    },
+}
+
+
+def as_peft(ours: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, value in state.items():
+        path, _, suffix = name.rpartition(".")
+        out[f"{path}.linear.{PEFT_NAMES[ours][suffix]}"] = value
+    return out
+
+
+def equal_runs(a, b, rtol: float = 1e-7) -> bool:
+    """Same train and test curves (every member, every evaluation) within rtol."""
+    return all(
+        torch.allclose(x, y, rtol=rtol, atol=0)
+        for x, y in ((a.curves.train_mse, b.curves.train_mse), (a.curves.test_mse, b.curves.test_mse))
+    )
+
+
+# the Transformer's runs take minutes on two cores: `make test-slow`
+BOTH = ["deep-narrow", pytest.param("transformer", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("arch", BOTH)
+@pytest.mark.parametrize(("ours", "theirs"), [("lora", {}), ("dora", {"use_dora": True})])
+def test_peft_lora_trains_as_qlbench_lora_from_the_same_start(arch, ours, theirs):
+    mine, start = adapted(arch, ours)
+    peft_run, _ = adapted(arch, "peft:lora", as_peft(ours, start), lora_alpha=16, **theirs)
+    assert mine.trainable_params == peft_run.trainable_params
+    assert equal_runs(mine, peft_run), (mine.curves.train_mse, peft_run.curves.train_mse)
+    # planted bug: peft's default alpha (8, scale 1 where qlbench's is 2) is another method, and the oracle sees it
+    other, _ = adapted(arch, "peft:lora", as_peft(ours, start), **theirs)
+    assert not equal_runs(mine, other)
+
+
+def stack(arch: str, kind: str, members: int = 3, **overrides) -> member.MemberStack:
+    method = adapters.get(peft_tuners.PREFIX + kind)
+    gens = [torch.Generator().manual_seed(e) for e in range(members)]
+    init = "kaiming" if arch == "deep-narrow" else "default"  # the default deep-narrow is a constant function
+    backbone = build_backbone(arch, list(range(members)), init=init)
+    return method.build(backbone, method.make_config(**overrides), gens, None)
+
+
+def grads(model: member.MemberStack, forward, x: torch.Tensor) -> list[torch.Tensor]:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    out = forward(x)
+    return [out.detach(), *torch.autograd.grad((out**2).sum(), trainable, allow_unused=True)]
+
+
+@pytest.mark.parametrize("kind", RUNNABLE)
+def test_a_stacked_tuner_gives_the_loops_outputs_and_gradients(kind):
+    model = stack("deep-narrow", kind).to(torch.float32)  # float32: peft's PSOFT initialises in nothing wider
+    x = torch.randn(3, 6, 2, generator=torch.Generator().manual_seed(1))
+    looped = grads(model, model.looped, x)
+    if model.path != "stacked":
+        assert model.path.startswith("looped: ")
+        return
+    for a, b in zip(grads(model, model.stacked, x), looped):
+        a = torch.zeros_like(b) if a is None and b is not None else a  # no gradient: zero
+        b = torch.zeros_like(a) if b is None and a is not None else b
+        if a is not None:  # within float32 rounding of the tensor's largest entry
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max().clamp_min(1e-12), (kind, (a - b).abs().max())
+
+
+def test_the_stack_keeps_each_member_to_itself():
+    """Member 1 of the stack equals member 1 alone (the one-member module with its slices), and stays so when
+    member 0's trainable tensors change; a planted swap of members 0 and 1 changes it, so the check can fail."""
+    model = stack("deep-narrow", "vera")
+    assert model.path == "stacked"
+    x = torch.randn(3, 5, 2, generator=torch.Generator().manual_seed(2))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for i, p in enumerate(trainable):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + i)) * 0.1)  # off the zero start
+        state = model._state()
+        alone = torch.func.functional_call(model.template, {k: v[1] for k, v in state.items()}, (x[1:2],))
+        torch.testing.assert_close(model(x)[1:2], alone, rtol=1e-6, atol=0)
+        for p in trainable:
+            p[0] += 1.0
+        torch.testing.assert_close(model(x)[1:2], alone, rtol=1e-6, atol=0)
+        for p in trainable:
+            p.copy_(p[[1, 0, 2]])  # planted: members 0 and 1 swapped
+        assert not torch.allclose(model(x)[1:2], alone, rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch", BOTH)
+@pytest.mark.parametrize("kind", RUNNABLE)
+def test_every_runnable_tuner_takes_a_step_on_both_backbones(arch, kind):
+    """Two members, one AdamW step: finite outputs, every member's trainable tensors move where they have a
+    gradient, and the frozen backbone stays put."""
+    model = stack(arch, kind, members=2)
+    model = model.to(torch.float32)
+    x = torch.randn(2, 8, 2, generator=torch.Generator().manual_seed(3))
+    y = torch.randn(2, 8, generator=torch.Generator().manual_seed(4))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable, kind
+    method = adapters.get(peft_tuners.PREFIX + kind)
+    opt = method.optimizer(model, None, lr=1e-2, weight_decay=0.0)
+    loss = ((model(x) - y) ** 2).mean()
+    assert torch.isfinite(loss)
+    loss.backward()
+    opt.step()
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], v) for n, v in frozen.items())
+    moved = [n for n, v in trainable.items() if params[n].grad is not None and not torch.equal(params[n], v)]
+    assert moved, f"{kind}: no trainable tensor moved"
+    assert torch.isfinite(model(x)).all()
+
+
+def test_refused_and_unknown_tuners_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"peft:adalora is refused: needs update_and_allocate"):
+        adapters.get("peft:adalora")
+    with pytest.raises(ValueError, match=r"unknown peft tuner 'nonsense'.*valid: .*lora"):
+        adapters.get("peft:nonsense")
+
+
+def test_config_fields_are_peft_s_checked_by_type_and_by_peft():
+    method = adapters.get("peft:lora")
+    assert method.make_config(r=4).r == 4
+    with pytest.raises(ValueError, match=r"r must be int, got 'x'"):
+        method.make_config(r="x")
+    with pytest.raises(ValueError, match=r"peft_version is the installed peft's"):
+        method.make_config(peft_version="0.0.1")
+    with pytest.raises(ValueError, match=r"bias"):  # peft's own check of a value of the right type
+        method.make_config(bias="sometimes")
+
+
+def test_the_cli_names_a_bad_tuner_key_in_one_line(capsys):
+    from helpers import one_line_error
+
+    line = one_line_error(
+        capsys, ["run", "--function", "matyas", "--methods", "peft:vera", "--hp", "rank=4", "--budget", "smoke"]
+    )
+    assert "unknown hyper-parameter(s) rank" in line and "valid:" in line and "r," in line
+    line = one_line_error(capsys, ["run", "--function", "matyas", "--methods", "peft:adalora", "--budget", "smoke"])
+    assert "peft:adalora is refused" in line
+
+
+@pytest.mark.slow
+def test_the_tuner_table_in_the_docs_is_what_the_installed_peft_gives():
+    from pathlib import Path
+
+    from qlbench.commands.methods import peft_table
+
+    docs = (Path(__file__).parents[1] / "docs/methods.md").read_text()
+    assert peft_table() in docs
