@@ -33,7 +33,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
+.PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot baselines-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
 	suites-snapshot suites-report language-snapshot language-report mechanism-snapshot check-clean clean
 
 $(BIN)/python:
@@ -127,6 +127,24 @@ results-snapshot: check-clean setup
 	$(BIN)/qlbench sweep --arch transformer --budget quick --threads 1 --seeds $(TF_SEEDS) \
 	  --methods $(SNAPSHOT_TF_METHODS) --out snapshot-results --no-progress
 	$(call commit_report,snapshot-results,docs/results/zoo)
+
+# the zoo-v1 baselines (docs/results/baselines/zoo-v1) and the leaderboard (docs/results/leaderboard.md): protocol zoo-v1
+# (deep-narrow, kaiming, quick, nine functions), every deep-narrow method at $(HEADLINE_SEEDS) seeds and every peft tuner
+# that runs (qlbench methods --peft) at $(PEFT_SEEDS) seeds, in results-snapshot's records folder: its kaiming cells are
+# the same records (resumed, never run twice). A run may stop and resume across sessions or machines.
+PEFT_SEEDS ?= 5
+PEFT_TUNERS = $(shell $(BIN)/python -c "from qlbench.adapters import peft_tuners as p; 	print(','.join(p.PREFIX + t for t in p.types() if t not in p.REFUSED))")
+BASELINE_RUN = $(BIN)/qlbench sweep --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 \
+	--out snapshot-results --no-progress
+baselines-snapshot: check-clean setup
+	$(BASELINE_RUN) --seeds $(HEADLINE_SEEDS) --methods $(SNAPSHOT_DN_METHODS)
+	$(BASELINE_RUN) --seeds $(PEFT_SEEDS) --methods $(PEFT_TUNERS)
+	$(BIN)/qlbench report snapshot-results --arch deep-narrow --backbone-init kaiming --format csv --no-figures \
+	  --out snapshot-results/zoo-v1-export >/dev/null
+	rm -rf docs/results/baselines/zoo-v1 && mkdir -p docs/results/baselines/zoo-v1
+	cp snapshot-results/zoo-v1-export/per-seed.csv.gz docs/results/baselines/zoo-v1/
+	$(BIN)/qlbench report docs/results/baselines/zoo-v1/per-seed.csv.gz --format md,csv >/dev/null
+	$(BIN)/qlbench compare --leaderboard > docs/results/leaderboard.md
 
 # the routing-vs-sharing baselines without the epsilon artifact (float64, eps 1e-30) and on the live backbone,
 # 3 functions, 5 seeds, LoRA of instruct-queryable's size beside them (docs/why.md, "Routing or sharing?")

@@ -18,6 +18,7 @@ from qlbench import __version__
 from qlbench.commands import Parser, UsageError
 from qlbench.commands import ablate as ablate_command
 from qlbench.commands import bench as bench_command
+from qlbench.commands import compare as compare_command
 from qlbench.commands import diagnose as diagnose_command
 from qlbench.commands import functions as functions_command
 from qlbench.commands import methods as methods_command
@@ -41,6 +42,7 @@ COMMANDS = (
     suite_command,
     results_command,
     report_command,
+    compare_command,
     ablate_command,
     pareto_command,
     real_command,

@@ -1,0 +1,82 @@
+"""Named, versioned benchmark protocols: the fixed settings under which committed baselines were measured, so that a
+method run elsewhere can be compared with them (`qlbench compare`, docs/results/baselines/).
+
+A protocol fixes everything that changes the numbers apart from the method: the backbone and its init, the budget
+(epochs, learning rates, batch size, evaluation cadence), the functions, the seeds, the dtype, the optimiser's eps and
+the label noise. A record is under a protocol when its config says so, field by field (`differences`); its seeds may
+be a subset of the protocol's (pairs are made by function and seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from qlbench import adapters, zoo
+from qlbench.engine.budgets import budget as engine_budget
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    arch: str
+    budget: str
+    backbone_init: str
+    functions: tuple[str, ...]
+    seeds: tuple[int, ...]
+    dtype: str = "float32"
+    eps: float = adapters.EPS
+    noise: str = zoo.DEFAULT_NOISE
+
+    def budget_fields(self) -> dict:
+        """The budget's epochs, learning rates, batch size and cadence, as a record's config holds them (less the
+        seed count, which the protocol's seeds give)."""
+        return {k: v for k, v in dataclasses.asdict(engine_budget(self.budget, self.arch)).items() if k != "seeds"}
+
+    def differences(self, config: dict) -> list[str]:
+        """What in a record's config (run_info.config) differs from the protocol, one phrase each; [] when the
+        record is under it."""
+        out = []
+        want = {"arch": self.arch, "dtype": self.dtype}
+        out += [f"{k} {config.get(k)!r} (protocol: {v!r})" for k, v in want.items() if config.get(k) != v]
+        init = config.get("backbone_init", "default")  # a default-init config has no key
+        if init != self.backbone_init:
+            out.append(f"backbone init {init!r} (protocol: {self.backbone_init!r})")
+        if config.get("eps", adapters.EPS) != self.eps:
+            out.append(f"eps {config.get('eps')!r} (protocol: {self.eps!r})")
+        noise = config.get("noise", zoo.LEGACY_NOISE)  # a config without the key was made with the legacy noise
+        if noise != self.noise:
+            out.append(f"label noise {noise!r} (protocol: {self.noise!r})")
+        if config.get("function") not in self.functions:
+            out.append(f"function {config.get('function')!r} (protocol: {', '.join(self.functions)})")
+        if extra := sorted(set(config.get("seeds", [])) - set(self.seeds)):
+            out.append(f"seeds {extra} outside the protocol's {self.seeds[0]}-{self.seeds[-1]}")
+        got = {k: v for k, v in (config.get("budget") or {}).items() if k != "seeds"}
+        if got != self.budget_fields():
+            name = got.get("name", "?")
+            out.append(f"budget {name!r} with other settings" if name == self.budget else f"budget {name!r}")
+        return out
+
+
+ZOO_V1 = Protocol(
+    name="zoo-v1",
+    arch="deep-narrow",
+    budget="quick",
+    backbone_init="kaiming",
+    functions=tuple(zoo.names()),
+    seeds=tuple(range(10)),
+)
+PROTOCOLS = {p.name: p for p in (ZOO_V1,)}
+
+
+def get(name: str) -> Protocol:
+    """The protocol of a name; ValueError naming the valid ones."""
+    try:
+        return PROTOCOLS[name]
+    except KeyError:
+        raise ValueError(f"unknown protocol {name!r}; valid: {', '.join(PROTOCOLS)}") from None
+
+
+def of_config(config: dict) -> str | None:
+    """The name of the protocol a record's config is under, or None."""
+    return next((p.name for p in PROTOCOLS.values() if not p.differences(config)), None)

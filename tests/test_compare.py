@@ -1,0 +1,110 @@
+"""Protocols, `qlbench compare` and the leaderboard (qlbench/protocols.py, qlbench/compare.py), against plain numpy and
+scipy computations of the same quantities from the committed baselines."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from qlbench import cli, compare, per_seed, protocols
+
+from helpers import one_line_error
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINES = compare.baselines_file("zoo-v1")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return per_seed.load(BASELINES)
+
+
+def zoo_v1_config(**changes) -> dict:
+    p = protocols.ZOO_V1
+    config = {
+        "backbone_init": "kaiming",
+        "noise": "relative",
+        "function": "levy",
+        "arch": "deep-narrow",
+        "method": "lora",
+        "budget": p.budget_fields() | {"seeds": 10},
+        "seeds": list(range(10)),
+        "dtype": "float32",
+    }
+    return config | changes
+
+
+def test_a_record_under_the_protocol_has_no_difference_and_each_change_is_named():
+    p = protocols.ZOO_V1
+    assert p.differences(zoo_v1_config()) == []
+    assert p.differences(zoo_v1_config(seeds=[0, 1, 2])) == []  # a subset of the seeds is under it
+    changed = {
+        "arch": ("transformer", "arch 'transformer'"),
+        "dtype": ("float64", "dtype 'float64'"),
+        "backbone_init": ("orthogonal", "backbone init 'orthogonal'"),
+        "noise": ("absolute", "label noise 'absolute'"),
+        "eps": (1e-6, "eps 1e-06"),
+        "function": ("rosenbrock", "function 'rosenbrock'"),
+        "seeds": ([0, 11], "seeds [11] outside"),
+    }
+    for key, (value, phrase) in changed.items():
+        diff = p.differences(zoo_v1_config(**{key: value}))
+        assert len(diff) == 1 and phrase in diff[0], (key, diff)
+    config = zoo_v1_config()
+    del config["backbone_init"]  # a default-init record has no key
+    assert "backbone init 'default'" in p.differences(config)[0]
+    slower = zoo_v1_config()
+    slower["budget"] = {**slower["budget"], "adapt": {**slower["budget"]["adapt"], "epochs": 500}}
+    assert p.differences(slower) == ["budget 'quick' with other settings"]
+
+
+def test_the_committed_baselines_are_under_zoo_v1(base):
+    assert set(base["arch"]) == {"deep-narrow"} and set(base["budget"]) == {"quick"}
+    assert set(base["backbone_init"]) == {"kaiming"} and set(base["seed"]) <= set(range(10))
+    assert {"lora", "frozen", "mean"} <= set(base["method"])
+
+
+def test_compare_pairs_by_function_and_seed_as_scipy_does(base):
+    """The across-function ratio and p of `queryable` (as "yours") against LoRA, recomputed with numpy and scipy from
+    the same rows; a planted bug (seeds shuffled within each function) changes the p, so pairing is tested."""
+    mine = base[base["method"] == "queryable"]
+    out = compare.against(mine, base)
+    row = out["across"].query("baseline == 'lora'").iloc[0]
+    q = mine.set_index(["function", "seed"])["test_at_best_train"]
+    lo = base[base["method"] == "lora"].set_index(["function", "seed"])["test_at_best_train"]
+    r = np.log(q / lo.loc[q.index]).to_numpy()
+    assert row["method"] == "queryable (yours)" and row["n"] == len(r) == 90
+    assert math.isclose(row["gm_ratio"], math.exp(r.mean()), rel_tol=1e-12)
+    assert math.isclose(row["p"], sps.ttest_1samp(r, 0.0).pvalue, rel_tol=1e-9)
+    shuffled = mine.assign(seed=mine.groupby("function")["seed"].transform(lambda s: np.roll(s.to_numpy(), 1)))
+    wrong = compare.against(shuffled, base)["across"].query("baseline == 'lora'").iloc[0]
+    assert math.isclose(wrong["gm_ratio"], row["gm_ratio"], rel_tol=1e-9)  # the geometric mean ignores the pairing
+    assert not math.isclose(wrong["p"], row["p"], rel_tol=1e-3)  # the paired test does not
+
+
+def test_the_rank_is_the_mean_place_by_mean_mse(base):
+    mine = base[base["method"] == "lora"]
+    (rank,) = compare.against(mine, base)["rank"]
+    means = base[~base["method"].isin(["frozen", "mean"])].groupby(["function", "method"])["test_at_best_train"].mean()
+    places = [int((m < m.loc[(f, "lora")]).sum()) + 1 for f, m in means.groupby(level="function")]
+    assert rank["of"] == 5 and math.isclose(rank["mean_rank"], float(np.mean(places)))
+
+
+def test_the_committed_leaderboard_is_rebuilt_from_the_baselines(base):
+    made = compare.leaderboard_markdown(base, protocols.ZOO_V1)
+    assert (ROOT / "docs/results/leaderboard.md").read_text() == made
+
+
+def test_compare_refuses_a_record_of_another_protocol_in_one_line(tmp_path, capsys):
+    out = tmp_path / "results"
+    argv = ["run", "--function", "matyas", "--budget", "smoke", "--backbone-init", "kaiming", "--methods", "lora"]
+    assert cli.main([*argv, "--out", str(out), "--no-progress", "--threads", "1"]) == 0
+    capsys.readouterr()
+    line = one_line_error(capsys, ["compare", str(out)])
+    assert "was not made under zoo-v1" in line and "budget 'smoke'" in line
+    line = one_line_error(capsys, ["compare", str(out), "--protocol", "zoo-v0"])
+    assert "unknown protocol 'zoo-v0'; valid: zoo-v1" in line
