@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, cost, engine, results, runner, zoo
+from qlbench import adapters, cost, engine, protocols, results, runner, zoo
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
 from qlbench.planning import (
     DTYPES,
@@ -518,8 +518,10 @@ def commit_cell(
             f"{method} on {f}: seed(s) {bad} diverged (non-finite MSE, or above "
             f"{engine.DIVERGENCE_FACTOR:g}x the epoch-0 train MSE); {rest}"
         )
+    config = p.cell_config(f, method)
+    under = protocols.of_config(config)  # the benchmark protocol the cell was made under, if any (protocols.py)
     rec = results.make_record(
-        config=p.cell_config(f, method),
+        config=config,
         seeds=p.seeds,
         device=p.device,
         compile=p.compile,
@@ -535,7 +537,8 @@ def commit_cell(
         cost=costs,
         chosen=p.chosen
         | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()}
-        | member_path(res.model),
+        | member_path(res.model)
+        | ({"protocol": under} if under else {}),
         resumed_epoch=c.resumed_epoch,
     )
     if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:

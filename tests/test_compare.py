@@ -3,6 +3,7 @@ scipy computations of the same quantities from the committed baselines."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -60,6 +61,7 @@ def test_a_record_under_the_protocol_has_no_difference_and_each_change_is_named(
     slower = zoo_v1_config()
     slower["budget"] = {**slower["budget"], "adapt": {**slower["budget"]["adapt"], "epochs": 500}}
     assert p.differences(slower) == ["budget 'quick' with other settings"]
+    assert protocols.of_config(zoo_v1_config()) == "zoo-v1" and protocols.of_config(slower) is None
 
 
 def test_the_committed_baselines_are_under_zoo_v1(base):
@@ -104,6 +106,8 @@ def test_compare_refuses_a_record_of_another_protocol_in_one_line(tmp_path, caps
     argv = ["run", "--function", "matyas", "--budget", "smoke", "--backbone-init", "kaiming", "--methods", "lora"]
     assert cli.main([*argv, "--out", str(out), "--no-progress", "--threads", "1"]) == 0
     capsys.readouterr()
+    (record,) = (out / "records/deep-narrow/matyas/lora").glob("*.json")
+    assert "protocol" not in json.loads(record.read_text())["run_info"]["settings"]  # a smoke run is under none
     line = one_line_error(capsys, ["compare", str(out)])
     assert "was not made under zoo-v1" in line and "budget 'smoke'" in line
     line = one_line_error(capsys, ["compare", str(out), "--protocol", "zoo-v0"])

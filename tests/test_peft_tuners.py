@@ -207,3 +207,19 @@ def test_the_tuner_table_in_the_docs_is_what_the_installed_peft_gives():
 
     docs = (Path(__file__).parents[1] / "docs/methods.md").read_text()
     assert peft_table() in docs
+
+
+def test_bench_times_a_tuner_stacked_and_looped_beside_lora():
+    """`qlbench bench`'s "members" rows: a stacked tuner gets both rates and their ratio, a looping one only the loop,
+    with the reason it loops; the method's other bench rows are left out (it is not one of qlbench's stacks)."""
+    from qlbench import bench
+    from qlbench.bench.members import member_rows
+
+    s = bench.Settings({"deep-narrow": 1}, 1, (2,), 1, 1, False)
+    rows = member_rows("deep-narrow", ["peft:ia3", "peft:loha"], 2, s, "cpu")
+    ia3, loha = rows
+    assert ia3["path"] == "stacked" and ia3["stacked"] > 0 and ia3["looped"] > 0 and ia3["stacked_vs_loop"] > 0
+    assert loha["path"].startswith("looped: vmap failed") and loha["stacked"] is None and loha["looped"] > 0
+    labels = [label for label, _ in bench.tasks(["deep-narrow"], ["peft:ia3"], s, "cpu", {})]
+    assert "deep-narrow methods written for one member E=2" in labels
+    assert not [label for label in labels if "peft:" in label]

@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from qlbench import adapters, engine, multitask, pareto_stack, results, soap, suites, zoo
 from qlbench.bench.dispatch import roofline_ms, step_traffic
 from qlbench.bench.estimate import paper_estimate
+from qlbench.bench.members import member_rows
 from qlbench.bench.models import (
     PRETRAINING,
     batches,
@@ -795,6 +796,12 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
     """The measurements of a run, in order, as (label, fn) pairs; each fn adds its rows to `report`."""
     out = []
     add = lambda key, fn: kind(key, lambda: report[key].append(fn()))
+    one_member = [m for m in methods if isinstance(adapters.get(m), adapters.MemberMethod)]  # their own rows only
+    methods = [m for m in methods if m not in one_member]
+    for arch in archs if one_member else []:
+        E = min(s.members)
+        row = lambda a=arch, E=E: report["members"].extend(member_rows(a, one_member, E, s, device))
+        out.append((f"{arch} methods written for one member E={E}", kind("members", row)))
     if "deep-narrow" in archs:
         out.append(("plain loop", kind("plain", lambda: report.update(plain=plain_loop(s, device)))))
     trained = [m for m in methods if adapters.get(m).trains]
@@ -908,7 +915,7 @@ def if_it_fits(label: str, rows: list, measure: Callable[[], dict], failing: tup
 # and the kernel floor)
 KINDS = (
     "plain", "throughput", "overhead", "profile", "dispatch", "padding", "pareto_stack", "suite", "soap", "compile",
-    "side_by_side", "capture", "at_once", "inference", "hf", "snapshot",
+    "side_by_side", "capture", "at_once", "inference", "hf", "snapshot", "members",
 )  # fmt: skip
 
 
@@ -952,6 +959,7 @@ def run(
         at_once=[],
         hf=[],
         snapshot=[],
+        members=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
     report["bandwidth_gbs"] = memory_bandwidth(device)  # the roofline floor's memory rate (capture rows)

@@ -253,6 +253,22 @@ TABLES = [
         ],
     ),
     Table(
+        "members",
+        "Methods written for one member (peft's tuners, methods from outside): model-steps/s of qlbench's stacked "
+        "`lora`, of the method stacked by vmap (where it runs so) and looped over the members, in the same rounds",
+        [
+            Column("arch", "arch"),
+            Column("method", "method"),
+            Column("E", "members"),
+            Column("lora", "lora", digits(0)),
+            Column("stacked", "stacked", lambda v: "" if v is None else digits(0)(v)),
+            Column("looped", "looped", digits(0)),
+            Column("stacked / looped", "stacked_vs_loop", lambda v: "" if v is None else times(v)),
+            Column("vs lora", "vs_lora", partial(times, digits=3)),
+            Column("path in training", "path"),
+        ],
+    ),
+    Table(
         "hf",
         "The peft tuner (qlbench.hf) against peft's LoRA on the same model: one training step on a batch of 32 "
         "sequences of 13 tokens",
