@@ -223,3 +223,22 @@ def test_bench_times_a_tuner_stacked_and_looped_beside_lora():
     labels = [label for label, _ in bench.tasks(["deep-narrow"], ["peft:ia3"], s, "cpu", {})]
     assert "deep-narrow methods written for one member E=2" in labels
     assert not [label for label in labels if "peft:" in label]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deep-narrow", "transformer"])
+@pytest.mark.parametrize("kind", RUNNABLE)
+def test_every_runnable_tuner_adapts_at_the_smoke_budget(arch, kind):
+    """Through the engine, as `qlbench run` trains it: every seed's curves finite (or its divergence reported, never
+    a crash), and the trainable parameters moved."""
+    method = peft_tuners.PREFIX + kind
+    start = {}
+    prepare = lambda model: start.update(
+        {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    )
+    config = adapters.get(method).make_config()
+    res = engine.adapt(pretrained(arch), method, config, SMOKE[arch], device="cpu", prepare=prepare, diagnostics=False)
+    finished = [i for i, d in enumerate(res.curves.diverged_epoch) if d is None]
+    assert all(torch.isfinite(res.curves.test_mse[i]).all() for i in finished)
+    params = dict(res.model.named_parameters())
+    assert any(not torch.equal(params[n], v) for n, v in start.items()), kind
