@@ -228,6 +228,8 @@ def plan(
     use_compile = compile == "on" or (
         compile == "auto" and methods_at_once == 1 and engine.compile_by_default(dev, b.name)
     )
+    if capture == "auto" and any(isinstance(adapters.get(m), adapters.MemberMethod) for m in methods):
+        capture = "off"  # code written for one member (peft's, a user's) is not vouched for inside a CUDA graph
     use_capture = engine.use_capture(capture, dev)
     return Plan(
         functions=list(dict.fromkeys(functions)),
