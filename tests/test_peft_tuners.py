@@ -242,3 +242,17 @@ def test_every_runnable_tuner_adapts_at_the_smoke_budget(arch, kind):
     assert all(torch.isfinite(res.curves.test_mse[i]).all() for i in finished)
     params = dict(res.model.named_parameters())
     assert any(not torch.equal(params[n], v) for n, v in start.items()), kind
+
+
+def test_capture_auto_stays_off_for_a_tuner_on_cuda(tmp_path):
+    """Planned for CUDA machines (a Ray cluster's: cuda=True, nothing allocated here): auto records qlbench's own
+    methods' steps in CUDA graphs, but not a run that holds a peft tuner; on records it anyway."""
+    from qlbench import experiment
+
+    plan = lambda methods, capture: experiment.plan(
+        functions=["matyas"], arch="deep-narrow", methods=methods, budget="smoke", device="cuda", cuda=True,
+        capture=capture, out_dir=tmp_path,
+    )  # fmt: skip
+    assert plan(["lora"], "auto").capture is True
+    assert plan(["lora", "peft:ia3"], "auto").capture is False
+    assert plan(["peft:ia3"], "on").capture is True
