@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import adapters, experiment, multitask, results, stats, suite_stats
+from qlbench import adapters, experiment, inputs, multitask, results, stats, suite_stats
 
 GRID_AXES = {  # method -> {axis: config field}; the queryable family shares one config (its layers')
     **{m: {"r": "r", "M": "n_atoms", "k": "top_k"} for m in adapters.of_family("queryable")},
@@ -34,21 +34,9 @@ SCALE = 2.0  # alpha / r at every grid point (qlbench interpretation)
 
 
 def parse_grid(text: str | None) -> dict[str, tuple[int, ...]]:
-    """'r=4,8 M=8,16 k=1,2' -> the paper's grid with those axes narrowed (ValueError naming the valid axes, or a
-    bad value)."""
-    grid = dict(PAPER_GRID)
-    for item in (text or "").split():
-        axis, sep, values = item.partition("=")
-        if not sep or axis not in PAPER_GRID:
-            raise ValueError(f"bad grid item {item!r}; write AXIS=V1,V2 with AXIS one of: {', '.join(PAPER_GRID)}")
-        try:
-            vals = tuple(int(v) for v in values.split(",") if v.strip())
-        except ValueError:
-            raise ValueError(f"grid axis {axis}: values must be integers, got {values!r}") from None
-        if not vals or min(vals) < 1:
-            raise ValueError(f"grid axis {axis}: give one or more integers >= 1, got {values!r}")
-        grid[axis] = tuple(dict.fromkeys(vals))
-    return grid
+    """'r=4,8 M=8,16 k=1,2' -> the paper's grid with those axes narrowed; None -> the paper's grid (inputs.grid's
+    ValueError for anything else it refuses: an empty text, an axis given twice, a bad value)."""
+    return dict(PAPER_GRID) if text is None else PAPER_GRID | inputs.grid(text, tuple(PAPER_GRID))
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from helpers import fail_adapting, one_line_error
         (["run", "--function", "matyas", "--hp", "r=" + "-" * 5000 + "1"], ["--hp r", "at most 200"]),
         (["pareto", "--function", "matyas", "--schedule", "sequential"], ["--schedule applies to --suite only"]),
         (["real", "--seeds", "100000000000"], ["--seeds must be an integer from 1 to 100"]),
-        (["real", "--methods", "lora,lora"], ["listed twice"]),
+        (["real", "--methods", "lora,lora"], ["given twice"]),
         (["real", "--train-per-task", "100000000"], ["train_per_task must be at most 10,000"]),
         (["suites", "--card", ""], ["--card", "empty path"]),
         (["suite", "--suite", "zoo-4", "--methods", ""], ["no method given"]),

@@ -75,7 +75,7 @@ LAYERS = [
         "qlbench.gradients",
         "qlbench.continual",
     ],
-    ["qlbench.text", "qlbench.progress", "qlbench.zoo", "qlbench.parametric"],
+    ["qlbench.text", "qlbench.inputs", "qlbench.progress", "qlbench.zoo", "qlbench.parametric"],
     ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.per_seed", "qlbench.suites"],
     ["qlbench.adapters"],
     ["qlbench.engine"],

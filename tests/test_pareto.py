@@ -12,9 +12,10 @@ from qlbench import cli, pareto, results
 
 def test_the_grid_is_the_papers_narrowed_by_the_user():
     assert pareto.parse_grid(None) == pareto.PAPER_GRID
-    g = pareto.parse_grid("r=4,8 k=1,1,2")
+    g = pareto.parse_grid("r=4,8 k=1,2")
     assert g["r"] == (4, 8) and g["k"] == (1, 2) and g["M"] == pareto.PAPER_GRID["M"]
-    for bad, says in (("q=1", "AXIS one of: r, M, k"), ("r=a", "integers"), ("r=0", ">= 1"), ("r", "AXIS=")):
+    cases = (("q=1", "AXIS one of: r, M, k"), ("r=a", "integers"), ("r=0", ">= 1"), ("r", "AXIS="), ("k=1,1", "twice"))
+    for bad, says in cases:
         with pytest.raises(ValueError, match=says):
             pareto.parse_grid(bad)
 
@@ -92,7 +93,7 @@ def test_pareto_on_a_suite(tmp_path, capsys):
     "argv, says",
     [
         (["--function", "matyas", "--methods", "dora"], "no Pareto grid for method 'dora'"),
-        (["--function", "matyas", "--grid", "z=1"], "bad grid item 'z=1'"),
+        (["--function", "matyas", "--grid", "z=1"], "bad item 'z=1'"),
         (["--function", "nope"], "unknown function"),
         (["--function", "matyas", "--grid", "M=1 k=2"], "no valid point"),
     ],

@@ -145,7 +145,7 @@ def test_a_damaged_record_is_set_aside_and_recomputed(tmp_path):
     [
         (["real-lm", "--methods", "lora,gpt"], ["unknown method gpt", "valid: base"]),
         (["real-lm", "--seeds", "0"], ["--seeds must be an integer from 1 to 100"]),
-        (["real-lm", "--methods", "lora,lora"], ["listed twice"]),
+        (["real-lm", "--methods", "lora,lora"], ["given twice"]),
         (["real-lm", "--epochs", "0"], ["epochs"]),
         (["real-lm", "--device", "tpu"], ["unknown device 'tpu'", "valid: auto, cpu, cuda"]),
         pytest.param(

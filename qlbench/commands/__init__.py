@@ -12,6 +12,8 @@ import ast
 import contextlib
 from pathlib import Path
 
+from qlbench import inputs
+
 
 class UsageError(Exception):
     """Bad command-line input: reported as one line, exit code 2."""
@@ -55,9 +57,11 @@ def path_arg(text: str) -> Path:
     return Path(text)
 
 
-def split_list(text: str) -> list[str]:
-    """'a, b,,c' -> ['a', 'b', 'c']."""
-    return [v.strip() for v in text.split(",") if v.strip()]
+def split_list(text: str, what: str = "list") -> list[str]:
+    """'a, b' -> ['a', 'b'] (qlbench.inputs.items): UsageError naming `what` for an empty item or an item given
+    twice; '' -> [] (each command says what an empty list means)."""
+    with usage_errors():
+        return inputs.items(text, what)
 
 
 HP_VALUE_LENGTH = 200  # characters of one --hp value: every setting's value is a number, a word or a short tuple

@@ -37,15 +37,15 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    archs = split_list(args.archs)
+    archs = split_list(args.archs, "--archs")
     if not archs or (bad := [a for a in archs if a not in ARCHS]):
         raise UsageError(f"unknown arch {', '.join(bad) if archs else repr(args.archs)}; valid: {', '.join(ARCHS)}")
-    methods = split_list(args.methods) if args.methods is not None else adapters.names()
+    methods = split_list(args.methods, "--methods") if args.methods is not None else adapters.names()
     if not methods:
         raise UsageError(f"--methods is empty; valid: {', '.join(adapters.names())}")
     only = None
     if args.only is not None:
-        only = set(split_list(args.only))
+        only = set(split_list(args.only, "--only"))
         if not only or (bad := sorted(only - set(bench.KINDS))):
             what = f"unknown measurement kind {', '.join(bad)}" if only else "--only is empty"
             raise UsageError(f"{what}; valid: {', '.join(bench.KINDS)}")

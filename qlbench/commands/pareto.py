@@ -56,7 +56,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    methods = split_list(args.methods)
+    methods = split_list(args.methods, "--methods")
     if not methods:
         raise UsageError(f"--methods is empty; valid: {', '.join(pareto.GRID_AXES)}")
     if args.schedule is not None and args.function:

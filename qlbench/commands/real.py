@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
-    methods = split_list(args.methods)
+    methods = split_list(args.methods, "--methods")
     if not methods or (bad := [m for m in methods if m not in real.METHODS]):
         raise UsageError(f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real.METHODS)}")
     out = options.plan_kwargs(args)["out_dir"]  # --threads checked against the cores present

@@ -35,7 +35,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
-    methods = split_list(args.methods)
+    methods = split_list(args.methods, "--methods")
     if not methods or (bad := [m for m in methods if m not in real_lm.METHODS]):
         raise UsageError(
             f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real_lm.METHODS)}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qlbench import per_seed, results, stats, store, suite_stats, text
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, check_out, path_arg, usage_errors
+from qlbench.commands import UsageError, check_out, path_arg, split_list, usage_errors
 
 
 def register(subparsers) -> None:
@@ -55,7 +55,7 @@ def run(args) -> int:
 
     with usage_errors():
         stats.metric_column(args.metric)  # unknown metric: one line naming the valid ones
-    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    formats = split_list(args.format, "--format")
     if not formats or (bad := [f for f in formats if f not in text.FORMATS]):
         raise UsageError(
             f"unknown format {', '.join(bad) if formats else repr(args.format)}; valid: {', '.join(text.FORMATS)}"

@@ -73,7 +73,11 @@ def register(subparsers) -> None:
         help="times Ray re-runs a task whose worker or node died (default 1; a task that raises is never retried); "
         "--executor ray only",
     )
-    p.set_defaults(func=lambda args: run(args, zoo.names() if args.functions == "all" else split_list(args.functions)))
+    p.set_defaults(
+        func=lambda args: run(
+            args, zoo.names() if args.functions == "all" else split_list(args.functions, "--functions")
+        )
+    )
 
 
 EXECUTORS = ("local", "ray")
@@ -158,7 +162,7 @@ def at_once_value(text: str) -> int | str:
 def run(args, functions: list[str]) -> int:
     from qlbench import report  # imported here: seaborn and matplotlib would slow qlbench --help and bad input
 
-    if args.methods is not None and not split_list(args.methods):
+    if args.methods is not None and not split_list(args.methods, "--methods"):
         raise UsageError("--methods is empty; give a comma-separated list, or leave it out for the default set")
     executor = check_executor(args)
     # on Ray the largest node's CPUs bound the threads (ray_executor.check)
@@ -171,13 +175,13 @@ def run(args, functions: list[str]) -> int:
             instruction.encode("utf-8")  # undecodable bytes arrive as lone surrogates, which nothing downstream encodes
         except UnicodeEncodeError:
             raise UsageError("--instruction is not valid UTF-8 text; give the sentence in UTF-8") from None
-        if args.methods is not None and "instruct-queryable" not in split_list(args.methods):
+        if args.methods is not None and "instruct-queryable" not in split_list(args.methods, "--methods"):
             raise UsageError("--instruction only changes instruct-queryable, which is not in --methods")
         shared["overrides"]["instruction"] = instruction
     kwargs = dict(
         functions=functions,
         arch=args.arch,
-        methods=split_list(args.methods) if args.methods else None,
+        methods=split_list(args.methods, "--methods") if args.methods else None,
         methods_at_once=args.methods_at_once,
         snapshot_every_s=args.snapshot_every,
         **shared,

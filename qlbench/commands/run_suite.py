@@ -44,7 +44,9 @@ def run(args) -> int:
             suite=args.suite,
             schedule=args.schedule,
             arch=args.arch,
-            methods=split_list(args.methods) if args.methods is not None else None,  # '' is refused, not the default
+            methods=split_list(args.methods, "--methods")
+            if args.methods is not None
+            else None,  # '' is refused, not the default
             **shared,
         )
     for caveat in planning.caveats(p):

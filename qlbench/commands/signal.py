@@ -41,7 +41,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from qlbench import report  # imported here: seaborn and matplotlib would slow qlbench --help and bad input
 
-    inits = split_list(args.backbone_init)
+    inits = split_list(args.backbone_init, "--backbone-init")
     if not inits:
         raise UsageError("--backbone-init is empty; give one or more of default, kaiming, orthogonal")
     if args.seeds is not None and args.seeds < 1:

@@ -1,0 +1,59 @@
+"""qlbench.inputs: one parser per kind of typed input (lists, grids), and every command using it."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlbench import inputs
+
+from helpers import one_line_error
+
+
+def test_a_list_is_stripped_and_refuses_empty_and_repeated_items():
+    assert inputs.items(" lora , dora ") == ["lora", "dora"]
+    assert inputs.items("") == [] and inputs.items("   ") == []
+    for text, problem in {
+        "a,,b": "an empty item",
+        "a,": "an empty item",
+        ",a": "an empty item",
+        "a, b,a": "'a' given twice",
+    }.items():
+        with pytest.raises(ValueError, match=problem):
+            inputs.items(text, "--methods")
+
+
+def test_a_grid_refuses_what_it_cannot_mean():
+    axes = ("r", "M", "k")
+    assert inputs.grid("r=4,8  k=1", axes) == {"r": (4, 8), "k": (1,)}
+    bad = {
+        "": "is empty",
+        "r=4 r=8": "axis r given twice",
+        "q=4": "bad item 'q=4'; write AXIS=V1,V2 with AXIS one of: r, M, k",
+        "r=": "give one or more integers >= 1",
+        "r=4,,8": "an empty item",
+        "r=4,4": "'4' given twice",
+        "r=four": "values must be integers",
+        "r=0": "integers >= 1",
+    }
+    for text, problem in bad.items():
+        with pytest.raises(ValueError, match=problem):
+            inputs.grid(text, axes)
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["sweep", "--functions", "matyas,,levy"], "--functions: an empty item"),
+        (["run", "--function", "matyas", "--methods", "lora,lora"], "--methods: 'lora' given twice"),
+        (["pareto", "--function", "ackley", "--grid", "r=4 r=8"], "--grid: axis r given twice"),
+        (["pareto", "--function", "ackley", "--grid", ""], "--grid is empty"),
+        (["pareto", "--function", "ackley", "--methods", "lora,lora"], "'lora' given twice"),
+        (["signal", "--function", "matyas", "--backbone-init", "kaiming,kaiming"], "'kaiming' given twice"),
+        (["bench", "--archs", "deep-narrow,"], "--archs: an empty item"),
+    ],
+)
+def test_every_command_refuses_a_bad_list_in_one_line_before_any_work(argv, problem, capsys, tmp_path):
+    out = tmp_path / "out"
+    line = one_line_error(capsys, [*argv, "--out", str(out)])
+    assert problem in line
+    assert not out.exists()
