@@ -469,7 +469,8 @@ def test_a_function_given_twice_is_refused(tmp_path, capsys):
 
 def test_every_list_of_methods_comes_from_the_registry(tmp_path, capsys):
     line = one_line_error(capsys, ["run", *SMOKE, "--methods", "moe", "--out", str(tmp_path)])
-    assert line.split("valid: ")[1].split(", ") == adapters.names()
+    assert line.split("valid: ")[1].split("; ")[0].split(", ") == adapters.names()
+    assert "; also peft:<type>" in line and "package.module:NAME" in line
 
 
 def test_a_report_of_lora_alone_has_no_ratio_figure_and_no_traceback(folder, capsys):

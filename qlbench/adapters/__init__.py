@@ -141,8 +141,8 @@ def get(name: str) -> Method:
         method = outside.load(name)
     elif (method := outside.from_entry_point(name)) is None:
         raise ValueError(
-            f"unknown method {name!r}; valid: {', '.join(REGISTRY)}, peft:<type> (qlbench methods --peft lists "
-            "them), package.module:NAME or an installed qlbench.methods entry point (docs/extending.md)"
+            f"unknown method {name!r}; valid: {', '.join(REGISTRY)}; also peft:<type> (qlbench methods --peft "
+            "lists them), package.module:NAME or an installed qlbench.methods entry point (docs/extending.md)"
         )
     known = REGISTRY.get(method.name) or LOADED.get(method.name)
     if known is not None and known is not method:
