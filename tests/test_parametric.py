@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from qlbench import adapters, continual, engine, multitask, parametric, runner, suite_stats, suites, text
+from qlbench import adapters, continual, engine, multitask, parametric, runner, stats, suite_stats, suites, text
 from qlbench.report import heldout
 
 F64 = torch.float64
@@ -521,3 +521,26 @@ def test_the_transferable_controls_join_the_one_holm_family():
     w = tasks[tasks["split"] == "interpolation"].pivot(index="seed", columns="method", values="mse")
     wrong = sps.ttest_rel(w["instruct-queryable"], w["text-lora-params"]).pvalue
     assert f"(p {text.num(wrong, 2)}," not in table.loc["instruct-queryable", "vs params (interpolation)"]
+
+
+def _held(values: dict[str, list[float]], split: str = "interpolation") -> pd.DataFrame:
+    """A held-out tasks frame of one row: task -> its seeds' MSE."""
+    rows = [
+        {"task": t, "seed": s, "split": split, "mse": v} for t, seeds in values.items() for s, v in enumerate(seeds)
+    ]
+    return pd.DataFrame(rows)
+
+
+def test_the_held_out_interval_draws_tasks_then_seeds():
+    """A constant difference gives a point interval; two tasks that differ by +1 and -1 on every seed give [-1, 1]:
+    a quarter of the resamples draw one task twice. A bootstrap over the pooled (task, seed) values, the planted
+    bug, would give an interval near 0 instead (about +-0.45 with 10 values)."""
+    from qlbench.report import heldout
+
+    base = _held({"a": [1.0] * 5, "b": [2.0] * 5})
+    assert heldout.interval(_held({"a": [1.3] * 5, "b": [2.3] * 5}), base, "interpolation") == pytest.approx((0.3, 0.3))
+    low, high = heldout.interval(_held({"a": [2.0] * 5, "b": [1.0] * 5}), base, "interpolation")
+    assert (low, high) == (-1.0, 1.0)
+    pooled = stats.hierarchical_bootstrap([np.array([1.0] * 5 + [-1.0] * 5)])
+    assert np.quantile(pooled, 0.975, method="inverted_cdf") < 0.7  # the planted bug: far narrower
+    assert math.isnan(heldout.interval(_held({"a": [1.0]}), base, "extrapolation")[0])  # no pair on that split

@@ -29,6 +29,7 @@ frame's path) for the per-seed `train_standardised_task_mse` that `load` does no
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +57,9 @@ NOTE = (
     "shuffled: the held-out MSE with each held-out task's paraphrases in place of its sentence / with task t given "
     "task t + 1's sentence (instruction rows); vs code / vs lora (split): a language row's mean difference of the "
     "held-out MSE of that split against its identity control (task-code for instruct-queryable, text-lora-code for "
-    "text-lora) / against LoRA, paired over seeds, raw p and Holm p over every test of the experiment (every T, both "
-    "splits); win = significantly lower."
+    "text-lora) / against LoRA, paired over seeds, with its 95% bootstrap interval over the split's held-out tasks "
+    "and then their seeds, raw p and Holm p over every test of the experiment (every T, both splits); win / loss = "
+    "lower / higher with Holm p < 0.05 and an interval that excludes 0, else tie."
 )
 NOTE_TRAIN_STD = (
     " Headline columns (interpolation, extrapolation, held-out and every test) standardise each held-out task's "
@@ -151,6 +153,21 @@ def _text(v: pd.Series) -> str:
     return text.mean_std(v.mean(), v.std(ddof=1), len(v)) if v.notna().any() else "-"
 
 
+def interval(m: pd.DataFrame, base: pd.DataFrame, split: str) -> tuple[float, float]:
+    """95% interval of the mean difference of held-out MSE (row - control) on one split: a hierarchical bootstrap
+    (stats.hierarchical_bootstrap) that draws the split's held-out tasks with replacement, then each drawn task's
+    paired seeds, so it carries how much tasks differ as well as seeds. NaN without a pair."""
+    a = m[m["split"] == split].pivot_table(index="task", columns="seed", values="mse")  # (tasks, seeds)
+    b = base[base["split"] == split].pivot_table(index="task", columns="seed", values="mse")
+    d = a - b.reindex(index=a.index, columns=a.columns)
+    groups = [r.dropna().to_numpy(float) for _, r in d.iterrows() if r.notna().any()]
+    if not groups:
+        return math.nan, math.nan
+    boot = stats.hierarchical_bootstrap(groups)
+    low, high = np.quantile(boot, [0.025, 0.975], method="inverted_cdf")
+    return float(low), float(high)
+
+
 def _cells(row: dict, m: pd.DataFrame, g: pd.DataFrame, frame: pd.DataFrame, key: tuple) -> list:
     """Fill one (T, method) row's MSE cells in place; return its paired tests [(row, column, paired_test)]: a
     language row against each of its controls (_controls), on each split's held-out MSE apart. `key` the row's
@@ -173,7 +190,8 @@ def _cells(row: dict, m: pd.DataFrame, g: pd.DataFrame, frame: pd.DataFrame, key
         base = g[g["method"] == other]
         for split in SPLITS if len(base) else ():
             pair = pd.concat([_per_seed(m, "mse", split), _per_seed(base, "mse", split)], axis=1, join="inner")
-            tested.append((row, f"vs {who} ({split})", stats.paired_test(pair.iloc[:, 0], pair.iloc[:, 1])))
+            test = stats.paired_test(pair.iloc[:, 0], pair.iloc[:, 1]) | {"ci": interval(m, base, split)}
+            tested.append((row, f"vs {who} ({split})", test))
     return tested
 
 
@@ -200,9 +218,12 @@ def summary(tasks: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
                 tested += _cells(out[-1], m, g, frame, key)
         adjusted = stats.holm([t["p"] for *_, t in tested])
         for (row, column, t), p_holm in zip(tested, adjusted):
-            outcome = t["outcome"] if p_holm < stats.ALPHA else "tie"
+            low, high = t["ci"]
+            claim = p_holm < stats.ALPHA and (low > 0 or high < 0)  # qlbench interpretation, as across functions
+            outcome = t["outcome"] if claim else "tie"
+            ci = f"[{text.num(low, 2)}, {text.num(high, 2)}]"
             row[column] = (
-                f"{text.num(t['mean_diff'], 2)} (p {text.num(t['p'], 2)}, Holm {text.num(p_holm, 2)}) {outcome}"
+                f"{text.num(t['mean_diff'], 2)} {ci} (p {text.num(t['p'], 2)}, Holm {text.num(p_holm, 2)}) {outcome}"
             )
     columns = [*keys, "per task", "method", "n", *SPLITS, "held-out", *TRAIN_STD, "trained", "paraphrased", "shuffled"]
     table = pd.DataFrame(out).reindex(columns=[*columns, *TESTS])
