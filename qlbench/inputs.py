@@ -10,11 +10,12 @@ from __future__ import annotations
 
 
 def items(text: str, what: str = "list") -> list[str]:
-    """A comma-separated list: each item stripped of whitespace; '' (or only spaces) -> [] (each caller says what
-    an empty list means); ValueError for an empty item ('a,,b', 'a,') or an item given twice."""
-    if not text.strip():
-        return []
+    """A comma-separated list: each item stripped of whitespace; a list with no item at all ('', ' ', ' , ') -> []
+    (each caller says what an empty list means, with the valid choices); ValueError for an empty item beside others
+    ('a,,b', 'a,') or an item given twice."""
     out = [v.strip() for v in text.split(",")]
+    if not any(out):
+        return []
     if "" in out:
         raise ValueError(f"{what}: an empty item in {text!r}")
     if twice := [v for i, v in enumerate(out) if v in out[:i]]:

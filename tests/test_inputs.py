@@ -11,7 +11,7 @@ from helpers import one_line_error
 
 def test_a_list_is_stripped_and_refuses_empty_and_repeated_items():
     assert inputs.items(" lora , dora ") == ["lora", "dora"]
-    assert inputs.items("") == [] and inputs.items("   ") == []
+    assert inputs.items("") == [] and inputs.items("   ") == [] and inputs.items(" , ") == []  # no item at all
     for text, problem in {
         "a,,b": "an empty item",
         "a,": "an empty item",
