@@ -51,9 +51,7 @@ def trained(frame: pd.DataFrame) -> list[str]:
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     """(geometric-mean ratio a / b over paired seeds, raw paired p) from scores (inf = diverged)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where(np.isinf(a) & np.isinf(b), 0.0, np.log(a / b))
-    return math.exp(float(np.mean(r))), stats.paired_test(a, b)["p"]
+    return math.exp(float(np.mean(stats.ln_ratio(a, b)))), stats.paired_test(a, b)["p"]
 
 
 def _scores(frame: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -83,10 +81,7 @@ def against(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-
             rows.append(row[row["method"] == method])
         rows = pd.concat(rows, ignore_index=True)
         rows["p_holm"] = stats.holm(rows["p"])
-        excludes = (rows["ci_low"] > 1) | (rows["ci_high"] < 1)
-        rows["outcome"] = np.where(
-            (rows["p_holm"] < stats.ALPHA) & excludes, np.where(rows["gm_ratio"] < 1, "win", "loss"), "tie"
-        )
+        rows["outcome"] = stats.claimed(rows["outcome"], rows["p_holm"], rows["ci_low"], rows["ci_high"], null=1.0)
         across.append(rows)
         place = []
         for function, g in table.groupby(level="function"):

@@ -349,14 +349,26 @@ BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0  # the resampling's generator: the same frame always gives the same interval
 
 
-def log_ratio_pairs(frame: pd.DataFrame, column: str, baseline: str = adapters.BASELINE) -> pd.DataFrame:
-    """`pairs` with r = ln(a / b) per (function, seed): both diverged 0, only the method +inf, only the baseline
-    -inf."""
-    p = pairs(frame, column, baseline)
+def ln_ratio(a, b) -> np.ndarray:
+    """r = ln(a / b) of paired scores (inf = diverged): both diverged 0, only a +inf, only b -inf."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
     with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.log(p["a"].to_numpy(float) / p["b"].to_numpy(float))
-    both = np.isinf(p["a"]) & np.isinf(p["b"])
-    return p.assign(r=np.where(both, 0.0, r))
+        r = np.log(a / b)
+    return np.where(np.isinf(a) & np.isinf(b), 0.0, r)
+
+
+def claimed(outcome, p_holm, low, high, null: float):
+    """The qlbench interpretation of a claim, wherever a test has an interval beside it: `outcome` (win / loss) stands
+    where the Holm p is below ALPHA and the interval [low, high] excludes `null` (1 for a ratio, 0 for a difference),
+    else "tie". Scalars or arrays (a scalar call returns a 0-d array: str() it)."""
+    keep = (np.asarray(p_holm, float) < ALPHA) & ((np.asarray(low, float) > null) | (np.asarray(high, float) < null))
+    return np.where(keep, outcome, "tie")
+
+
+def log_ratio_pairs(frame: pd.DataFrame, column: str, baseline: str = adapters.BASELINE) -> pd.DataFrame:
+    """`pairs` with r = ln(a / b) per (function, seed) (`ln_ratio`)."""
+    p = pairs(frame, column, baseline)
+    return p.assign(r=ln_ratio(p["a"], p["b"]))
 
 
 def hierarchical_bootstrap(groups: list[np.ndarray], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED):
@@ -425,6 +437,5 @@ def across_functions(frame: pd.DataFrame, metric: str, baseline: str = adapters.
         )
     out = pd.DataFrame(rows, columns=[c for c in cols if c != "p_holm"])
     out.insert(cols.index("p_holm"), "p_holm", out.groupby(["arch", "budget"])["p"].transform(holm))
-    excludes_one = (out["ci_low"] > 1) | (out["ci_high"] < 1)
-    out["outcome"] = out["outcome"].where((out["p_holm"] < ALPHA) & excludes_one, "tie")
+    out["outcome"] = claimed(out["outcome"], out["p_holm"], out["ci_low"], out["ci_high"], null=1.0)
     return out

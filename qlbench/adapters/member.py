@@ -102,7 +102,7 @@ class MemberStack(nn.Module):
 
     def __init__(self, members: list[nn.Module], strip: str, n_layers: int, targets: list):
         super().__init__()
-        self.__dict__["template"] = members[0]
+        self.__dict__["template"], self.__dict__["_cached"] = members[0], None
         self.n_layers, self._targets, self.shared = n_layers, targets, nn.ModuleDict()
         self.names: list[tuple[str, str]] = []  # (name here, name in the template)
         tensors = lambda m: {**dict(m.named_parameters()), **dict(m.named_buffers())}
@@ -120,8 +120,12 @@ class MemberStack(nn.Module):
         return self._targets
 
     def _state(self) -> dict[str, torch.Tensor]:
-        mine = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-        return {theirs: mine[here] for here, theirs in self.names}
+        """template name -> stacked tensor, looked up once and kept (every forward reads it) until `_apply` moves
+        or casts the tensors (buffers are then new objects)."""
+        if self._cached is None:
+            mine = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+            self.__dict__["_cached"] = {theirs: mine[here] for here, theirs in self.names}
+        return self._cached
 
     def forward(self, x: torch.Tensor, instruction=None, ctx=None, task=None) -> torch.Tensor:
         """x (E, N, 2) -> (E, N); instructions and tasks are not read (a member method is one static model)."""
@@ -141,7 +145,7 @@ class MemberStack(nn.Module):
         return super().train(mode)
 
     def _apply(self, fn, recurse=True):
-        self.__dict__["template"] = self.template._apply(fn, recurse)
+        self.__dict__["template"], self.__dict__["_cached"] = self.template._apply(fn, recurse), None
         return super()._apply(fn, recurse)
 
     def probe(self, d_in: int) -> str:
@@ -149,9 +153,8 @@ class MemberStack(nn.Module):
         output (within PROBE_TOLERANCE), else "looped: <why>". Gradients are taken with autograd.grad, so no
         .grad is left behind."""
         g = torch.Generator().manual_seed(0)
-        E = next(self.parameters()).shape[0]
         like = next(self.parameters())
-        x = torch.randn(E, 3, d_in, generator=g, dtype=torch.float64).to(like.device, like.dtype)
+        x = torch.randn(like.shape[0], 3, d_in, generator=g, dtype=torch.float64).to(like.device, like.dtype)
         trainable = [p for p in self.parameters() if p.requires_grad]
         template = self.template  # vmap runs on a copy: a failed run may leave batched tensors in module state
         self.__dict__["template"] = copy.deepcopy(template)

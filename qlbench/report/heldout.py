@@ -219,8 +219,7 @@ def summary(tasks: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
         adjusted = stats.holm([t["p"] for *_, t in tested])
         for (row, column, t), p_holm in zip(tested, adjusted):
             low, high = t["ci"]
-            claim = p_holm < stats.ALPHA and (low > 0 or high < 0)  # qlbench interpretation, as across functions
-            outcome = t["outcome"] if claim else "tie"
+            outcome = str(stats.claimed(t["outcome"], p_holm, low, high, null=0.0))
             ci = f"[{text.num(low, 2)}, {text.num(high, 2)}]"
             row[column] = (
                 f"{text.num(t['mean_diff'], 2)} {ci} (p {text.num(t['p'], 2)}, Holm {text.num(p_holm, 2)}) {outcome}"
