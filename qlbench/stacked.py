@@ -123,7 +123,9 @@ def layout_grads(t: torch.Tensor) -> bool:
     """Whether the eager batched matmuls of `stacked_linear` and `bmm_add`, on `t`'s device, run as LayoutBmm: off
     AUTOGRAD_MATMUL_DEVICES and outside torch.compile (whose own kernels lay gradients out as they fit)."""
     kind = "cpu" if t.is_cpu else t.device.type  # is_cpu: an attribute read, where .device builds an object
-    return kind not in AUTOGRAD_MATMUL_DEVICES and not torch.compiler.is_compiling()
+    if kind in AUTOGRAD_MATMUL_DEVICES or torch.compiler.is_compiling():
+        return False
+    return not torch._C._are_functorch_transforms_active()  # under vmap (adapters/member.py) LayoutBmm has no rule
 
 
 class LayoutBmm(torch.autograd.Function):

@@ -177,3 +177,21 @@ def test_the_transformer_off_the_cpu_attends_as_on_it(monkeypatch):
     torch.testing.assert_close(got_loss, loss, rtol=1e-12, atol=0)
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_peft_tuner_stacks_by_vmap_off_the_cpu(monkeypatch):
+    """A method written for one member is stacked by vmap over its members' plain modules (adapters/member.py),
+    whose frozen layers are stacked layers of one member. Off the CPU their matmuls are LayoutBmm, an
+    autograd.Function with no vmap rule; under vmap they must fall back to autograd's own, or every such method
+    loops on CUDA (as it did: "vmap failed (RuntimeError: In order to use an autograd.Function ...)"). With the CPU
+    taken off stacked.AUTOGRAD_MATMUL_DEVICES, as CUDA is, peft's LoRA probes "stacked", and its loss and gradients
+    equal the loop's."""
+    monkeypatch.setattr(stacked, "AUTOGRAD_MATMUL_DEVICES", ())
+    xb, yb = batches(3, "cpu", n=1)[0]
+    model, _ = stacked_model("deep-narrow", "peft:lora", 3, "cpu")
+    assert model.path == "stacked"
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(((model.stacked(xb) - yb) ** 2).mean(), trainable)
+    want = torch.autograd.grad(((model.looped(xb) - yb) ** 2).mean(), trainable)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
