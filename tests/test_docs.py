@@ -340,7 +340,9 @@ def gpu_check_problems(script: str) -> list[str]:
             problems.append(f"not parsed: {line}")
             continue
         for m in (getattr(args, "methods", None) or "").split(","):
-            if m and m not in adapters.names():
+            try:
+                m and adapters.get(m)  # qlbench's own, peft:<type>
+            except ValueError:
                 problems.append(f"unknown method {m}: {line}")
         if getattr(args, "function", None) and args.function not in zoo.names():
             problems.append(f"unknown function {args.function}: {line}")
@@ -365,6 +367,8 @@ def test_gpu_check_runs_only_commands_the_cli_accepts(capsys):
     planted_options = ("--only throughput,kernels", " -b ", "--compile yes")
     stale = sum(o in f"{line} " for line in gpu_check_commands(planted) for o in planted_options)
     assert stale >= 4 and len(gpu_check_problems(planted)) == stale
+    unknown = gpu_check_problems(script.replace('PT="peft:lora,', 'PT="peft:nope,'))
+    assert [p.split(":")[0] for p in unknown] == ["unknown method peft"] and "peft:nope" in unknown[0]
 
 
 # A GPU call lasts at most 600 s, with the start, the wheels' install and the transfers in it: the default parts'

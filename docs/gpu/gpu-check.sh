@@ -9,7 +9,7 @@
 # and the parts after it still run; at the end the last lines of every part that did not exit 0 are printed.
 # GPU_CHECK_PARTS (default, in this order: run-quick bench-deep-narrow compiled-exit test-cuda; at most 550 s) runs
 # only the parts it names, e.g. GPU_CHECK_PARTS="test-cuda run-quick" for a functional check in a shorter call.
-# The other parts, for further calls: peft-cuda (at most 100 s: peft's tuners, stacked and looped, on both
+# The other parts, for further calls: peft-cuda (at most 150 s: peft's tuners, stacked and looped, on both
 # backbones, and their members bench rows); bench-transformer (at most 250 s; 155 s did not reach its last row and estimate
 # on an H200); wide-at-once (at most 250 s): the quick sweep of every function
 # at the paper's stack width (five seeds: 45 members per method), the nine trained methods one at a time and then all
@@ -94,7 +94,7 @@ part paper-transformer 45 "$Q run --function dropwave --arch transformer --budge
 # peft's tuners on CUDA (adapters/peft_tuners.py; not in the default call): a smoke run of stacked (vmap) and looped
 # tuners beside qlbench's lora on both backbones, and the bench's members rows (stacked against looped) for three
 PT="peft:lora,peft:vera,peft:boft,peft:ia3,peft:loha,peft:oft,peft:fourierft"
-part peft-cuda 100 "$Q run --function matyas --arch deep-narrow --budget smoke --methods lora,$PT --device cuda --no-progress --out $RES-peft && $Q run --function matyas --arch transformer --budget smoke --methods lora,peft:lora,peft:loha --device cuda --no-progress --out $RES-peft && $Q bench --quick --device cuda --archs deep-narrow --methods peft:lora,peft:vera,peft:ia3 --only members --no-progress --out $OUT/bench-members"
+part peft-cuda 150 "$Q run --function matyas --arch deep-narrow --budget smoke --methods lora,$PT --device cuda --no-progress --out $RES-peft && $Q run --function matyas --arch transformer --budget smoke --methods lora,peft:lora,peft:loha --device cuda --no-progress --out $RES-peft && $Q bench --quick --device cuda --archs deep-narrow --methods peft:lora,peft:vera,peft:ia3 --only members --no-progress --out $OUT/bench-members"
 # the deep-narrow paper table itself (9 functions x 5 seeds x every default method, 5,000 epochs, every method's
 # stack of 45 at once, the default there), timed as a whole process: the 10-minute target measured, not estimated.
 # The sweep stops at GPU_CHECK_PAPER_S seconds, 505 unless set (its progress line in the log gives the rate and the
