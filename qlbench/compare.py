@@ -32,6 +32,23 @@ def baselines_file(protocol: str) -> Path:
     return REPOSITORY / "docs" / "results" / "baselines" / protocol / per_seed.FILE
 
 
+def bench_file(protocol: str) -> Path:
+    """Where the step times of a protocol's methods live: a `qlbench bench` report (docs/results/bench/<name>.json)."""
+    return REPOSITORY / "docs" / "results" / "bench" / f"{protocol}.json"
+
+
+def step_times(report: dict, arch: str) -> dict[str, float]:
+    """µs per member-step of each method in a `qlbench bench` report, at its fewest members on `arch`: 1e6 over the
+    model-steps/s of qlbench's stacked step (throughput rows) or of the path a method written for one member trains
+    on (members rows: stacked where vmap runs it, else looped)."""
+    rates = {}
+    rows = [r for r in report.get("throughput", []) if r["arch"] == arch]
+    rows += [r | {"stacked": r["stacked"] or r["looped"]} for r in report.get("members", []) if r["arch"] == arch]
+    for r in sorted(rows, key=lambda r: -r["members"]):  # the fewest members last: they win
+        rates[r["method"]] = 1e6 / r["stacked"]
+    return rates
+
+
 def check_records(folder: Path, protocol: protocols.Protocol, on_damaged=None) -> list[Path]:
     """The record files of a results folder, every one made under `protocol`; ValueError (one line) for the first
     that is not, naming the difference, and for a folder without records."""
@@ -110,13 +127,14 @@ def against(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-
 
 def leaderboard(base: pd.DataFrame, metric: str = "test-at-best-train") -> pd.DataFrame:
     """One row per trained method of the baselines: mean rank over functions (by mean MSE among the trained
-    methods), wins / ties / losses against LoRA per function (stats.compare: Holm over every function and method),
-    the geometric-mean ratio to LoRA across functions with its interval and outcome (stats.across_functions),
-    trainable parameters, seeds. Sorted by mean rank."""
+    methods, on the seeds they all have), wins / ties / losses against LoRA per function (stats.compare: Holm over
+    every function and method), the geometric-mean ratio to LoRA across functions with its interval and outcome
+    (stats.across_functions), trainable parameters, seeds. Sorted by mean rank."""
     column = stats.metric_column(metric)
     table = _scores(base, column)
     methods = trained(base)
-    means = table[methods].groupby(level="function").mean()  # (functions, methods)
+    # (functions, methods) on the seeds every method has: one of 5 seeds is ranked on the same seeds as one of 10
+    means = table[methods].dropna().groupby(level="function").mean()
     rank = means.rank(axis=1, method="average").mean()
     wtl = stats.win_tie_loss(stats.compare(base, metric)).set_index("method")
     across = stats.across_functions(base, metric).set_index("method")
@@ -155,9 +173,14 @@ def _ci(row) -> str:
     return f"[{text.num(row['ci_low'], 3)}, {text.num(row['ci_high'], 3)}]"
 
 
-def leaderboard_markdown(base: pd.DataFrame, protocol: protocols.Protocol, metric: str = "test-at-best-train") -> str:
-    """docs/results/leaderboard.md: the leaderboard table with what it shows and where its records are."""
+def leaderboard_markdown(
+    base: pd.DataFrame, protocol: protocols.Protocol, metric: str = "test-at-best-train", bench: dict | None = None
+) -> str:
+    """docs/results/leaderboard.md: the leaderboard table with what it shows and where its records are; `bench`, a
+    `qlbench bench` report of the same methods, gives the µs / step column (blank where it has no row)."""
     board = leaderboard(base, metric)
+    times = step_times(bench, protocol.arch) if bench else {}
+    board["us_per_step"] = [times.get(m) for m in board["method"]]
     commits = ", ".join(sorted({c[:7] for c in base["commit"].dropna()}))
     cols = [
         text.Column("rank", lambda r: f"{r['mean_rank']:.2f}"),
@@ -167,8 +190,17 @@ def leaderboard_markdown(base: pd.DataFrame, protocol: protocols.Protocol, metri
         text.Column("across functions", "outcome"),
         text.Column("W / T / L vs LoRA", _wtl),
         text.Column("trainable", lambda r: f"{r['trainable']:,}"),
+        text.Column("µs / step", lambda r: "" if r["us_per_step"] is None else text.num(r["us_per_step"], 3)),
         text.Column("seeds", "seeds"),
     ]
+    speed = ""
+    if bench:
+        meta, E = bench["meta"], min(r["members"] for r in bench.get("throughput", []) + bench.get("members", []))
+        speed = (
+            f" µs / step: one member's training step, from `qlbench bench --quick` at {E} members stacked (the path "
+            f"each method trains on), {meta.get('threads')} thread(s) of {meta.get('cpu') or meta.get('gpu')}: "
+            f"bench/{protocol.name}.json."
+        )
     functions = ", ".join(protocol.functions)
     return "\n".join(
         [
@@ -178,7 +210,8 @@ def leaderboard_markdown(base: pd.DataFrame, protocol: protocols.Protocol, metri
             f"{protocol.budget}, {protocol.dtype}, the nine functions ({functions}), seeds "
             f"{protocol.seeds[0]}-{protocol.seeds[-1]}. Metric: {stats.metric(metric).label}.",
             "",
-            "rank: the mean over functions of each method's place by mean MSE among these methods (1 = lowest). "
+            "rank: the mean over functions of each method's place by mean MSE among these methods (1 = lowest), on the "
+            "seeds they all have. "
             "× LoRA: the geometric-mean MSE ratio to LoRA over every (function, seed) pair, with its hierarchical "
             "bootstrap interval; across functions: win or loss where the paired test on the log ratios is below "
             "0.05 after Holm over the methods and the interval excludes 1, else tie. W / T / L: functions won, tied "
@@ -188,7 +221,7 @@ def leaderboard_markdown(base: pd.DataFrame, protocol: protocols.Protocol, metri
             text.table(board.to_dict("records"), cols),
             "",
             f"Provenance: records from commit(s) {commits}; per-seed records: baselines/{protocol.name}/"
-            f"{per_seed.FILE}; rebuilt by `qlbench compare --leaderboard` (tests/test_compare.py checks it).",
+            f"{per_seed.FILE}; rebuilt by `qlbench compare --leaderboard` (tests/test_compare.py checks it).{speed}",
             "",
         ]
     )

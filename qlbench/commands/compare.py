@@ -4,6 +4,7 @@ function and seed; records of another protocol refused); `--leaderboard`: the ba
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from qlbench import compare, per_seed, protocols, results, stats, store, text
@@ -40,6 +41,19 @@ def _baselines(args, protocol) -> object:
         raise UsageError(str(err)) from None
 
 
+def _bench(protocol) -> dict | None:
+    """The committed step times of the protocol's methods (compare.bench_file), None where there are none; a damaged
+    file is said in one line on stderr and the column left blank."""
+    path = compare.bench_file(protocol.name)
+    if not path.is_file():
+        return None
+    try:
+        return store.read_json(path)
+    except store.DamagedFile as err:
+        print(f"qlbench compare: {err}; the leaderboard leaves µs / step blank", file=sys.stderr)
+        return None
+
+
 def run(args) -> int:
     with usage_errors():
         protocol = protocols.get(args.protocol)
@@ -48,7 +62,7 @@ def run(args) -> int:
         raise UsageError("give RESULTS (compare a results folder) or --leaderboard, not both and not neither")
     base = _baselines(args, protocol)
     if args.leaderboard:
-        print(compare.leaderboard_markdown(base, protocol, args.metric), end="")
+        print(compare.leaderboard_markdown(base, protocol, args.metric, _bench(protocol)), end="")
         return 0
     folder = Path(args.folder)
     with usage_errors():
