@@ -67,7 +67,10 @@ def trained(frame: pd.DataFrame) -> list[str]:
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """(geometric-mean ratio a / b over paired seeds, raw paired p) from scores (inf = diverged)."""
+    """(geometric-mean ratio a / b over the seeds both have, raw paired p) from scores (inf = diverged, NaN = not
+    run)."""
+    both = ~(np.isnan(a) | np.isnan(b))
+    a, b = a[both], b[both]
     return math.exp(float(np.mean(stats.ln_ratio(a, b)))), stats.paired_test(a, b)["p"]
 
 
@@ -102,6 +105,9 @@ def against(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-
         across.append(rows)
         place = []
         for function, g in table.groupby(level="function"):
+            g = g[g[method].notna()]  # the seeds the method ran: every mean and pair is on them
+            if g.empty:
+                continue
             means = g[[*baselines, method]].mean()  # over seeds; inf when a seed diverged
             best = means[baselines].idxmin()
             ratio_lora, p_lora = _ratio(g[method].to_numpy(float), g[adapters.BASELINE].to_numpy(float))
@@ -121,7 +127,9 @@ def against(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-
                 }
             )
             place.append(int((means < means[method]).sum()) + 1)
-        ranks.append({"method": method, "mean_rank": float(np.mean(place)), "of": len(baselines) + 1})
+        ranks.append(
+            {"method": method, "mean_rank": float(np.mean(place)), "of": len(baselines) + 1, "functions": len(place)}
+        )
     return {"across": pd.concat(across, ignore_index=True), "functions": pd.DataFrame(per_function), "rank": ranks}
 
 

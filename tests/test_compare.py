@@ -150,3 +150,18 @@ def test_step_times_take_the_path_each_method_trains_on():
         ],
     }
     assert compare.step_times(report, "deep-narrow") == {"lora": 2500.0, "peft:vera": 5000.0, "peft:loha": 40000.0}
+
+
+def test_a_method_run_on_one_function_and_seed_is_compared_on_them(base):
+    """Records of one function and one seed (a user's first try): no crash on the seeds it lacks; its per-function
+    row is that function alone, every mean on seed 0 (the baselines' other seeds left out), against plain pandas."""
+    lora = base[(base["method"] == "lora") & (base["function"] == "matyas") & (base["seed"] == 0)]
+    mine = lora.assign(method="mine", test_at_best_train=lora["test_at_best_train"] * 0.5)
+    out = compare.against(mine, base)
+    (row,) = out["functions"].to_dict("records")
+    assert row["function"] == "matyas" and row["seeds"] == 1
+    assert math.isclose(row["ratio_lora"], 0.5) and math.isclose(row["lora"], lora["test_at_best_train"].iloc[0])
+    seed0 = base[(base["function"] == "matyas") & (base["seed"] == 0) & ~base["method"].isin(["frozen", "mean"])]
+    place = int((seed0["test_at_best_train"] < mine["test_at_best_train"].iloc[0]).sum()) + 1
+    (rank,) = out["rank"]
+    assert rank["functions"] == 1 and rank["mean_rank"] == place

@@ -75,6 +75,23 @@ def test_the_example_package_runs_by_spec_end_to_end(monkeypatch, tmp_path, caps
     assert "gated-lora" in report and "lora" in report
 
 
+@pytest.mark.slow
+def test_the_example_package_is_compared_with_the_committed_baselines(monkeypatch, tmp_path, capsys):
+    """Under protocol zoo-v1 (one function, one seed of its ten): `compare` pairs the example's record with the
+    committed baselines and prints its test across functions against LoRA and its rank."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    out = tmp_path / "results"
+    argv = ["run", "--function", "matyas", "--arch", "deep-narrow", "--budget", "quick", "--backbone-init", "kaiming"]
+    argv += ["--seeds", "1", "--methods", "qlbench_example:METHOD", "--out", str(out), "--no-progress"]
+    assert cli.main([*argv, "--threads", "1"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert cli.main(["compare", str(out)]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if line.startswith("| gated-lora")]
+    assert lines and any("| lora " in line for line in lines), printed
+    assert "rank" in printed
+
+
 def test_the_installed_example_answers_to_its_entry_point_name():
     """`make setup-dev` installs docs/examples/qlbench-example-adapter; its entry point names the method."""
     assert "gated-lora" in adapters.outside.entry_point_names()

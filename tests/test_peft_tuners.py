@@ -95,6 +95,60 @@ def test_peft_lora_trains_as_qlbench_lora_from_the_same_start(arch, ours, theirs
     assert not equal_runs(mine, other)
 
 
+def vblora_as_peft(arch: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """qlbench's VB-LoRA state in peft's names: each layer's logits as they are; the one shared bank at the first
+    adapted layer, where peft's stack holds the bank every layer shares."""
+    first = build_backbone(arch, [0]).adapter_targets(None)[0].path
+    out = {}
+    for name, value in state.items():
+        if name == "shared.vblora.bank":
+            out[f"{first}.linear.vblora_vector_bank.default"] = value
+        else:
+            path, _, suffix = name.rpartition(".")
+            out[f"{path}.linear.{suffix}.default"] = value
+    return out
+
+
+def lily_as_peft(arch: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """qlbench's Lily state in peft's names: per (role, shape) group, A (E, layers, r, d_in) -> each layer's lily_A,
+    B (E, experts, r, d_out) -> the group's first layer's lily_B as (E, experts r, d_out); each router as it is."""
+    targets = build_backbone(arch, [0]).adapter_targets(None)
+    out = {}
+    for name, value in state.items():
+        if name.startswith("shared.lily."):
+            key, part = name.split(".")[2:]
+            group = sorted((t for t in targets if t.role == key.rsplit("_", 1)[0]), key=lambda t: t.layer)
+            if part == "A":
+                for t in group:
+                    out[f"{t.path}.linear.lily_A.default.weight"] = value[:, t.layer]
+            else:
+                out[f"{group[0].path}.linear.lily_B.default.weight"] = value.flatten(1, 2)
+        else:
+            out[f"{name.rpartition('.')[0]}.linear.lily_router.default.weight"] = value
+    return out
+
+
+ALIGNED = {  # qlbench's method -> (peft's tuner, its config where it computes the same, the state in its names)
+    "vb-lora": ("peft:vblora", dict(r=4, num_vectors=16, vector_length=8, topk=2), vblora_as_peft),
+    "lily": ("peft:lily", dict(r=13, num_B=2, stride_A=1, scaling=1.0), lily_as_peft),
+}
+PLANTED = {"vb-lora": dict(topk=3), "lily": dict(scaling=2.0)}  # one setting off: another method
+
+
+@pytest.mark.parametrize("arch", BOTH)
+@pytest.mark.parametrize("ours", sorted(ALIGNED))
+def test_peft_vblora_and_lily_train_as_qlbench_s_from_the_same_start(arch, ours):
+    """qlbench's VB-LoRA and Lily were written to compute what peft's tuners compute (their docstrings); trained
+    side by side from the same start, the curves agree; with one setting off (planted), they do not."""
+    theirs, config, names = ALIGNED[ours]
+    mine, start = adapted(arch, ours)
+    peft_run, _ = adapted(arch, theirs, names(arch, start), **config)
+    assert mine.trainable_params == peft_run.trainable_params
+    assert equal_runs(mine, peft_run), (mine.curves.train_mse, peft_run.curves.train_mse)
+    other, _ = adapted(arch, theirs, names(arch, start), **(config | PLANTED[ours]))
+    assert not equal_runs(mine, other)
+
+
 def stack(arch: str, kind: str, members: int = 3, **overrides) -> member.MemberStack:
     method = adapters.get(peft_tuners.PREFIX + kind)
     gens = [torch.Generator().manual_seed(e) for e in range(members)]

@@ -116,4 +116,7 @@ def print_comparison(out: dict, protocol, metric: str) -> None:
     )
     print()
     for r in out["rank"]:
-        print(f"{r['method']}: mean rank {r['mean_rank']:.2f} of {r['of']} over the functions (1 = lowest mean MSE)")
+        print(
+            f"{r['method']}: mean rank {r['mean_rank']:.2f} of {r['of']} over its {r['functions']} function(s) "
+            "(1 = lowest mean MSE on its seeds)"
+        )
