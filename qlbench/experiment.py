@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from qlbench import adapters, cost, engine, protocols, results, runner, zoo
+from qlbench.adapters import member
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
 from qlbench.planning import (
     DTYPES,
@@ -252,12 +253,6 @@ def plan(
         methods_at_once=methods_at_once,
         snapshot_every_s=snapshot_every_s,
     )
-
-
-def member_path(model: torch.nn.Module) -> dict:
-    """{"member_path": how a method written for one member ran (adapters/member.py: "stacked" or "looped: why")},
-    or {} for qlbench's own stacked methods."""
-    return {"member_path": model.path} if isinstance(model, adapters.MemberStack) else {}
 
 
 def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:
@@ -539,7 +534,7 @@ def commit_cell(
         cost=costs,
         chosen=p.chosen
         | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()}
-        | member_path(res.model)
+        | member.recorded(res.model)
         | ({"protocol": under} if under else {}),
         resumed_epoch=c.resumed_epoch,
     )

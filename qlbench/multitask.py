@@ -74,7 +74,7 @@ from pathlib import Path
 import torch
 
 from qlbench import adapters, cost, engine, instructions, parametric, planning, results, runner, suites, zoo
-from qlbench.adapters import instruct, queryable
+from qlbench.adapters import instruct, member, queryable
 from qlbench.adapters.base import isolate_tasks
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
 from qlbench.progress import bar as progress_bar
@@ -598,6 +598,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     out["curves"] = curves
     out["trainable_params"] = adapters.trainable_parameter_count(model)
     out["total_params"] = adapters.total_parameter_count(model)
+    out["chosen"] = member.recorded(model)  # how a method written for one member ran
     out["members"] = len(members)
     return out
 
@@ -663,6 +664,7 @@ def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> No
     bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
     if bad:
         log(f"{row} on {p.suite.name} ({p.schedule}): seed(s) {bad} diverged; the other seeds completed")
+    chosen |= res["chosen"]
     rec = results.make_record(
         **common,
         status="diverged" if bad else "ok",

@@ -8,11 +8,13 @@ oracle of the vmapped stack. Planted bugs show each comparison can fail.
 from __future__ import annotations
 
 import functools
+import json
+import math
 
 import pytest
 import torch
 
-from qlbench import adapters, engine
+from qlbench import adapters, cli, engine
 from qlbench.adapters import member, peft_tuners
 from qlbench.backbones import build_backbone
 
@@ -135,8 +137,17 @@ ALIGNED = {  # qlbench's method -> (peft's tuner, its config where it computes t
 PLANTED = {"vb-lora": dict(topk=3), "lily": dict(scaling=2.0)}  # one setting off: another method
 
 
-@pytest.mark.parametrize("arch", BOTH)
-@pytest.mark.parametrize("ours", sorted(ALIGNED))
+# On the Transformer peft's Lily, aimed at qlbench's target paths, shares one B among every 256x256 layer (q, k, v and
+# o), where qlbench's Lily shares one per role: another method there, so no oracle on that backbone
+@pytest.mark.parametrize(
+    ("arch", "ours"),
+    [
+        (a, m)
+        for a in BOTH
+        for m in sorted(ALIGNED)
+        if not (m == "lily" and getattr(a, "values", [a])[0] != "deep-narrow")
+    ],
+)
 def test_peft_vblora_and_lily_train_as_qlbench_s_from_the_same_start(arch, ours):
     """qlbench's VB-LoRA and Lily were written to compute what peft's tuners compute (their docstrings); trained
     side by side from the same start, the curves agree; with one setting off (planted), they do not."""
@@ -310,3 +321,21 @@ def test_capture_auto_stays_off_for_a_tuner_on_cuda(tmp_path):
     assert plan(["lora"], "auto").capture is True
     assert plan(["lora", "peft:ia3"], "auto").capture is False
     assert plan(["peft:ia3"], "on").capture is True
+
+
+def test_a_tuner_trains_in_a_suite_and_its_record_says_how(tmp_path, capsys):
+    """`qlbench suite --methods peft:lora`: a continual (sequential) suite row of peft's LoRA, every task's MSE
+    recorded after every stage, finite, its trainable count LoRA's and the path it trained on in the record."""
+    out = tmp_path / "results"
+    argv = ["suite", "--suite", "zoo-4", "--schedule", "sequential", "--methods", "peft:lora,peft:loha"]
+    argv += ["--budget", "smoke", "--seeds", "2", "--out", str(out), "--no-progress", "--threads", "1"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    for kind, path in (("lora", "stacked"), ("loha", "looped: vmap failed")):
+        (record,) = (out / f"suites/deep-narrow/zoo-4/sequential/peft:{kind}").glob("*.json")
+        rec = json.loads(record.read_text())
+        assert rec["run_info"]["settings"]["member_path"].startswith(path)
+        assert rec["train_info"]["trainable_params"] == {"lora": 16384, "loha": 32768}[kind]
+        for seed in rec["train_info"]["per_seed"]:
+            stages = seed["stage_task_mse"]  # (stages, tasks)
+            assert len(stages) == 4 and all(len(s) == 4 for s in stages)
+            assert all(v is not None and math.isfinite(v) for s in stages for v in s)

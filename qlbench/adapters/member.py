@@ -210,3 +210,9 @@ class MemberMethod(Method):
         stack = stack.to(device=like.device, dtype=like.dtype)
         stack.path = stack.probe(backbone.config.d_in)
         return stack
+
+
+def recorded(model: nn.Module) -> dict:
+    """{"member_path": how a method written for one member ran ("stacked" or "looped: why")} for a record's
+    run_info.settings, or {} for qlbench's own stacked methods."""
+    return {"member_path": model.path} if isinstance(model, MemberStack) else {}
