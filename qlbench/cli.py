@@ -7,6 +7,7 @@ qlbench/commands/, one module each.
 
 from __future__ import annotations
 
+import codecs
 import errno
 import os
 import signal
@@ -74,6 +75,28 @@ def _terminate(signum, frame):
 
 FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}
 
+# what a table's characters become where the output's encoding lacks them (PYTHONIOENCODING=ascii, a C locale)
+ASCII = {"×": "x", "±": "+/-", "µ": "u", "†": "+", "‡": "++", "≤": "<=", "≥": ">=", "–": "-", "—": "-", "…": "..."}
+ASCII |= {"→": "->", "←": "<-", "≈": "~", "²": "^2", "√": "sqrt", "·": ".", "θ": "theta", "λ": "lambda"}
+
+
+def _ascii(err: UnicodeError) -> tuple[str, int]:
+    """Codec error handler "qlbench-ascii": each character the output cannot encode as its ASCII spelling, else ?."""
+    return "".join(ASCII.get(c, "?") for c in err.object[err.start : err.end]), err.end
+
+
+codecs.register_error("qlbench-ascii", _ascii)
+
+
+def plain_output() -> None:
+    """stdout and stderr print whatever their encoding can hold: a character it lacks is written as ASCII's spelling
+    of it (× as x, ± as +/-), never a UnicodeEncodeError. A UTF-8 terminal is unaffected."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="qlbench-ascii")
+        except (AttributeError, ValueError, OSError):  # a stream without reconfigure (a test's capture), or closed
+            pass
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
@@ -82,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     )
     saved = "finished cells are saved and will be skipped on the next run"
+    plain_output()
     try:
         args = parser.parse_args(argv)
         code = args.func(args)

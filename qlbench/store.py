@@ -24,7 +24,9 @@ import math
 import os
 import pickle
 import re
+import shutil
 import socket
+import stat
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
@@ -79,8 +81,11 @@ def clean_temps(root: Path) -> list[Path]:
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call write(tmp) on a temp file next to `path`, then rename it into place with the user's umask applied
-    (mkstemp creates files 0600). On any error the temp file is removed and `path` is untouched."""
+    (mkstemp creates files 0600). On any error the temp file is removed and `path` is untouched. Only a regular file
+    or a missing path is replaced: anything else there (a device such as /dev/full, a pipe, a socket, a folder) is a
+    ValueError, and nothing is written."""
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_WRITER}.", suffix=".tmp")
     os.close(fd)
@@ -91,6 +96,19 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_replaceable(path: Path) -> None:
+    """ValueError (one line) unless `path` is missing or a regular file (a link to one counts as one)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise ValueError(f"cannot write {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a device, a pipe or a socket)"
+        raise ValueError(f"cannot write {path}: it is {kind}; qlbench writes only over regular files")
 
 
 def write_json(obj, path: Path) -> None:
@@ -113,6 +131,9 @@ def save_torch(obj, path: Path) -> None:
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
+MIN_FREE_BYTES = 1 << 20  # an output folder's device must hold at least a record's worth of bytes before any work
+
+
 def check_writable(folder: Path, what: str = "results folder") -> None:
     """ValueError (one line) unless `folder` is a folder this process can write in, or can be created: every
     existing part of the path a folder, the nearest existing one writable. Creates nothing, so a command refused
@@ -129,11 +150,19 @@ def check_writable(folder: Path, what: str = "results folder") -> None:
         raise ValueError(f"cannot create {what} {folder}: {base} is a file, not a folder")
     if not os.access(base, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write to {what} {folder}: {base} is not writable")
-    if base == folder:
-        try:
+    try:  # what os.access cannot tell (root on a read-only or virtual file system such as /proc): try it
+        if base == folder:
             tempfile.TemporaryFile(dir=folder).close()
-        except OSError as err:
-            raise ValueError(f"cannot write to {what} {folder}: {err.strerror or err}") from None
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=base, prefix=".qlbench-probe-"))
+    except OSError as err:
+        raise ValueError(
+            f"cannot {'write to' if base == folder else 'create'} {what} {folder}: {err.strerror or err}"
+        ) from None
+    free = shutil.disk_usage(base).free
+    if free < MIN_FREE_BYTES:
+        raise ValueError(f"cannot write to {what} {folder}: its device has {free:,} bytes free (the disk is full)")
+    if base == folder:
         # every folder already inside it may receive records, backbones or suite rows: a read-only one would fail
         # only after the training (records/) or the pretraining (backbones/)
         for inner, _, _ in os.walk(folder):

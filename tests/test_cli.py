@@ -481,3 +481,16 @@ def test_the_console_script_exits_with_mains_status(monkeypatch, capsys, returne
         assert left.type is SystemExit and left.value.code == returned
     else:
         assert left.value is raised
+
+
+def test_a_table_prints_where_the_output_encoding_is_ascii():
+    """PYTHONIOENCODING=ascii: × prints as x (and ± as +/-), exit 0, no UnicodeEncodeError (the leaderboard's header
+    has ×)."""
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    code = "from qlbench.cli import entry; entry()"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "compare", "--leaderboard"], env=env, capture_output=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr.decode("ascii", "replace")[-500:]
+    assert out.stdout.isascii() and b"Traceback" not in out.stderr
+    assert b"| x LoRA (geometric mean) |" in out.stdout

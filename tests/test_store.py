@@ -182,3 +182,42 @@ def test_an_out_that_is_a_link_loop_or_holds_a_read_only_folder_is_refused(tmp_p
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == locked else access(p, mode))
     with pytest.raises(ValueError, match=f"{locked} is not writable"):
         store.check_writable(out)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc file system here")
+def test_an_out_on_a_file_system_that_takes_no_folders_is_refused_before_any_work():
+    """/proc is writable to os.access as root, but takes no new folder: the probe creates (and removes) one."""
+    from qlbench import store
+
+    with pytest.raises(ValueError, match="cannot create results folder /proc/qlbench-x/y"):
+        store.check_writable(store.Path("/proc/qlbench-x/y"))
+
+
+def test_an_out_on_a_full_device_is_refused(tmp_path, monkeypatch):
+    from qlbench import store
+
+    store.check_writable(tmp_path / "new")
+    usage = store.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(ValueError, match="4,096 bytes free"):
+        store.check_writable(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_atomic_writer_replaces_only_regular_files(tmp_path):
+    """A record, a report or a verify file is written over a regular file or a missing path, never over a device, a
+    pipe or a folder (a rename over /dev/full as root replaced the device)."""
+    from qlbench import store
+
+    fifo, folder, link = tmp_path / "pipe", tmp_path / "folder", tmp_path / "link"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    store.write_json({"a": 1}, tmp_path / "file.json")
+    link.symlink_to(tmp_path / "file.json")
+    store.write_json({"a": 2}, link)  # a link to a regular file: the link is replaced by the file
+    for target in (fifo, folder, *([store.Path("/dev/full")] if os.path.exists("/dev/full") else [])):
+        kind = os.stat(target).st_mode
+        with pytest.raises(ValueError, match="writes only over regular files"):
+            store.write_json({"a": 3}, target)
+        assert os.stat(target).st_mode == kind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.json", "folder", "link", "pipe"]  # no temp file left

@@ -43,9 +43,13 @@ def check_out(folder, what: str = "output folder") -> None:
 
 def check_out_file(path) -> None:
     """UsageError (one line) unless a file can be written at `path` (not a folder; its folder writable)."""
+    from qlbench.store import check_replaceable
+
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{path} is a folder; give a file path for the report")
+    with usage_errors():
+        check_replaceable(path)
     check_out(path.parent, "folder of the report")
 
 
