@@ -86,6 +86,25 @@ def _named(task) -> bool:
 # stages a suite record holds, per schedule, for T tasks and the card's sequential `stages` (None: one per task;
 # suites.Suite.schedule_stages)
 SUITE_STAGES = {"joint": lambda T, n: 1, "sequential": lambda T, n: n or T, "held-out": lambda T, n: 1}
+
+
+def _count(v) -> bool:
+    return _int(v) and v >= 0
+
+
+def _latencies(v) -> bool:
+    """{"1": {"adapted": s, "frozen": s}, "256": ...}: seconds per sample, each a number >= 0 or null."""
+    ok = lambda x: x is None or (_num(x) and x >= 0)
+    return _dict(v) and all(_dict(b) and all(ok(x) for x in b.values()) for b in v.values())
+
+
+COST = {  # train_info.cost (qlbench/cost.py); records written before costs were measured have none
+    "adapter_bytes": (_opt(_count), "optional"),
+    "peak_train_bytes": (_opt(_count), "optional"),
+    "memory_method": (_opt(_str), "optional"),
+    "latency_s_per_sample": (_latencies, "optional"),
+}
+_NAMES |= {_count: "a count (an integer >= 0)", _latencies: "seconds per sample by batch"}
 TRAIN_INFO = {
     "status": _one_of(STATUSES),
     "message": _str,
@@ -93,6 +112,9 @@ TRAIN_INFO = {
     "trainable_params": _opt(_int),
     "total_params": _opt(_int),
     "resumed_from_epoch": (_int, "optional"),
+    "stacked_members": (_opt(_count), "optional"),
+    "eval_epochs": (_list(_int), "optional"),
+    "cost": (COST, "optional"),
     "per_seed": _list(_dict),
 }
 CELL_SEED = {

@@ -173,6 +173,12 @@ def _edit(rec: dict, how: str) -> None:
         seeds[0]["status"] = "diverged"
     elif how == "curve of strings":
         seeds[1]["test_curve"] = ["x"]
+    elif how == "cost a string":
+        rec["train_info"]["cost"] = "cheap"
+    elif how == "peak memory a word":
+        rec["train_info"]["cost"]["peak_train_bytes"] = "big"
+    elif how == "a latency a string":
+        rec["train_info"]["cost"]["latency_s_per_sample"]["1"]["adapted"] = "fast"
     else:
         raise AssertionError(how)
 
@@ -187,6 +193,9 @@ DAMAGE = (
     "a seed dropped",
     "ok with a diverged seed",
     "curve of strings",
+    "cost a string",
+    "peak memory a word",
+    "a latency a string",
 )
 
 
