@@ -18,9 +18,9 @@ from helpers import ReplayByRerun, one_line_error
 
 @pytest.mark.slow  # 44 s on 2 cores: under -m slow (CI), so the default suite stays within about 10 minutes
 def test_quick_bench_writes_consistent_report(tmp_path, capsys, monkeypatch):
-    from qlbench.bench import cases
+    from qlbench.bench import capture
 
-    monkeypatch.setattr(cases, "AT_ONCE_CHUNK", 1)  # the at_once row at a tenth of its steps (tested below)
+    monkeypatch.setattr(capture, "AT_ONCE_CHUNK", 1)  # the at_once row at a tenth of its steps (tested below)
     assert (
         cli.main(
             [
@@ -187,7 +187,7 @@ def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monke
     bench timed 4 steps a chunk, so most rounds held no refresh and the rate left it out (on an H200 the estimate's
     full-soap step came from such chunks). Each timed call here is run once, counting the refreshes it makes: every
     call that steps a StackedSoap holds one per ten steps, and at least one."""
-    from qlbench.bench import cases
+    from qlbench.bench import training
     from qlbench.soap import StackedSoap
 
     refreshes = [0]
@@ -199,7 +199,7 @@ def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monke
 
     seen: dict[str, list[int]] = {}
 
-    def once(fns, rounds, device):  # cases.alternate, each fn run once, the refreshes in it counted
+    def once(fns, rounds, device):  # training.alternate, each fn run once, the refreshes in it counted
         for name, (fn, _) in fns.items():
             before = refreshes[0]
             fn()
@@ -207,13 +207,13 @@ def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monke
         return {name: [1.0] * rounds for name in fns}
 
     monkeypatch.setattr(StackedSoap, "refresh", counted)
-    monkeypatch.setattr(cases, "alternate", once)
+    monkeypatch.setattr(training, "alternate", once)
     s = bench.Settings.make(quick=True)
     if row == "throughput":
-        cases.throughput("deep-narrow", "full-soap", 2, s, torch.device("cpu"))
+        training.throughput("deep-narrow", "full-soap", 2, s, torch.device("cpu"))
         assert seen["stacked"] == [1] and seen["per_seed"] == [1]  # 4 steps asked, 10 timed: one refresh each
     else:
-        row = cases.soap_row("deep-narrow", 2, s, torch.device("cpu"))
+        row = training.soap_row("deep-narrow", 2, s, torch.device("cpu"))
         assert seen["batched"] == [1] and seen["refresh"] == [1] and seen["per-member"] == [0]  # pytorch_optimizer's
         assert row["refresh_share"] == pytest.approx(row["refresh_ms"] / 10 / row["batched_ms"])
         assert "refresh_lapack" not in seen and "refresh_lapack_ms" not in row  # the CPU's refresh is LAPACK's
@@ -232,7 +232,7 @@ def test_every_timed_chunk_of_full_soap_holds_whole_periods_of_its_refresh(monke
 
         recorders = []
         monkeypatch.setattr(step_module, "RECORDER", lambda d: recorders.append(ReplayByRerun(d)) or recorders[-1])
-        row = cases.soap_row("deep-narrow", 2, s, torch.device("cpu"))
+        row = training.soap_row("deep-narrow", 2, s, torch.device("cpu"))
         assert seen["refresh_lapack"] == [1] and row["refresh_lapack_ms"] > 0
         assert qlbench.soap.HOUSEHOLDER_MAX_SIZE == 64 and paths  # the Householder path taken without lapack_qr
         assert seen["refresh_recorded"] == [1] and row["refresh_recorded_ms"] > 0
@@ -401,10 +401,12 @@ def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
     assert est["methods"]["lora"]["eval_s"] == pytest.approx(501 * 0.6)
     assert "captured steps and their evaluations at E = 45" in "".join(output.estimate(est))
 
-    from qlbench.bench import cases
+    from qlbench.bench import schedule
 
     s = bench.Settings.make(quick=True)
-    labels = [label for label, _ in cases.tasks(["deep-narrow", "transformer"], ["full-soap", "lora"], s, "cuda", {})]
+    labels = [
+        label for label, _ in schedule.tasks(["deep-narrow", "transformer"], ["full-soap", "lora"], s, "cuda", {})
+    ]
     assert {
         "deep-narrow capture lora E=45",
         "transformer capture lora E=45",
@@ -413,27 +415,27 @@ def test_on_cuda_the_estimate_takes_each_methods_widest_captured_stack():
     assert "transformer capture full-soap E=45" in labels  # on a GPU's memory (a row that does not fit is skipped)
     # the estimate's rows first: a bench stopped at a GPU call's time limit keeps them
     assert labels.index("deep-narrow capture full-soap E=45") < labels.index("deep-narrow capture lora E=5")
-    cpu = [label for label, _ in cases.tasks(["deep-narrow"], ["lora"], s, "cpu", {})]
+    cpu = [label for label, _ in schedule.tasks(["deep-narrow"], ["lora"], s, "cpu", {})]
     assert not any("capture" in label for label in cpu)
     # full-soap's optimiser step and refresh at the paper's width too on CUDA (its refresh's 3,060 QRs), not the
     # Transformer's 45 per-member SOAP states; on the CPU at the settings' widths only
     assert {"deep-narrow SOAP E=5", "deep-narrow SOAP E=45", "transformer SOAP E=5"} <= set(labels)
     assert "transformer SOAP E=45" not in labels
-    cpu = [label for label, _ in cases.tasks(["deep-narrow"], ["full-soap"], s, "cpu", {}) if "SOAP" in label]
+    cpu = [label for label, _ in schedule.tasks(["deep-narrow"], ["full-soap"], s, "cpu", {}) if "SOAP" in label]
     assert cpu == ["deep-narrow SOAP E=5"]
 
 
 def test_a_runs_capture_rows_get_its_measured_rates_for_their_floor(monkeypatch):
     """The capture rows take the rates the run measured at its start (matmul peak, memory bandwidth) for their
     roofline floor; a report without a bandwidth (an older run's), none."""
-    from qlbench.bench import cases
+    from qlbench.bench import schedule
 
     given = []
-    monkeypatch.setattr(cases, "capture_row", lambda *args: given.append(args[-1]) or dict(arch="deep-narrow"))
+    monkeypatch.setattr(schedule, "capture_row", lambda *args: given.append(args[-1]) or dict(arch="deep-narrow"))
     s = bench.Settings.make(quick=True)
     for report, rates in [(dict(peak_gflops_start=49e3, bandwidth_gbs=4e3), (49e3, 4e3)), ({}, None)]:
         report |= dict(capture=[])
-        todo = dict(cases.tasks(["deep-narrow"], ["lora"], s, "cuda", report))
+        todo = dict(schedule.tasks(["deep-narrow"], ["lora"], s, "cuda", report))
         todo["deep-narrow capture lora E=45"]()
         assert given.pop() == rates and len(report["capture"]) == 1
 
@@ -623,20 +625,20 @@ def test_only_runs_the_measurements_of_the_kinds_named(monkeypatch, tmp_path, ca
     """Every measurement has a kind, the report key it writes (so `--only` can name it); `--only throughput` runs
     the throughput rows and nothing else, and the report shows neither the other tables nor their empty headers.
     An unknown kind is a one-line usage error naming the valid ones, before anything is measured."""
-    from qlbench.bench import cases
+    from qlbench.bench import schedule
 
     s = bench.Settings.make(quick=True)
     for device in ("cpu", "cuda"):
-        todo = cases.tasks(["deep-narrow", "transformer"], adapters.names(), s, device, {})
+        todo = schedule.tasks(["deep-narrow", "transformer"], adapters.names(), s, device, {})
         assert {fn.kind for _, fn in todo} <= set(bench.KINDS)
     ran = []
-    real = cases.tasks
+    real = schedule.tasks
 
     def recording(*a, **k):  # the measurements themselves replaced: which ones run is what is checked
-        return [(label, cases.kind(fn.kind, lambda label=label: ran.append(label))) for label, fn in real(*a, **k)]
+        return [(label, schedule.kind(fn.kind, lambda label=label: ran.append(label))) for label, fn in real(*a, **k)]
 
-    monkeypatch.setattr(cases, "tasks", recording)
-    monkeypatch.setattr(cases, "matmul_peak", lambda device: 1.0)
+    monkeypatch.setattr(schedule, "tasks", recording)
+    monkeypatch.setattr(schedule, "matmul_peak", lambda device: 1.0)
     report = bench.run(
         ["deep-narrow"], ["lora", "queryable"], s, torch.device("cpu"), progress=False, only={"throughput"}
     )
@@ -649,33 +651,33 @@ def test_only_runs_the_measurements_of_the_kinds_named(monkeypatch, tmp_path, ca
 
 
 # what the profiler gives a capture row in place of CUDA's kernels: per step, two 20 µs matmuls and one 5 µs GELU
-PROFILED = [("sgemm", 20.0), ("gelu", 5.0), ("sgemm", 20.0)] * 3  # cases.PROFILED_STEPS
+PROFILED = [("sgemm", 20.0), ("gelu", 5.0), ("sgemm", 20.0)] * 3  # capture.PROFILED_STEPS
 
 
 def test_kernel_summary_counts_times_and_ranks_the_kernels_per_step():
-    from qlbench.bench import cases
+    from qlbench.bench import capture
 
     kernels = [("a", 1.0), ("b", 10.0), ("c", 4.0), ("a", 1.0), ("b", 10.0), ("c", 4.0), ("d", 0.0), ("d", 0.0)]
-    out = cases.kernel_summary(kernels, steps=2, top=2)  # per step: a 1 µs, b 10 µs, c 4 µs, d 0 µs
+    out = capture.kernel_summary(kernels, steps=2, top=2)  # per step: a 1 µs, b 10 µs, c 4 µs, d 0 µs
     assert out["kernels"] == 4 and out["kernel_ms"] == pytest.approx(15e-3)
     assert out["top"] == [
         dict(kernel="b", per_step=1.0, us_per_step=10.0, share=pytest.approx(10 / 15)),
         dict(kernel="c", per_step=1.0, us_per_step=4.0, share=pytest.approx(4 / 15)),
     ]
-    assert cases.kernel_summary([], steps=3) == dict(kernels=0, kernel_ms=0, top=[])
+    assert capture.kernel_summary([], steps=3) == dict(kernels=0, kernel_ms=0, top=[])
 
 
 def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
     """`capture_row` (CUDA only) run on the CPU stand-in for CUDA graphs, with the profiler's kernels stubbed: its row
     has every column the capture table and the estimate read, the stack's evaluation time among them, and the
     captured step's kernels summed and ranked per step."""
-    from qlbench.bench import cases, dispatch
+    from qlbench.bench import capture, dispatch
     from qlbench.engine import step as step_module
 
     from helpers import ReplayByRerun
 
     monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
-    monkeypatch.setattr(cases, "profiled_kernels", lambda step, data, device: PROFILED)
+    monkeypatch.setattr(capture, "profiled_kernels", lambda step, data, device: PROFILED)
     s = bench.Settings.make(quick=True)
     precisions = []  # the float32 matmul precision each recording was made under
 
@@ -685,7 +687,7 @@ def test_a_capture_row_times_its_stacks_evaluation(monkeypatch):
             return super().record(body, params, optimizer)
 
     monkeypatch.setattr(step_module, "RECORDER", Spy)
-    row = cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"), rates=(1000.0, 100.0))
+    row = capture.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"), rates=(1000.0, 100.0))
     assert row["members"] == 2 and row["eval_s"] > 0 and row["eval_eager_s"] > 0 and row["captured_rate"] > 0
     # the roofline floor of the same step at the rates given (1,000 GFLOP/s, 100 GB/s), and the step's share of it
     floor = dispatch.roofline_ms(dispatch.step_traffic("deep-narrow", "lora", 2), 1000.0, 100.0)
@@ -710,7 +712,7 @@ def test_a_capture_row_releases_its_recordings_even_when_it_fails(monkeypatch):
     """`capture_row` closes every step it built once measured, as a training stage does at its end (engine.fit):
     the recordings (on CUDA their graphs and memory pools) are released inside the row, not left to the next row's
     torch._dynamo reset or to the interpreter's exit; also when a measurement inside the row raises."""
-    from qlbench.bench import cases
+    from qlbench.bench import capture
     from qlbench.engine import step as step_module
 
     from helpers import ReplayByRerun
@@ -720,17 +722,17 @@ def test_a_capture_row_releases_its_recordings_even_when_it_fails(monkeypatch):
     close = step_module.CapturedStep.close
     monkeypatch.setattr(step_module.CapturedStep, "close", lambda self: (close(self), closed.append(self)))
     s = bench.Settings.make(quick=True)
-    monkeypatch.setattr(cases, "profiled_kernels", lambda step, data, device: PROFILED)
-    cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
+    monkeypatch.setattr(capture, "profiled_kernels", lambda step, data, device: PROFILED)
+    capture.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert len(closed) == 2 and all(not step.graphs for step in closed)  # captured, captured_tf32
 
     def fails(step, data, device):
         raise RuntimeError("profiler failed")
 
     closed.clear()
-    monkeypatch.setattr(cases, "profiled_kernels", fails)
+    monkeypatch.setattr(capture, "profiled_kernels", fails)
     with pytest.raises(RuntimeError, match="profiler failed"):
-        cases.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
+        capture.capture_row("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert len(closed) == 2 and all(not step.graphs for step in closed)
 
 
@@ -738,23 +740,23 @@ def test_a_capture_row_that_runs_out_of_device_memory_is_skipped_with_a_line(mon
     """On CUDA every trained method is captured at the paper's 45 members, full-soap's Transformer with its SOAP
     states included; a row the device has no memory for is one line on stderr and no row, and the rows after it are
     still measured (the estimate then scales that method from its narrower stack)."""
-    from qlbench.bench import cases
+    from qlbench.bench import schedule
 
     def row(arch, method, E, s, device, rates):
         if (arch, method, E) == ("transformer", "full-soap", 45):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
         return dict(arch=arch, method=method, members=E)
 
-    monkeypatch.setattr(cases, "capture_row", row)
+    monkeypatch.setattr(schedule, "capture_row", row)
     s = bench.Settings.make(quick=True)
     report = {"capture": []}
-    for _, fn in cases.tasks(["transformer"], ["full-soap", "lora"], s, "cuda", report):
+    for _, fn in schedule.tasks(["transformer"], ["full-soap", "lora"], s, "cuda", report):
         if fn.kind == "capture":
             fn()
     measured = [(r["method"], r["members"]) for r in report["capture"]]
     # full-soap's 45 Transformers last: the slowest row to set up, so that a run stopped at its limit keeps the rest
     assert measured == [("pretraining", 45), ("lora", 45), ("pretraining", 5), ("full-soap", 5), ("lora", 5)]
-    labels = [label for label, fn in cases.tasks(["transformer"], ["full-soap", "lora"], s, "cuda", {}) if
+    labels = [label for label, fn in schedule.tasks(["transformer"], ["full-soap", "lora"], s, "cuda", {}) if
               fn.kind == "capture"]  # fmt: skip
     assert labels[-1] == "transformer capture full-soap E=45"
     err = capsys.readouterr().err.strip().splitlines()
@@ -767,16 +769,16 @@ def test_a_capture_row_that_runs_out_of_device_memory_is_skipped_with_a_line(mon
 def test_a_stopped_bench_keeps_the_rows_it_measured(monkeypatch, tmp_path):
     """`partial` sees the report after every measurement (the command writes it to bench.partial.json, and removes
     that file once bench.json is written), so a bench stopped at a time limit keeps the rows measured before."""
-    from qlbench.bench import cases
+    from qlbench.bench import schedule
 
     def fake(*a, **k):  # each throughput measurement adds one row, under a key nothing after the run reads
         report = a[4]
         row = lambda label: report["profile"].append(dict(label=label))
-        return [(label, cases.kind(fn.kind, lambda label=label: row(label))) for label, fn in real(*a, **k)]
+        return [(label, schedule.kind(fn.kind, lambda label=label: row(label))) for label, fn in real(*a, **k)]
 
-    real = cases.tasks
-    monkeypatch.setattr(cases, "tasks", fake)
-    monkeypatch.setattr(cases, "matmul_peak", lambda device: 1.0)
+    real = schedule.tasks
+    monkeypatch.setattr(schedule, "tasks", fake)
+    monkeypatch.setattr(schedule, "matmul_peak", lambda device: 1.0)
     seen = []
     s = bench.Settings.make(quick=True)
     bench.run(["deep-narrow"], ["lora", "queryable"], s, torch.device("cpu"), progress=False, only={"throughput"},
@@ -963,7 +965,7 @@ def test_no_variant_compiles_inside_the_timed_rounds(row, monkeypatch):
     stand-in for CUDA graphs."""
     from torch._dynamo.testing import CompileCounter
 
-    from qlbench.bench import cases
+    from qlbench.bench import capture, training
     from qlbench.engine import loop
     from qlbench.engine import step as step_module
 
@@ -978,9 +980,10 @@ def test_no_variant_compiles_inside_the_timed_rounds(row, monkeypatch):
     monkeypatch.setattr(loop, "compiled", counted)
     monkeypatch.setattr(step_module, "compiled_update", lambda opt: torch.compile(opt.step, backend=counter))
     monkeypatch.setattr(step_module, "RECORDER", ReplayByRerun)
-    monkeypatch.setattr(cases, "profiled_kernels", lambda step, data, device: PROFILED)
+    monkeypatch.setattr(capture, "profiled_kernels", lambda step, data, device: PROFILED)
+    module = {"compile_row": training, "capture_row": capture}[row]  # each row times with its module's alternate
     during = []
-    real = cases.alternate
+    real = module.alternate
 
     def timed(fns, rounds, device):
         before = counter.frame_count
@@ -988,9 +991,9 @@ def test_no_variant_compiles_inside_the_timed_rounds(row, monkeypatch):
         during.append(counter.frame_count - before)
         return out
 
-    monkeypatch.setattr(cases, "alternate", timed)
+    monkeypatch.setattr(module, "alternate", timed)
     s = bench.Settings.make(quick=True, compile=True)
-    getattr(cases, row)("deep-narrow", "lora", 2, s, torch.device("cpu"))
+    getattr(module, row)("deep-narrow", "lora", 2, s, torch.device("cpu"))
     assert counter.frame_count > 0 and during == [0]
 
 
@@ -1001,7 +1004,7 @@ def test_an_at_once_row_times_a_round_one_after_another_and_at_once(monkeypatch)
     paper's 45 members, all at once; on the CPU as many at once as the cores hold at the narrowest E."""
     import threading
 
-    from qlbench.bench import cases
+    from qlbench.bench import capture, schedule
 
     ran: list[tuple[int, bool]] = []  # (the step, whether it ran in the caller's thread)
     call, close, closed = engine.Step.__call__, engine.Step.close, []
@@ -1013,22 +1016,22 @@ def test_an_at_once_row_times_a_round_one_after_another_and_at_once(monkeypatch)
 
     monkeypatch.setattr(engine.Step, "__call__", spy)
     monkeypatch.setattr(engine.Step, "close", lambda self: (close(self), closed.append(self)))
-    monkeypatch.setattr(cases, "AT_ONCE_CHUNK", 2)  # the steps a timed call runs follow it (the default: 10)
+    monkeypatch.setattr(capture, "AT_ONCE_CHUNK", 2)  # the steps a timed call runs follow it (the default: 10)
     s = bench.Settings.make(quick=True)
-    row = cases.at_once_row("deep-narrow", ["lora", "queryable", "full-soap"], 2, 2, s, torch.device("cpu"))
+    row = capture.at_once_row("deep-narrow", ["lora", "queryable", "full-soap"], 2, 2, s, torch.device("cpu"))
     assert row["methods"] == ["lora", "queryable", "full-soap"] and row["members"] == 2 and row["width"] == 2
     assert row["one_after_another_ms"] > 0 and row["at_once_ms"] > 0 and row["at_once_speedup"] > 0
     steps = list(dict.fromkeys(step for step, _ in ran))
-    assert s.steps["deep-narrow"] * cases.AT_ONCE_CHUNK == 8
+    assert s.steps["deep-narrow"] * capture.AT_ONCE_CHUNK == 8
     n, warm = 10, engine.step.WARMUP + 2  # the 8 steps asked, as whole periods of full-soap's refresh (every 10 steps)
     assert len(steps) == 3 and len(closed) == 3
     for step in steps:
         mine = [in_main for k, in_main in ran if k == step]
         assert mine.count(True) == warm + s.rounds * n and mine.count(False) == s.rounds * n  # the threads' rounds
-    labels = [label for label, _ in cases.tasks(["deep-narrow", "transformer"], ["full-soap", "lora", "dora"], s,
+    labels = [label for label, _ in schedule.tasks(["deep-narrow", "transformer"], ["full-soap", "lora", "dora"], s,
               "cuda", {})]  # fmt: skip
     assert "deep-narrow 3 methods, 3 at once E=45" in labels and "transformer 2 methods, 2 at once E=45" in labels
-    cpu = [label for label, _ in cases.tasks(["deep-narrow"], ["lora", "dora"], s, "cpu", {}) if "at once" in label]
+    cpu = [label for label, _ in schedule.tasks(["deep-narrow"], ["lora", "dora"], s, "cpu", {}) if "at once" in label]
     width = s.side_by_side_for("deep-narrow", 5)[1]  # the stack's one thread: as many as the cores
     assert cpu == ([f"deep-narrow 2 methods, {width} at once E=5"] if width > 1 else [])
 
@@ -1070,15 +1073,15 @@ def test_an_at_once_row_that_fails_is_a_line_and_the_run_goes_on(monkeypatch, ca
     """The `at_once` rows train several threads' stacks at once, recording CUDA graphs among them (which once failed
     every method on an H200): a RuntimeError in one is one line on stderr and no row, not the end of the bench (its
     later rows and the estimate still come)."""
-    from qlbench.bench import cases
+    from qlbench.bench import schedule
 
     def fails(arch, methods, E, width, s, device):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
 
-    monkeypatch.setattr(cases, "at_once_row", fails)
+    monkeypatch.setattr(schedule, "at_once_row", fails)
     report = {"at_once": []}
     s = bench.Settings.make(quick=True)
-    for _, fn in cases.tasks(["deep-narrow"], ["lora", "dora"], s, "cuda", report):
+    for _, fn in schedule.tasks(["deep-narrow"], ["lora", "dora"], s, "cuda", report):
         if fn.kind == "at_once":
             fn()
     assert report["at_once"] == []

@@ -31,31 +31,23 @@ here asserts a speed: the numbers are reported, not tested.
 
 The modules: `timing` (Settings, alternating rounds, timed chunks, the matmul peak, the memory bandwidth, FLOP
 counts), `models` (what is timed: qlbench's stacks, the plain PyTorch loop, the kernel floor), `dispatch` (a step's
-kernels on the meta device, their FLOPs and bytes, the roofline floor), `cases` (the measured cases and `run`),
-`parallel` (tasks side by side in separate processes), `estimate` (the paper-table estimate) and `output` (the
-Markdown).
+kernels on the meta device, their FLOPs and bytes, the roofline floor), the measured cases by kind: `training`
+(plain, throughput, overhead, compile, dispatch, profile, soap, padding), `capture` (capture, at_once), `forwards`
+(inference), `workloads` (pareto_stack, suite, hf, snapshot) and `members` (members), then `schedule` (the
+measurements in order, KINDS and `run`), `parallel` (tasks side by side in separate processes), `estimate` (the
+paper-table estimate) and `output` (the Markdown).
 """
 
 from __future__ import annotations
 
-from qlbench.bench.cases import (
-    COMPILED_FORWARDS,
-    KINDS,
-    compile_row,
-    inference,
-    overhead,
-    plain_loop,
-    profile_row,
-    run,
-    soap_row,
-    tasks,
-    throughput,
-)
 from qlbench.bench.estimate import list_schedule, paper_estimate
+from qlbench.bench.forwards import COMPILED_FORWARDS, inference
 from qlbench.bench.models import batches, lora_floor_step, plain_deep_narrow_lora, plain_step, stacked_model
 from qlbench.bench.output import markdown
 from qlbench.bench.parallel import side_by_side
+from qlbench.bench.schedule import KINDS, run, tasks
 from qlbench.bench.timing import BATCH, Settings
+from qlbench.bench.training import compile_row, overhead, plain_loop, profile_row, soap_row, throughput
 
 __all__ = [
     "BATCH",

@@ -6,7 +6,7 @@ so the kernel count is what a change to a method's layers moves. The meta device
 where the two differ from the CPU's (`stacked.memberwise` pads on the CPU only), and each dispatched op is counted
 as one kernel (a few launch two on CUDA, e.g. a baddbmm's copy of its input): views and allocations are left out,
 as they launch none. The step is the engine's, its loss included; not counted: the optimiser's update (on CUDA one
-fused AdamW kernel, or full-soap's SOAP step). An estimate of torch.profiler's CUDA count (`cases.capture_row`): on
+fused AdamW kernel, or full-soap's SOAP step). An estimate of torch.profiler's CUDA count (`capture.capture_row`): on
 an NVIDIA H200 the profiler counted 369 kernels for deep-narrow LoRA's whole step and 1,396 for Queryable LoRA's,
 where this count gives 332 and 1,473 for the same code (docs/speed.md).
 
