@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qlbench import cli, verify
-from qlbench.theory import checks
+from qlbench.theory.bounds import Bound
 
 from helpers import one_line_error
 
@@ -46,7 +46,7 @@ def test_no_queryable_record_is_exit_2(capsys, tmp_path):
 
 def test_violated_bound_is_loud_and_exit_1(capsys, tmp_path, monkeypatch):
     record = fake_results(tmp_path)
-    bad = checks.Bound(
+    bad = Bound(
         "prop:app_convex_hull_bound",
         "||S_b|| <= max_m ||C_m|| = R_C",
         torch.tensor([1.0, 3.0]),

@@ -1,10 +1,11 @@
 """Tables and figures for qlbench: the paper tables with paired statistics, in Markdown, LaTeX and CSV, and seaborn
 figures. Entry point: `write_report(frame, curves, out_dir)`.
 
-    tables   results -> DataFrames of text: the run table, the paper tables, paired statistics, legends
-    figures  matplotlib Figures (no pyplot state): curves, log-ratio heatmap, gradients, routing, signal, zoo
-    write    write_report: every table and figure of a results frame as files, one set per (arch, budget, init)
-    suite    write_suite_report: the suite section (tables, stage x task heatmaps, continual-routing figures)
+    tables        results -> DataFrames of text: the run table, the paper tables, paired statistics, legends
+    figures       matplotlib Figures (no pyplot state): curves, log-ratio heatmap, gradients, routing, signal, zoo
+    cost_figures  quality against cost: the cost panels and the Pareto figure
+    write         write_report: every table and figure of a results frame as files, one set per (arch, budget, init)
+    suite         write_suite_report: the suite section (tables, stage x task heatmaps, continual-routing figures)
 
 Every number says how many seeds it stands on, and a diverged seed counts as MSE = inf in every "best" mark and
 test (see `qlbench.stats` for the conventions); numbers and Markdown tables come from `qlbench.text`.

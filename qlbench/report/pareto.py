@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from qlbench import pareto, results, stats, store, text
-from qlbench.report.figures import pareto_figure
+from qlbench.report.cost_figures import pareto_figure
 from qlbench.report.write import _save_figure
 
 LEGEND = (

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from qlbench import adapters, diagnostics, per_seed, results, stats, store, text
 from qlbench.backbones import DEFAULT_INIT
-from qlbench.report import figures, tables
+from qlbench.report import cost_figures, figures, tables
 
 # --------------------------------------------------------------------------------------------------------------
 # LaTeX: booktabs table floats from the pandas Styler.
@@ -239,8 +239,8 @@ def _slice_figures(frame, curves, folder: Path, metric: str, files: list) -> Non
             _save_figure(files, figures.curves_figure(c, split), folder / f"curves-{split}")
     if adapters.BASELINE in set(frame["method"]) and len(set(frame["method"])) > 1:  # LoRA alone has nothing to compare
         _save_figure(files, figures.log_ratio_figure(frame, metric), folder / f"log-ratio-{metric}")
-    for x in figures.COST_AXES:
-        if (fig := figures.cost_figure(frame, metric, x)) is not None:
+    for x in cost_figures.COST_AXES:
+        if (fig := cost_figures.cost_figure(frame, metric, x)) is not None:
             _save_figure(files, fig, folder / f"cost-{x}-{metric}")
 
 

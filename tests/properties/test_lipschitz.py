@@ -4,7 +4,7 @@ projections (thm:app_attention_projection_norm_stability, stability part).
 
 The statements' premise is that the block's states are fixed while e moves: Prop. 11 fixes the completed-block
 means sbar_i, and its proof ("the only part of q0 that depends on e is lambda_ctx Q_ctx e") also fixes the entry
-state s_entry. The router-level tests and `checks.lipschitz` hold both fixed (re-routing the real
+state s_entry. The router-level tests and `lipschitz_checks.lipschitz` hold both fixed (re-routing the real
 QueryableMemory.route from the recorded states). In the running network that premise holds for the first block
 only: later blocks' states depend on e through the earlier blocks' routed updates, and the end-to-end version of
 the bound is false (test_instruction_stability_end_to_end_later_blocks, an expected failure with a counterexample).
@@ -20,7 +20,7 @@ import torch
 from hypothesis import assume, example, given, settings, target
 from hypothesis import strategies as st
 
-from qlbench.theory import checks, formulas, tracing
+from qlbench.theory import formulas, lipschitz_checks, norm_checks, tracing
 
 from models import ModelCase, model_cases
 from strategies import instruction_pairs, positive_lambda_ctxs, ratio, reals, router_cases, tol
@@ -132,7 +132,7 @@ def test_router_operator_and_layer_update_lipschitz_real_model(case, size, seed)
     model, x, e, e2 = _probe(case, size, seed)
     with torch.no_grad():
         t = tracing.trace(model, x, e)
-        bounds = checks.lipschitz(t, e2)
+        bounds = lipschitz_checks.lipschitz(t, e2)
     assert "prop:app_router_operator_lipschitz" in {b.label for b in bounds}
     assert_holds(bounds)
 
@@ -153,7 +153,7 @@ def test_attention_projection_stability_real_model(case, size, seed):
     model, x, e, e2 = _probe(case, size, seed)
     with torch.no_grad():
         t = tracing.trace(model, x, e)
-        bounds = checks.lipschitz(t, e2)
+        bounds = lipschitz_checks.lipschitz(t, e2)
     stab = [b for b in bounds if b.label == "thm:app_attention_projection_norm_stability"]
     assert {b.quantity.split("[")[1][0] for b in stab} <= {"q", "k", "v", "o"}
     assert_holds(bounds)
@@ -173,7 +173,7 @@ def _end_to_end(case: ModelCase, size: float, seed: int, blocks: str):
     de = formulas.vnorm(e - e2)[:, None]
     eps, k = c.rms_eps, c.top_k
     Qdq, Qctx, Qdep, Rctx = (formulas.opnorm(a.detach())[:, None] for a in (m.Q_dep_q, m.Q_ctx, m.Q_dep, m.R_ctx))
-    R_C = checks.atom_radius(m)[:, None]
+    R_C = norm_checks.atom_radius(m)[:, None]
     out = []
     for b in range(1, case.n_blocks) if blocks == "later" else [0]:
         r1, r2 = t1.routes[b], t2.routes[b]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, target
 
-from qlbench.theory import checks, formulas, tracing
+from qlbench.theory import formulas, norm_checks, tracing
+from qlbench.theory.bounds import Bound
 
 from models import model_cases
 from strategies import ratio, router_cases, tol
@@ -19,7 +20,7 @@ from strategies import ratio, router_cases, tol
 MODEL_EXAMPLES = max(5, settings().max_examples // 4)
 
 
-def assert_holds(bounds: list[checks.Bound]):
+def assert_holds(bounds: list[Bound]):
     assert bounds
     for b in bounds:
         bad = b.violations()
@@ -64,7 +65,7 @@ def test_convex_hull_real_model(case):
         torch.testing.assert_close(
             R.S, torch.einsum("enm,emij->enij", R.alpha, t.memory.atoms), rtol=0, atol=tol(t.memory.atoms, ops=64)
         )
-    assert_holds(checks.convex_hull(t))
+    assert_holds(norm_checks.convex_hull(t))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def test_layer_update_norm_bound(case):
     x, e = case.inputs()
     with torch.no_grad():
         t = tracing.trace(model, x, e)
-        bounds = checks.layer_updates(t, full_matrix=True)
+        bounds = norm_checks.layer_updates(t, full_matrix=True)
     assert {b.label for b in bounds} == {"cor:app_update_norm_bound"}
     assert_holds(bounds)
 
@@ -117,7 +118,7 @@ def test_attention_projection_norm_bound(case):
     x, e = case.inputs()
     with torch.no_grad():
         t = tracing.trace(model, x, e)
-        bounds = checks.layer_updates(t, full_matrix=True)
+        bounds = norm_checks.layer_updates(t, full_matrix=True)
     roles = {c.role for c in t.calls}
     assert roles == {"q", "k", "v", "o"}
     assert {b.label for b in bounds} == {"thm:app_attention_projection_norm_stability"}
@@ -163,7 +164,7 @@ def test_depth_summary_bounded_real_model(case):
         assert R.beta.shape[-1] == b
         done = torch.stack([sbar[i] for i in range(b)], dim=2)  # (E, N, b, r)
         torch.testing.assert_close(R.u, torch.einsum("enp,enpr->enr", R.beta, done), rtol=0, atol=tol(done, ops=64))
-    assert_holds(checks.depth_summaries(t))
+    assert_holds(norm_checks.depth_summaries(t))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,4 +199,4 @@ def test_query_norm_bound_real_model(case):
     x, e = case.inputs()
     with torch.no_grad():
         t = tracing.trace(model, x, e)
-    assert_holds(checks.query_norms(t))
+    assert_holds(norm_checks.query_norms(t))
