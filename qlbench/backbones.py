@@ -179,11 +179,11 @@ class StackedLayerNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight.view(shape) + self.bias.view(shape)
 
 
-# Devices whose attention is PyTorch's fused F.scaled_dot_product_attention at every length: the CPU, as it always has
-# been, so its numbers keep their bits. Elsewhere (CUDA, and the meta device that counts CUDA's kernels) sequences of
-# up to SHORT_SEQUENCE tokens take `short_attention`: on an H200 the fused memory-efficient kernels, tiled for 64
-# queries, took half the kernel time of a captured Transformer LoRA step at 45 members (7.7 of 15.2 ms, docs/speed.md)
-# on this backbone's sequences of two tokens.
+# Devices whose attention is PyTorch's fused F.scaled_dot_product_attention at every length: the CPU, so its numbers
+# keep their bits. Elsewhere (CUDA, and the meta device that counts CUDA's kernels) sequences of up to SHORT_SEQUENCE
+# tokens take `short_attention`: on this backbone's sequences of two tokens the fused memory-efficient kernels, tiled
+# for 64 queries, take half the kernel time of a captured Transformer LoRA step at 45 members on an H200 (7.7 of
+# 15.2 ms; measured: docs/speed.md).
 FUSED_ATTENTION_DEVICES = ("cpu",)
 SHORT_SEQUENCE = 16
 

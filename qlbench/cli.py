@@ -161,11 +161,9 @@ def exit_status(err: BaseException) -> int:
 
 def entry() -> None:
     """The `qlbench` console script: `main`, then the exit. A process that initialised CUDA leaves through
-    os._exit once its output is flushed, without the interpreter's own teardown: on an NVIDIA H200 (PyTorch 2.11)
-    that teardown crashed twice after `bench --compile on` had written its report ("free(): invalid pointer" in
-    atexit's weakref finalisers, a segmentation fault in the final garbage collection; docs/speed.md), so a command
-    that had finished ended in an abort. By then every file a command writes is closed (written atomically) and
-    `main` has run `release`. A process that never touched CUDA (the CPU) exits as the interpreter always did."""
+    os._exit once its output is flushed, skipping the interpreter's teardown, which can crash after CUDA use
+    (docs/design.md, "Why a CUDA process leaves through os._exit"); every file a command writes is closed by then
+    and `main` has run `release`. A process that never touched CUDA exits as the interpreter always does."""
     try:
         code = main()
     except BaseException as err:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import adapters, per_seed, protocols, results, stats, text
+from qlbench import adapters, inputs, per_seed, protocols, results, stats, text
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def step_times(report: dict, arch: str) -> dict[str, float]:
 def check_records(folder: Path, protocol: protocols.Protocol, on_damaged=None) -> list[Path]:
     """The record files of a results folder, every one made under `protocol`; ValueError (one line) for the first
     that is not, naming the difference, and for a folder without records."""
-    found = results._records(Path(folder), on_damaged)
+    found = results._records(inputs.folder(folder, "results folder"), on_damaged)
     if not found:
         raise ValueError(f"no records in {folder}")
     for path, rec in found:

@@ -38,7 +38,7 @@ ROUND_BUDGET_S = 2.0  # seconds of timed rounds per batch size, above which fewe
 
 def repeats_for(budget_name: str) -> int:
     """Timed rounds per latency: MIN_REPEATS at the smoke budget, which only checks that everything runs (its
-    seconds-long training would otherwise cost less than its latencies: a Transformer smoke cell's cost took about
+    seconds-long training would otherwise cost less than its latencies: a Transformer smoke cell's cost takes about
     3 s a method), REPEATS otherwise."""
     return MIN_REPEATS if budget_name == "smoke" else REPEATS
 

@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from qlbench import adapters, engine, experiment, results, stats, zoo
+from qlbench import adapters, engine, experiment, inputs, results, stats, zoo
 from qlbench.adapters import queryable
 from qlbench.backbones import build_backbone, check_init
 from qlbench.stacked import ForwardContext
@@ -124,8 +124,7 @@ def find_cell(
     """The newest finished record of (function, method) under a results folder; arch, budget and backbone init may
     be left out when only one cell matches. ValueError (one line, with the choices) otherwise."""
     zoo.card(function)  # ValueError naming the valid functions
-    if not Path(root).is_dir():
-        raise ValueError(f"results folder {root} does not exist")
+    inputs.folder(root, "results folder")
     index = results.index(root, on_damaged=lambda message: None)
     if len(index):
         index = index[(index["function"] == function) & (index["method"] == method) & (index["status"] != "failed")]

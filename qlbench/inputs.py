@@ -4,9 +4,39 @@ naming the input and what is wrong):
     inputs.items("lora, dora", "--methods")        -> ["lora", "dora"]
     inputs.items("lora,,dora", "--methods")        -> ValueError: --methods: an empty item in 'lora,,dora'
     inputs.grid("r=4,8 k=1", ("r", "M", "k"))      -> {"r": (4, 8), "k": (1,)}
+    inputs.folder("results.json", "results folder") -> ValueError: results folder results.json is a file, not a folder
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def folder(path, what: str) -> Path:
+    """A folder to read: ValueError naming `what` when it is missing, a file (or anything but a folder), a link to
+    nothing, or not readable."""
+    path = Path(path)
+    if not path.exists():
+        gone = path.is_symlink()
+        raise ValueError(f"{what} {path} " + ("is a symbolic link to nothing" if gone else "does not exist"))
+    if not path.is_dir():
+        raise ValueError(f"{what} {path} is a file, not a folder")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ValueError(f"{what} {path} is not readable")
+    return path
+
+
+def file(path, what: str) -> Path:
+    """A file to read: ValueError naming `what` when it is missing, a folder, or not readable."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{what} {path} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder, not a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{what} {path} is not readable")
+    return path
 
 
 def items(text: str, what: str = "list") -> list[str]:

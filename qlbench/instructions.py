@@ -122,7 +122,7 @@ def shipped_texts() -> list[str]:
 
 def write_shipped(path: str | os.PathLike | None = None, *, device: str = "cpu") -> Path:
     """Write the table of shipped_texts(); returns its path. Rows the current table has are kept as they are (their
-    values are what earlier records trained on: the encoder pads a batch, which moves an embedding's last bits with
+    values are what existing records trained on: the encoder pads a batch, which moves an embedding's last bits with
     the batch's other texts); each new text is encoded alone with the live encoder (ignoring the cache).
 
     Default path: the source tree's qlbench/instruction_embeddings/all-MiniLM-L6-v2.json.

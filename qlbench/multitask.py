@@ -194,9 +194,9 @@ class SuitePlan:
 
     def cell_config(self, row: str) -> dict:
         """The row's fully resolved config. A task-owned row on a schedule with stages that leave tasks out carries
-        "task_decay": "own-stages" (isolate_tasks): records written before it decayed every task in every stage and
-        must not be reused; a row routing held-out tasks elsewhere carries its "held_out_route"; every other row's
-        hash is as before."""
+        "task_decay": "own-stages" (isolate_tasks): a record without it decayed every task in every stage and must
+        not be reused; a row routing held-out tasks elsewhere carries its "held_out_route"; every other row's config
+        holds neither key, so its hash does not depend on them."""
         method, _ = method_of(row)
         isolated = adapters.get(method).kind == "task" and self.schedule != "joint"
         routed = {"held_out_route": self.route(row)} if self.route(row) != "own" else {}

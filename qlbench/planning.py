@@ -49,9 +49,9 @@ def check_settings(*, eps, dtype: str, threads) -> None:
 
 
 # Where `--methods-at-once auto` trains every method's stack at once: on CUDA, the backbones whose captured steps are
-# bound by launching small kernels (on an H200 deep-narrow's nine trained methods at the paper's 45 members each ran
-# x1.35 faster at once, and its quick sweep and quick run took x0.74 and x0.61 of the time, records identical;
-# docs/speed.md). The Transformer's steps keep the device busy (92 to 98%): not measured at once, left one at a time.
+# bound by launching small kernels (on an H200, deep-narrow's nine trained methods at the paper's 45 members run x1.35
+# faster at once, its quick sweep and quick run take x0.74 and x0.61 of the time, records identical; measured:
+# docs/speed.md). The Transformer's steps keep the device busy (92 to 98%), so it trains one stack at a time.
 AT_ONCE_ARCHS = ("deep-narrow",)
 
 

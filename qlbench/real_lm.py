@@ -141,8 +141,8 @@ class LMConfig(runner.SeedsConfig):
         self.check_seeds()
 
     def key(self) -> dict:
-        """runner.SeedsConfig's key and the decoder's vocabulary size: the instructions' words changed every decoder's
-        initial weights, so a record of the letters-only decoder (12 tokens) is not resumed as one of this decoder."""
+        """runner.SeedsConfig's key and the decoder's vocabulary size: the vocabulary sets every decoder's initial
+        weights, so a record of another vocabulary (the letters-only decoder's 12 tokens) is not resumed here."""
         return super().key() | {"vocab_size": VOCAB}
 
 

@@ -12,7 +12,7 @@ Record layout (schema 1), in the spirit of huggingface peft's method_comparison:
                 grad_layer_norms, grad_shared_norm}]
     meta_info:  python, platform, torch, numpy, cpu, gpu, threads
 
-Optional fields, added without a schema change (a record without them reads as before): run_info.config
+Optional fields, without a schema change (a record without them stays valid): run_info.config
 .backbone_init (only when not "default"; missing = "default"); train_info.grad_epochs and per seed
 grad_layer_norms ([epoch][layer]) and grad_shared_norm ([epoch], only for methods with shared parameters): the
 gradient diagnostics of qlbench/gradients.py at the evaluated epochs > 0, null after a divergence; per seed

@@ -23,7 +23,7 @@ tensors. A step is then three parts: `before_update` (host: count the step, writ
 scalar), `update` (device only: what a graph records and replays) and `after_update` (host: refresh the eigenbases
 when due, in place; the engine records that refresh in a graph of its own where it is device work alone,
 `refresh_recordable`). `step()` runs the three, so an eager CUDA step is the same kernels as a replayed one.
-Off CUDA the step size is a Python scalar, as before (the CPU's numbers are unchanged). The refresh's QRs run as one
+Off CUDA the step size is a Python scalar, so the CPU's numbers keep their bits. The refresh's QRs run as one
 batch per matrix size; off the CPU, matrices up to HOUSEHOLDER_MAX_SIZE take `householder_q`, LAPACK's reflections in
 batched ops, since CUDA's torch.linalg.qr forms each Q in a call of its own.
 
@@ -227,7 +227,7 @@ class StackedSoap:
         every `precondition_frequency` steps). Eager, launched from the host: on CUDA the one part of a step that a
         captured step does not record, so a bench that times fewer steps than its period leaves it out. The QRs of
         every group's factors of one size run as one batch (`orthonormal_bases`); `lapack_qr`: torch.linalg.qr at
-        every size on every device, as before `householder_q` (`qlbench bench`'s soap row times both)."""
+        every size on every device (`qlbench bench`'s soap row times it against `householder_q`)."""
         pairs = [pair for group in self.groups for pair in self._powers(group["state"])]
         for (old, _), q in zip(pairs, orthonormal_bases([power for _, power in pairs], lapack_qr)):
             old.copy_(q)  # in place: a recorded update reads these tensors at every replay
@@ -299,8 +299,8 @@ def _expand(mask: torch.Tensor, like: torch.Tensor, at: int = 0) -> torch.Tensor
 def _eigenvectors(m: torch.Tensor) -> torch.Tensor:
     """Eigenvectors (ascending eigenvalues) of each symmetric matrix in the batch m (B, s, s). CUDA's batched
     solver (Jacobi, for small matrices) can stop without converging on an ill-conditioned or degenerate GG
-    ("linalg.eigh: (Batch element 82): The algorithm failed to converge", a quick deep-narrow full-soap run on an
-    NVIDIA H200); LAPACK on the CPU has not. Then each matrix is solved alone, and one that fails alone again in
+    (LinAlgError "The algorithm failed to converge", which a quick deep-narrow full-soap run on CUDA can raise);
+    LAPACK on the CPU converges there. Then each matrix is solved alone, and one that fails alone again in
     float64, as the SOAP authors' code retries (qlbench interpretation: the retry per matrix, so that the other
     members' bases are the ones they get in a stack of their own). The first attempt is the only one on the CPU."""
     try:
@@ -318,8 +318,8 @@ def _eigenvectors(m: torch.Tensor) -> torch.Tensor:
 
 # Devices whose `torch.linalg.qr` the refresh uses at every size (LAPACK's geqrf + orgqr). Elsewhere (CUDA) matrices
 # up to HOUSEHOLDER_MAX_SIZE take `householder_q`: PyTorch factors a batch of small matrices in one cuBLAS call there,
-# but forms each Q in a cuSOLVER call of its own (orgqr, looped over the batch), so a deep-narrow stack of 45 members
-# formed 3,060 Qs one by one at every refresh (docs/speed.md). Larger matrices (the Transformer's 256 and 1,024) keep
+# but forms each Q in a cuSOLVER call of its own (orgqr, looped over the batch): 3,060 Qs one by one at every refresh
+# of a deep-narrow stack of 45 members (docs/speed.md). Larger matrices (the Transformer's 256 and 1,024) keep
 # torch.linalg.qr: each of those calls has work to do, and the Householder loop's launches grow with the size.
 LAPACK_QR_DEVICES = frozenset({"cpu"})
 HOUSEHOLDER_MAX_SIZE = 64
@@ -343,8 +343,8 @@ def orthonormal_bases(powers: list[torch.Tensor], lapack_qr: bool = False) -> li
 
 
 def orthonormal_basis(a: torch.Tensor, lapack_qr: bool = False) -> torch.Tensor:
-    """Q of the QR decomposition of each square matrix in the batch a (B, s, s): `torch.linalg.qr` on the devices
-    of LAPACK_QR_DEVICES (the CPU's numbers as before) and above HOUSEHOLDER_MAX_SIZE, `householder_q` elsewhere
+    """Q of the QR decomposition of each square matrix in the batch a (B, s, s): `torch.linalg.qr` on the devices of
+    LAPACK_QR_DEVICES (so the CPU's numbers keep their bits) and above HOUSEHOLDER_MAX_SIZE, `householder_q` elsewhere
     (the same reflections, in batched ops; equal to rounding, tests/test_soap.py); with `lapack_qr`, torch.linalg.qr
     everywhere."""
     if lapack_qr or a.device.type in LAPACK_QR_DEVICES or a.shape[-1] > HOUSEHOLDER_MAX_SIZE:

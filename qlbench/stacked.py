@@ -189,8 +189,8 @@ def memberwise(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> t
 
     Off the CPU, fn is applied as it is. CUDA's element-wise kernels compute every element with the same scalar code
     (vector loads, then one functor per element, in the main loop and the tail alike), so there is no tail to pad
-    away, and the padding's kernels (a pad and a slice forward, a slice-backward and a pad backward) were about four
-    of Queryable LoRA's 44 CUDA kernels per deep-narrow layer (docs/speed.md)."""
+    away, and the padding's kernels (a pad and a slice forward, a slice-backward and a pad backward) would be about
+    four of Queryable LoRA's 44 CUDA kernels per deep-narrow layer (docs/speed.md)."""
     if t.device.type != "cpu":
         return fn(t)
     flat = t.reshape(t.shape[0], -1)  # (E, k)

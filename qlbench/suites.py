@@ -223,8 +223,8 @@ def _fail(name: str, where: str, message: str):
 
 
 # qlbench interpretation of a card's limits: the zoo's boxes span tens of units and its shifts a few; coordinates
-# past MAX_COORDINATE overflow the functions' arithmetic (a card with bounds near 1e300 printed NaN tables), and a
-# card of more than MAX_TASKS tasks is beyond any suite here (one of 10,000 ran for minutes with no estimate)
+# past MAX_COORDINATE overflow the functions' arithmetic (bounds near 1e300 give NaN tables), and a card of more
+# than MAX_TASKS tasks is beyond any suite here (one of 10,000 runs for minutes with no estimate)
 MAX_COORDINATE = 1e3
 MAX_TASKS = 256
 MAX_SAMPLES = 100_000  # per task and split

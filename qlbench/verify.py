@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from qlbench import __version__, adapters, experiment, zoo
+from qlbench import __version__, adapters, experiment, inputs, zoo
 from qlbench.backbones import ARCHS
 from qlbench.store import Store, finite
 from qlbench.theory import checks, tracing
@@ -53,8 +53,7 @@ def find_record(
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
     if function is not None:
         zoo.card(function)  # ValueError naming the valid functions
-    if not Path(results).is_dir():
-        raise ValueError(f"results folder {results} does not exist")
+    inputs.folder(results, "results folder")
     store = Store(results)
     found = store.records(arch or "*", function or "*", method, budget or "*")
     if not found:

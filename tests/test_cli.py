@@ -49,6 +49,8 @@ from helpers import fail_adapting, one_line_error
         (["run", "--function", "dropwave", "--noise", "loud"], ["unknown label noise 'loud'", "relative, absolute"]),
         (["run", "--function", "matyas", "--hp", "r=" + "-" * 5000 + "1"], ["--hp r", "at most 200"]),
         (["pareto", "--function", "matyas", "--schedule", "sequential"], ["--schedule applies to --suite only"]),
+        (["ablate", "--function", "matyas", "--schedule", "joint"], ["--schedule applies to --suite only"]),
+        (["pareto", "--function", "matyas", "--schedule", "joint"], ["--schedule applies to --suite only"]),
         (["real", "--seeds", "100000000000"], ["--seeds must be an integer from 1 to 100"]),
         (["real", "--methods", "lora,lora"], ["given twice"]),
         (["real", "--train-per-task", "100000000"], ["train_per_task must be at most 10,000"]),

@@ -57,3 +57,40 @@ def test_every_command_refuses_a_bad_list_in_one_line_before_any_work(argv, prob
     line = one_line_error(capsys, [*argv, "--out", str(out)])
     assert problem in line
     assert not out.exists()
+
+
+def test_a_folder_or_file_to_read_is_named_with_what_is_wrong(tmp_path):
+    afile, folder, gone = tmp_path / "a.json", tmp_path / "results", tmp_path / "link"
+    afile.write_text("{}")
+    folder.mkdir()
+    gone.symlink_to(tmp_path / "nowhere")
+    assert inputs.folder(folder, "results folder") == folder and inputs.file(afile, "card") == afile
+    for path, problem in (
+        (afile, "is a file, not a folder"),
+        (tmp_path / "x", "does not exist"),
+        (gone, "is a symbolic link to nothing"),
+    ):
+        with pytest.raises(ValueError, match=f"results folder {path} {problem}"):
+            inputs.folder(path, "results folder")
+    with pytest.raises(ValueError, match=f"card {folder} is a folder, not a file"):
+        inputs.file(folder, "card")
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["verify", "--results", "{file}", "--function", "matyas"], "results folder {file} is a file, not a folder"),
+        (["verify", "--peft", "{file}"], "--peft adapter folder {file} is a file, not a folder"),
+        (["compare", "{file}"], "results folder {file} is a file, not a folder"),
+        (["diagnose", "{file}", "--function", "matyas"], "results folder {file} is a file, not a folder"),
+        (["results", "{file}"], "results folder {file} is a file, not a folder"),
+        (["report", "{missing}"], "results folder {missing} does not exist"),
+    ],
+)
+def test_every_command_names_what_is_wrong_with_a_path_it_reads(argv, problem, capsys, tmp_path):
+    """A file where a folder is read is called a file (verify said "does not exist", verify --peft named the report's
+    folder), in one line, exit 2."""
+    paths = {"file": str(tmp_path / "records.json"), "missing": str(tmp_path / "nothing")}
+    (tmp_path / "records.json").write_text("{}")
+    line = one_line_error(capsys, [a.format(**paths) for a in argv])
+    assert problem.format(**paths) in line

@@ -97,11 +97,14 @@ def test_a_unit_another_process_holds_is_left_to_it(tmp_path):
         ["pareto", "--function", "matyas", "--methods", "lora", "--grid", "r=2,4"],
         ["ablate", "--function", "matyas"],
         ["ablate", "--suite", "zoo-4"],
+        ["run", "--function", "matyas", "--methods", "lora,mean"],
+        ["sweep", "--functions", "matyas,levy", "--methods", "lora"],
     ],
 )
 def test_a_second_command_on_the_same_out_leaves_every_unit_to_the_first(tmp_path, capsys, monkeypatch, argv):
     """Another process holds every unit's lock (a first `suite`, `pareto` or `ablate` on the same --out, still
-    training): the second trains nothing, reads no record that does not exist and ends in one line, no traceback."""
+    training): the second trains nothing, reads no record that does not exist and ends in one line that says so, exit
+    1 (not an empty table at exit 0), no traceback."""
     from qlbench import cli
 
     held = []
@@ -116,7 +119,8 @@ def test_a_second_command_on_the_same_out_leaves_every_unit_to_the_first(tmp_pat
     out, err = capsys.readouterr()
     assert held and "Traceback" not in err and "Error" not in err, err
     assert "being trained by another process" in err
-    assert code in (0, 1)
+    assert code == 1 and "has a record yet (another process is training them); run again later" in err, err
+    assert "|" not in out  # no table
 
 
 def test_attempt_records_a_failure_and_goes_on_and_cost_is_an_extra():

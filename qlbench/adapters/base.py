@@ -90,8 +90,8 @@ def adamw(params, lr: float, weight_decay: float, eps: float = EPS) -> torch.opt
       count on the device, so the engine can record the update in a CUDA graph: engine/step.py);
     - elsewhere, foreach. PyTorch's fused CPU kernel is not position independent: it splits each tensor into
       cache-line units, vectorises inside them and finishes a short tail with scalar code whose last bits differ,
-      so a member's update depended on how many members its stack held (the (E, 1) head bias of a stack of 18 or
-      more took the vector path, a narrower stack's the scalar one; measured, docs/speed.md "Stack independence").
+      so a member's update would depend on how many members its stack holds (the (E, 1) head bias of a stack of 18
+      or more takes the vector path, a narrower stack's the scalar one; measured, docs/speed.md "Stack independence").
     """
     params = list(params)
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
@@ -115,12 +115,13 @@ def task_owned(model: nn.Module) -> list[tuple[nn.Parameter, int, int]]:
 def isolate_tasks(optimizer: torch.optim.Optimizer, model: nn.Module, trained: list[int]) -> torch.optim.Optimizer:
     """Restrict decoupled weight decay on task-owned parameters (`task_owned`) to the tasks a stage trains.
 
-    AdamW decays every parameter at every step, trained or not (p *= 1 - lr wd), so a task's own factors shrank in
-    stages that never see the task: lora-per-task "forgot" earlier tasks. Here those parameters move to a group of
-    their own without decay, and a step pre-hook applies AdamW's decay, p *= 1 - lr wd, to the trained tasks'
-    blocks only. An untrained task's block then gets no gradient, so a fresh optimiser's moments stay 0 and its
-    update is exactly 0: the block stays bit for bit. Call before the first step (the optimiser holds no state).
-    A stage that trains every task keeps the plain optimiser (the same decay everywhere, numbers unchanged)."""
+    AdamW decays every parameter at every step, trained or not (p *= 1 - lr wd), so a task's own factors would shrink in
+    stages that never see the task, and lora-per-task would forget the tasks trained before it (docs/methods.md,
+    "Schedules"). Here those parameters move to a group of their own without decay, and a step pre-hook applies AdamW's
+    decay, p *= 1 - lr wd, to the trained tasks' blocks only. An untrained task's block then gets no gradient, so a
+    fresh optimiser's moments stay 0 and its update is exactly 0: the block stays bit for bit. Call before the first
+    step (the optimiser holds no state). A stage that trains every task keeps the plain optimiser (the same decay
+    everywhere, numbers unchanged)."""
     owned = task_owned(model)
     if not owned or all(set(range(T)) <= set(trained) for _, _, T in owned):
         return optimizer

@@ -46,8 +46,8 @@ class DoraLinear(nn.Module):
 
     def adapted_weight(self) -> torch.Tensor:
         """V = W0 + s B A, (E, d_out, d_in): off the CPU one batched matmul (stacked.bmm_add, as LoRA's merged
-        weight), 3 kernels fewer per layer and step; on the CPU the three ops its numbers were made with (the same
-        values, rounded in another order; tests/test_stacked.py compares the two)."""
+        weight), 3 kernels fewer per layer and step; on the CPU three ops, which keep the CPU's numbers' bits (the
+        same values, rounded in another order; tests/test_stacked.py compares the two)."""
         if layout_grads(self.dora_A):
             return bmm_add(self.base.weight, self.dora_B, self.dora_A, alpha=self.scale)
         return self.base.weight + self.scale * (self.dora_B @ self.dora_A)

@@ -129,7 +129,7 @@ class PolyLinear(nn.Module):
 
 METHOD = AdapterMethod(
     NAME,
-    "Poly / MHR: K LoRA skills per layer mixed by a learned per-task allocation (peft's poly; suites only)",
+    "Poly / MHR: K LoRA skills per layer mixed by a learned per-task allocation (peft's poly; one task: one mix)",
     PolyConfig,
     PolyLinear,
     kind="task",

@@ -16,9 +16,9 @@ Layout: the latents of all L layers of a key live next to the key's generator pa
 and B~ (E, L, d_out, r) (`shared.replora.<key>.latent_A` / `latent_B`; layer l of the key is slot l). A forward
 generates every layer's factors of a key in one batched call of each generator, on the first layer's request, and
 keeps them in ctx.scratch[<method name>] for the key's other layers, which only take their slice (generated.py).
-Random draws, member by member from generators[e]: every key's G_A W1, G_A W2, G_B W1, G_B W2 in forward order of
-the keys, then every layer's A~ in forward order (the draws, and order, of when each layer held its own latents:
-the initial values did not change).
+Random draws, member by member from generators[e]: every key's G_A W1, G_A W2, G_B W1, G_B W2 in forward order of the
+keys, then every layer's A~ in forward order (the draws, in the same order, of a layout where each layer holds its own
+latents).
 
 Trainable: L r (d_in + d_out) + sum over (role, shape) keys of 2 h (d_in + d_out).
 DoRAN (doran.py) reuses `RepLoraGenerators` as its auxiliary networks.

@@ -26,9 +26,7 @@ def register(subparsers) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--function", metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
     where.add_argument("--suite", metavar="NAME", help="a multi-task suite (qlbench suites lists them)")
-    p.add_argument(
-        "--schedule", default="joint", help=f"with --suite: one of {', '.join(multitask.SCHEDULES)} (default joint)"
-    )
+    p.add_argument("--schedule", help=f"with --suite: one of {', '.join(multitask.SCHEDULES)} (default joint)")
     p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
     options.add_training_options(p)
     options.add_output_options(p)
@@ -37,10 +35,11 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
-    if args.suite is not None:
-        return run_suite(args, log)
-    if args.schedule != "joint":
+    if args.schedule is not None and args.suite is None:  # given at all, even as the default's value
         raise UsageError("--schedule applies to --suite only; valid with --function: leave it out")
+    if args.suite is not None:
+        args.schedule = args.schedule or "joint"
+        return run_suite(args, log)
     shared = options.plan_kwargs(args)
     check_out(shared["out_dir"], "results folder")
     with usage_errors():

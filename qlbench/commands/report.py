@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlbench import per_seed, results, stats, store, suite_stats, text
+from qlbench import inputs, per_seed, results, stats, store, suite_stats, text
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, check_out, path_arg, split_list, usage_errors
 
@@ -64,8 +64,8 @@ def run(args) -> int:
         raise UsageError(f"unknown arch {args.arch!r}; valid: {', '.join(ARCHS)}")
     if per_seed.is_csv(args.folder):
         return _from_per_seed(args, formats)
-    if not args.folder.is_dir():
-        raise UsageError(f"results folder {args.folder} " + ("is a file" if args.folder.exists() else "does not exist"))
+    with usage_errors():
+        inputs.folder(args.folder, "results folder")
     check_out(args.out or args.folder / "report", "report folder")
     damaged = []
     log = lambda message: print(f"qlbench report: {message}", file=sys.stderr)

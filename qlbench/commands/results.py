@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from qlbench import results, suite_stats, text
-from qlbench.commands import UsageError, path_arg
+from qlbench import inputs, results, suite_stats, text
+from qlbench.commands import UsageError, path_arg, usage_errors
 
 
 def register(subparsers) -> None:
@@ -20,8 +20,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    if not args.folder.is_dir():
-        raise UsageError(f"results folder {args.folder} " + ("is a file" if args.folder.exists() else "does not exist"))
+    with usage_errors():
+        inputs.folder(args.folder, "results folder")
     log = lambda m: print(f"qlbench results: {m}", file=sys.stderr)
     table = results.index(args.folder, on_damaged=log)
     suite_table = suite_stats.index(suite_stats.load(args.folder, on_damaged=log))

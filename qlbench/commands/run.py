@@ -219,13 +219,15 @@ def run(args, functions: list[str]) -> int:
         else:
             paths = runner.run(plan, progress=not args.no_progress, log=log)
     frame = results.load([p for p in paths if p.exists()], on_damaged=log)
+    if not len(frame):
+        log(f"qlbench {args.command}: no cell has a record yet (another process is training them); run again later")
+        return 1
     print()
-    if len(frame):
-        print(text.markdown(report.method_table(frame)))
-        if note := report.collapse_note(frame):
-            print(f"\n{note}")
+    print(text.markdown(report.method_table(frame)))
+    if note := report.collapse_note(frame):
+        print(f"\n{note}")
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {plan.store.root / 'records' / plan.arch}")
-    failed = frame[frame["cell_status"] == "failed"].drop_duplicates("record") if len(frame) else frame
+    failed = frame[frame["cell_status"] == "failed"].drop_duplicates("record")
     for row in failed.itertuples():
         log(f"qlbench {args.command}: {row.function}/{row.method} failed: {row.message}")
     if left := snapshots_left(plan.store, plan.arch):

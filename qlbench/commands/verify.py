@@ -69,8 +69,10 @@ def run(args) -> int:
             import peft  # noqa: F401
         except ImportError as err:
             raise UsageError(f"verify --peft needs the hf extra (pip install 'qlbench[hf]'): {err}") from None
-        from qlbench import real
+        from qlbench import inputs, real
 
+        with usage_errors():
+            inputs.folder(args.peft, "--peft adapter folder")
         check_out_file(args.out or args.peft / "verify.json")
         with usage_errors():
             report = real.verify_adapter(args.peft)

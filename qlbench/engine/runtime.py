@@ -87,8 +87,8 @@ def compiled(model: nn.Module) -> nn.Module:
 
     On CUDA the whole step (forward, backward, the optimiser's update) is recorded in a CUDA graph by the engine
     itself (`--capture`, engine/step.py), over the compiled forward or the eager one; torch.compile's own CUDA
-    graphs ("reduce-overhead") are not used: they recorded the forward and backward only, and a quick run that had
-    trained full-soap and LoRA aborted the process at DoRA under them (docs/speed.md).
+    graphs ("reduce-overhead") are not used: they record the forward and backward only, not the optimiser's update,
+    and can abort the process (docs/design.md, "Why torch.compile's own CUDA graphs are not used").
 
     It shares the model's parameters; evaluation keeps calling the eager model (its batch shapes vary). Whether
     `--compile auto` uses it depends on the device and budget (`compile_by_default`). `qlbench bench` also times
@@ -134,12 +134,10 @@ def release() -> None:
     """Teardown before the interpreter's own: collect what is garbage, let the device finish, and stop Inductor's
     compile workers, in that order, while torch and CUDA are whole (`qlbench.cli.main` calls it when a command ends).
 
-    On an H200 `bench --compile on` crashed twice after writing its report, in the interpreter's exit: "free():
-    invalid pointer" in atexit's weakref finalisers with an Inductor compile-worker thread alive, and a segmentation
-    fault in the final garbage collection (docs/speed.md). Both left that teardown to the interpreter, in its own
-    order. Whether this prevents them was not measured (no GPU since); tests/test_cuda.py runs the command that
-    crashed. The console script (`qlbench.cli.entry`) then skips the interpreter's teardown altogether in a process
-    that initialised CUDA. A process that used neither CUDA nor Inductor skips this."""
+    Why: the interpreter's own teardown after CUDA or Inductor use can crash in atexit's finalisers or its final
+    garbage collection (docs/design.md, "Why a CUDA process leaves through os._exit"); the console script
+    (`qlbench.cli.entry`) then skips that teardown in a process that initialised CUDA. A process that used neither
+    CUDA nor Inductor skips this."""
     cuda, workers = torch.cuda.is_initialized(), sys.modules.get("torch._inductor.async_compile")
     if not (cuda or workers):
         return
@@ -165,12 +163,11 @@ class Gate:
     the gate (`held`) while it runs, and a recording (`alone`) waits until every other job has stopped at a step's
     start (`pause`), then runs with the gate to itself.
 
-    Why: a recording in one thread while others launch broke the quick run with all 11 methods at once on an H200
-    (PyTorch 2.11): another thread's replay raised "Cannot prepare for replay during capturing stage", a
-    stream.synchronize() "operation not permitted when stream is capturing", and the recordings that followed hit
-    device-side asserts (docs/speed.md). The jobs hold it on the CPU too, where only the tests' stand-in for CUDA
-    graphs records (tests/test_concurrent.py). Outside `concurrently` no thread holds the gate, and `alone` costs a
-    lock and `pause` a read."""
+    Why: while a stream captures, another thread's replay or synchronisation fails ("Cannot prepare for replay during
+    capturing stage", "operation not permitted when stream is capturing") and later recordings hit device-side asserts
+    (docs/design.md, "Why a CUDA-graph recording runs alone"). The jobs hold it on the CPU too, where only the tests'
+    stand-in for CUDA graphs records (tests/test_concurrent.py). Outside `concurrently` no thread holds the gate, and
+    `alone` costs a lock and `pause` a read."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -236,7 +233,7 @@ def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) 
     """Each job's result, in order, with up to `width` jobs running at once, each in its own thread and, on CUDA,
     on its own stream, so that the kernels of small stacks overlap on the device (a deep-narrow step at 45 members
     is about 3 µs per kernel on an H200, on kernels far too small to fill it; docs/speed.md). width <= 1: one after
-    another in this thread, as before.
+    another in this thread.
 
     The threads share this one's intra-op thread count (a process-wide setting, tests/test_concurrent.py). Each job
     waits for its stream before it ends, so a result's tensors are ready on any stream. A job's exception is raised

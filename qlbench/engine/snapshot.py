@@ -1,8 +1,8 @@
 """Snapshots of a stage in training, so that a run stopped mid-stage (killed, out of time) goes on from its last
 snapshot instead of the stage's first epoch.
 
-At the paper budget a stage is 5,000 epochs: hours on the CPU, and on a GPU machine lent for 10-minute calls more
-than one call. Without snapshots a stopped stage started again from epoch 0 (a finished record was always kept).
+At the paper budget a stage is 5,000 epochs: hours on the CPU, and on a GPU longer than a 10-minute call. Without a
+snapshot a stopped stage starts again from epoch 0 (finished records are kept either way).
 
 `Snapshots` names one stage's file and the key of everything its numbers depend on. `engine.fit` saves, at an
 evaluation epoch at least `every_s` seconds after the last save, the stage's whole training state: the trainable

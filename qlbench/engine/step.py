@@ -82,7 +82,7 @@ def updates_compile(optimizer: torch.optim.Optimizer) -> bool:
     """Whether compiling the optimiser's update pays: torch.optim's multi-tensor ("foreach") AdamW over float32
     parameters, as `adapters.base.adamw` builds it off CUDA. Inductor fuses its per-tensor kernels (measured on the
     2-core CPU with the forward compiled: x1.1 to x1.4 per step, docs/speed.md). Not in float64: there the compiled
-    update moved a 3-epoch curve by 1.5e-6 relative (float32-level rounding of its scalars), precision a float64 run
+    update moves a 3-epoch curve by 1.5e-6 relative (float32-level rounding of its scalars), precision a float64 run
     asks for. CUDA's fused AdamW is one kernel already and is recorded in the CUDA graph; SOAP's update
     (eigendecompositions) stays eager: `soap.StackedSoap` has no param_groups, so the type is checked first."""
     if not isinstance(optimizer, torch.optim.AdamW):
@@ -294,9 +294,9 @@ class CapturedEvaluation:
     replayed: call() -> per-member MSE (E,). The data, the instruction and the parameters are the same tensors at
     every evaluation of the stage (the optimiser updates the parameters in place), so each replay reads their
     current values; the first EVALUATION_WARMUP evaluations run as they are (the first comes before any training
-    step: it loads the forward's kernels), the next is recorded. Evaluation is eager on either device otherwise:
-    at the paper budget's 501 evaluations per stage it was 8% of the deep-narrow paper table's estimate on an H200
-    (docs/speed.md)."""
+    step: it loads the forward's kernels), the next is recorded. Evaluation is eager on either device otherwise.
+    Why: eager, the paper budget's 501 evaluations per stage are 8% of the deep-narrow paper table's estimate on an
+    H200 (measured: docs/speed.md)."""
 
     def __init__(self, evaluate: Callable[[], torch.Tensor], device: torch.device):
         self.evaluate, self.calls, self.recording = evaluate, 0, None
@@ -333,13 +333,13 @@ def _record(recorder, what: str, body: Callable[[], tuple], params, optimizer) -
 @contextlib.contextmanager
 def cyclic_gc_paused():
     """Python's cyclic garbage collector off for the block, then as it was. A collection that starts inside a
-    CUDA-graph recording (any allocation can start one) and frees an earlier recording kept alive by a reference
+    CUDA-graph recording (any allocation can start one) and frees another recording kept alive by a reference
     cycle destroys that graph while a stream captures, which CUDA forbids: the recording is invalidated ("operation
     not permitted when stream is capturing"), and the allocator asserts at its next allocation. torch.cuda.graph
-    collected garbage before every recording up to PyTorch 2.8 and has not since (pytorch/pytorch#158193); pausing
-    the collector during a recording is the remedy proposed there (pytorch/pytorch#161037). What it leaves
-    uncollected is collected at the next collection after the recording. Whether it played a part in the failures
-    seen on CUDA (docs/speed.md) was not measured."""
+    does not collect garbage before a recording from PyTorch 2.9 on (pytorch/pytorch#158193); pausing the collector
+    during a recording is the remedy proposed there (pytorch/pytorch#161037; docs/design.md, "Why the garbage
+    collector pauses during a recording"). What it leaves uncollected is collected at the next collection after
+    the recording."""
     enabled = gc.isenabled()
     gc.disable()
     try:
