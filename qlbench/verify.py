@@ -30,6 +30,7 @@ from qlbench import __version__, adapters, experiment, inputs, zoo
 from qlbench.backbones import ARCHS
 from qlbench.store import Store, finite
 from qlbench.theory import checks, tracing
+from qlbench.theory.bounds import REL_TOL
 
 METHODS = adapters.of_family("queryable")  # the theorems are about routing over shared atoms
 METHOD = METHODS[0]  # the default, and what a smoke cell trains
@@ -123,7 +124,7 @@ def verify_record(record: Path, device: str = "cpu") -> dict:
         "members": int(x.shape[0]),
         "arithmetic": "float64 recomputation of the trained weights",
         "instruction": f"{e_source}, e' = e + delta (||delta|| = 1e-3 max(1, ||e||))",
-        "tolerance": f"holds when observed <= bound + {checks.REL_TOL:.3g} (|bound| + |observed| + operand size)",
+        "tolerance": f"holds when observed <= bound + {REL_TOL:.3g} (|bound| + |observed| + operand size)",
         "statements": rows,
         "violated": sum(r["status"] == "VIOLATED" for r in rows),
     }

@@ -16,7 +16,8 @@ import torch
 from qlbench.adapters.queryable import QueryableConfig, RoutingState
 from qlbench.hf.layer import Linear
 from qlbench.hf.model import MemoryView
-from qlbench.theory.checks import Bound, check_model
+from qlbench.theory.bounds import Bound
+from qlbench.theory.checks import check_model
 from qlbench.theory.tracing import LayerCall, Trace
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from qlbench.theory.bounds import REL_TOL, Bound, _merge
+from qlbench.theory.bounds import Bound, _merge
 from qlbench.theory.formulas import vnorm
 from qlbench.theory.lipschitz_checks import lipschitz
 from qlbench.theory.norm_checks import (
@@ -25,7 +25,7 @@ from qlbench.theory.norm_checks import (
 )
 from qlbench.theory.tracing import Trace, trace
 
-__all__ = ["NORM_STATEMENTS", "REL_TOL", "Bound", "check_model", "perturbed_instruction"]
+__all__ = ["NORM_STATEMENTS", "check_model", "perturbed_instruction"]
 
 NORM_STATEMENTS = (convex_hull, layer_updates, depth_summaries, query_norms, rmsnorm_jacobians, softmax_jacobians)
 
