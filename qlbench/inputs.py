@@ -13,10 +13,21 @@ import os
 from pathlib import Path
 
 
+def _looked_up(path, what: str) -> Path:
+    path = Path(path)
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # a name too long, a component that is a file, a loop
+        raise ValueError(f"{what} {str(path)[:80]}: {err.strerror or err}") from None
+    return path
+
+
 def folder(path, what: str) -> Path:
     """A folder to read: ValueError naming `what` when it is missing, a file (or anything but a folder), a link to
-    nothing, or not readable."""
-    path = Path(path)
+    nothing, not readable, or a path the system cannot look up (a name too long)."""
+    path = _looked_up(path, what)
     if not path.exists():
         gone = path.is_symlink()
         raise ValueError(f"{what} {path} " + ("is a symbolic link to nothing" if gone else "does not exist"))
@@ -28,8 +39,9 @@ def folder(path, what: str) -> Path:
 
 
 def file(path, what: str) -> Path:
-    """A file to read: ValueError naming `what` when it is missing, a folder, or not readable."""
-    path = Path(path)
+    """A file to read: ValueError naming `what` when it is missing, a folder, not readable, or a path the system
+    cannot look up."""
+    path = _looked_up(path, what)
     if not path.exists():
         raise ValueError(f"{what} {path} does not exist")
     if path.is_dir():

@@ -137,8 +137,14 @@ MIN_FREE_BYTES = 1 << 20  # an output folder's device must hold at least a recor
 def check_writable(folder: Path, what: str = "results folder") -> None:
     """ValueError (one line) unless `folder` is a folder this process can write in, or can be created: every
     existing part of the path a folder, the nearest existing one writable. Creates nothing, so a command refused
-    later leaves no folder behind."""
-    folder = Path(folder)
+    later leaves no folder behind. A path the system cannot look up (a name too long) is refused too."""
+    try:
+        _check_writable(Path(folder), what)
+    except OSError as err:
+        raise ValueError(f"cannot use {what} {str(folder)[:80]}: {err.strerror or err}") from None
+
+
+def _check_writable(folder: Path, what: str) -> None:
     if not str(folder).strip():
         raise ValueError(f"the {what} is empty; give a path")
     if folder.is_symlink() and not folder.exists():

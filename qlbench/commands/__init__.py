@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import os
 from pathlib import Path
 
 from qlbench import inputs
@@ -53,11 +54,20 @@ def check_out_file(path) -> None:
     check_out(path.parent, "folder of the report")
 
 
+NAME_MAX, PATH_MAX = 255, 4096  # bytes of one name in a path, and of a whole path (Linux's and macOS's limits)
+
+
 def path_arg(text: str) -> Path:
     """argparse type of every path option and argument: the path, refused when empty (Path("") would be the current
-    folder: an empty --out wrote into it)."""
+    folder: an empty --out wrote into it), or longer than a file system takes (a lookup of it raises, not says no)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("empty path; give a folder or file")
+    if len(os.fsencode(text)) >= PATH_MAX:
+        raise argparse.ArgumentTypeError(f"a path of {len(os.fsencode(text)):,} bytes; at most {PATH_MAX - 1:,}")
+    if long := [p for p in Path(text).parts if len(os.fsencode(p)) > NAME_MAX]:
+        raise argparse.ArgumentTypeError(
+            f"a name of {len(os.fsencode(long[0])):,} bytes in the path; at most {NAME_MAX}"
+        )
     return Path(text)
 
 
