@@ -88,6 +88,29 @@ def _ascii(err: UnicodeError) -> tuple[str, int]:
 codecs.register_error("qlbench-ascii", _ascii)
 
 
+class QuietStream:
+    """stderr as a command writes to it: a write or flush that fails (a full device, a closed pipe) is dropped, so a
+    progress or log line never stops the work; everything else is the stream's own."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def plain_output() -> None:
     """stdout and stderr print whatever their encoding can hold: a character it lacks is written as ASCII's spelling
     of it (× as x, ± as +/-), never a UnicodeEncodeError. A UTF-8 terminal is unaffected."""
@@ -106,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     saved = "finished cells are saved and will be skipped on the next run"
     plain_output()
+    stderr = sys.stderr
+    if stderr is not None and not isinstance(stderr, QuietStream):
+        sys.stderr = QuietStream(stderr)
     try:
         args = parser.parse_args(argv)
         code = args.func(args)
-        sys.stdout.flush()  # a reader that left (`| head`) fails here, in the handlers below, not in Python's exit
+        if sys.stdout is not None:  # None where stdout is closed (`>&-`): the records are the output
+            sys.stdout.flush()  # a reader that left (`| head`) fails here, in the handlers below, not in Python's exit
         return code
     except UsageError as err:
         print(f"qlbench {args.command}: error: {err}" if args else f"qlbench: error: {err}", file=sys.stderr)
@@ -133,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qlbench: error: {FULL[err.errno]}{where}; {saved}: free space and run again", file=sys.stderr)
         return 1
     finally:
+        sys.stderr = stderr
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if "torch" in sys.modules:  # a command that ran torch: its teardown before the interpreter's
@@ -176,7 +204,7 @@ def entry() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe (`| head`), a closed stream: nothing more to write there
+        except (OSError, ValueError, AttributeError):  # a closed pipe (`| head`), a closed or absent stream
             pass
     os._exit(code)
 

@@ -45,7 +45,7 @@ class LogBar:
         self.iterable = iterable
         self.total = len(iterable) if total is None and hasattr(iterable, "__len__") else total
         self.desc, self.unit, self.n = desc, unit, 0
-        self.file = file if file is not None else sys.stderr
+        self.file = file if file is not None else sys.stderr  # None where stderr is closed
         self.clock = clock
         self.start = self.last_time = clock()
         self.last_pct = 0
@@ -62,7 +62,11 @@ class LogBar:
         return f"{head}{self.n:,}/{self.total:,} {self.unit}s ({pct:.0f}%), {_clock(elapsed)} elapsed{eta}"
 
     def write(self) -> None:
-        print(self.line(), file=self.file, flush=True)
+        if self.file is not None:  # stderr closed (`2>&-`): no line, the work goes on
+            try:
+                print(self.line(), file=self.file, flush=True)
+            except (OSError, ValueError):  # a full device, a closed pipe or file: progress never stops the work
+                self.file = None
         self.written, self.last_time = self.n, self.clock()
         self.last_pct = 100 * self.n // self.total if self.total else 0
 

@@ -499,3 +499,22 @@ def test_a_table_prints_where_the_output_encoding_is_ascii():
     assert out.returncode == 0, out.stderr.decode("ascii", "replace")[-500:]
     assert out.stdout.isascii() and b"Traceback" not in out.stderr
     assert b"| x LoRA (geometric mean) |" in out.stdout
+
+
+@pytest.mark.faults  # two smoke runs as processes of their own: `make test-faults`
+@pytest.mark.parametrize("stream", ["stderr on a full device", "stdout closed"])
+def test_a_run_whose_output_cannot_be_written_still_finishes(tmp_path, stream):
+    """Progress and log lines to a stderr that fails (/dev/full), or a table for a stdout that is closed: the run
+    finishes, exit 0, its record written; no line it could not write stops it."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    argv = ["run", "--function", "matyas", "--budget", "smoke", "--methods", "lora", "--seeds", "1", "--threads", "1"]
+    code = "from qlbench.cli import entry; entry()"
+    cmd = [sys.executable, "-c", code, *argv, "--out", str(tmp_path)]
+    with open("/dev/full", "w") as full:
+        if stream == "stdout closed":
+            out = subprocess.run(cmd, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1), timeout=600)
+        else:
+            out = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=full, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert len(list((tmp_path / "records/deep-narrow/matyas/lora").glob("*.json"))) == 1
