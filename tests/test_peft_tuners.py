@@ -339,3 +339,17 @@ def test_a_tuner_trains_in_a_suite_and_its_record_says_how(tmp_path, capsys):
             stages = seed["stage_task_mse"]  # (stages, tasks)
             assert len(stages) == 4 and all(len(s) == 4 for s in stages)
             assert all(v is not None and math.isfinite(v) for s in stages for v in s)
+
+
+@pytest.mark.parametrize("arch", BOTH)
+def test_every_runnable_tuner_is_planned_shapes_only(arch):
+    """A sweep plans before it trains: every method is built on a meta-device backbone for its sizes
+    (planning.dry_build). tinylora and unilora hold tensors torch cannot move to the meta device; the plan crashed
+    there, a traceback before any work. Every runnable tuner now gives its sizes, trainable count as when built."""
+    from qlbench import planning
+
+    prefix = peft_tuners.PREFIX
+    sizes = planning.dry_build(arch, {prefix + k: adapters.get(prefix + k).make_config() for k in RUNNABLE})
+    for kind in ("lora", "tinylora", "unilora"):
+        held, trainable = sizes[prefix + kind]
+        assert trainable == adapters.trainable_parameter_count(stack(arch, kind, members=1)) and held >= trainable

@@ -206,7 +206,10 @@ class MemberMethod(Method):
                     stack.looped(torch.zeros(len(members), 3, backbone.config.d_in, dtype=like.dtype))
             except Exception as err:  # noqa: BLE001 - whatever the method's code raises, in one line
                 raise ValueError(f"cannot run on {type(backbone).__name__}: {type(err).__name__}: {err}") from None
-            return stack.to(device="meta")
+            try:
+                return stack.to(device="meta")
+            except (AssertionError, RuntimeError):  # a tuner whose tensors torch cannot move (shared views): its
+                return stack  # one member on the CPU serves for the shapes (it is built there anyway)
         stack = stack.to(device=like.device, dtype=like.dtype)
         stack.path = stack.probe(backbone.config.d_in)
         return stack
