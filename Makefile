@@ -131,7 +131,8 @@ results-snapshot: check-clean setup
 # the zoo-v1 baselines (docs/results/baselines/zoo-v1) and the leaderboard (docs/results/leaderboard.md): protocol zoo-v1
 # (deep-narrow, kaiming, quick, nine functions), every deep-narrow method at $(HEADLINE_SEEDS) seeds and every peft tuner
 # that runs (qlbench methods --peft) at $(PEFT_SEEDS) seeds, in results-snapshot's records folder: its kaiming cells are
-# the same records (resumed, never run twice). A run may stop and resume across sessions or machines.
+# the same records (resumed, never run twice). A run may stop and resume across sessions or machines. Then every
+# method's step time (bench, one thread, E = 5) into docs/results/bench/zoo-v1.json: the leaderboard's µs / step.
 PEFT_SEEDS ?= 5
 PEFT_TUNERS = $(shell $(BIN)/python -c "from qlbench.adapters import peft_tuners as p; 	print(','.join(p.PREFIX + t for t in p.types() if t not in p.REFUSED))")
 BASELINE_RUN = $(BIN)/qlbench sweep --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 \
@@ -144,6 +145,10 @@ baselines-snapshot: check-clean setup
 	rm -rf docs/results/baselines/zoo-v1 && mkdir -p docs/results/baselines/zoo-v1
 	cp snapshot-results/zoo-v1-export/per-seed.csv.gz docs/results/baselines/zoo-v1/
 	$(BIN)/qlbench report docs/results/baselines/zoo-v1/per-seed.csv.gz --format md,csv >/dev/null
+	$(BIN)/qlbench bench --quick --archs deep-narrow --only throughput,members --threads 1 --no-progress \
+	  --methods $(SNAPSHOT_DN_METHODS),$(PEFT_TUNERS) --out snapshot-results/zoo-v1-bench >/dev/null
+	cp snapshot-results/zoo-v1-bench/bench.json docs/results/bench/zoo-v1.json
+	cp snapshot-results/zoo-v1-bench/bench.md docs/results/bench/zoo-v1.md
 	$(BIN)/qlbench compare --leaderboard > docs/results/leaderboard.md
 
 # the routing-vs-sharing baselines without the epsilon artifact (float64, eps 1e-30) and on the live backbone,

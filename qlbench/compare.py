@@ -198,16 +198,17 @@ def leaderboard_markdown(
         text.Column("across functions", "outcome"),
         text.Column("W / T / L vs LoRA", _wtl),
         text.Column("trainable", lambda r: f"{r['trainable']:,}"),
-        text.Column("µs / step", lambda r: "" if r["us_per_step"] is None else text.num(r["us_per_step"], 3)),
+        text.Column("µs / step", lambda r: "" if r["us_per_step"] is None else f"{r['us_per_step']:,.0f}"),
         text.Column("seeds", "seeds"),
     ]
     speed = ""
     if bench:
         meta, E = bench["meta"], min(r["members"] for r in bench.get("throughput", []) + bench.get("members", []))
+        threads = bench.get("settings", {}).get("threads") or meta.get("threads")
+        device = meta.get("gpu") or f"a {meta.get('cpu_count')}-core {meta.get('cpu')} CPU"
         speed = (
             f" µs / step: one member's training step, from `qlbench bench --quick` at {E} members stacked (the path "
-            f"each method trains on), {meta.get('threads')} thread(s) of {meta.get('cpu') or meta.get('gpu')}: "
-            f"bench/{protocol.name}.json."
+            f"each method trains on), {threads} thread(s) on {device}: bench/{protocol.name}.json."
         )
     functions = ", ".join(protocol.functions)
     return "\n".join(
