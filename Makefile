@@ -1,7 +1,8 @@
 # qlbench: every target sets up what it needs in ./.venv first (CPU build of torch 2.13.0, then the package).
 #   make run      the main job: dropwave on the deep-narrow backbone, every method, `quick` budget
 #   make test     the default test suite (what CI runs, after make lint)
-#   make test-faults  the slower fault cases and the random-damage test (CI runs them after make test)
+#   make test-faults  the slower fault cases, the random-damage test and the fuzz test (CI runs them after make test)
+#   make fuzz         the fuzz test over every command with new random examples (tests/test_fuzz.py)
 #   make test-cuda    the CUDA tests, on a machine with a GPU (skipped with the reason elsewhere)
 #   make gpu-check    on a machine with one GPU and PyTorch (no venv: the system's Python, missing wheels in .whl/):
 #                     the quick run on CUDA, deep-narrow's CUDA bench rows, the compiled bench's exit and the CUDA
@@ -33,7 +34,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow test-faults test-cuda gpu-check lint format figures bench results-snapshot baselines-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
+.PHONY: setup setup-dev run test test-slow test-faults fuzz test-cuda gpu-check lint format figures bench results-snapshot baselines-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
 	suites-snapshot suites-report language-snapshot language-report mechanism-snapshot check-clean clean
 
 $(BIN)/python:
@@ -85,6 +86,10 @@ gpu-check:
 # the slower fault cases and the property-based random-damage test (tests/test_faults.py); CI runs them after `make test`
 test-faults: setup-dev
 	$(BIN)/python -m pytest -q -m faults
+
+# the fuzz test over every command (tests/test_fuzz.py) with new random examples, 300 per command (CI runs a fixed 60)
+fuzz: setup-dev
+	QLBENCH_FUZZ=random $(BIN)/python -m pytest -q -m faults tests/test_fuzz.py
 
 figures: setup-dev
 	cd notebooks && ../$(BIN)/jupyter execute 01_function_zoo.ipynb
