@@ -60,22 +60,30 @@ def test_concurrently_keeps_the_order_the_callers_threads_and_raises_after_every
 
 def test_an_interrupt_is_raised_at_once_and_no_job_starts_after_it():
     """Ctrl-C (or SIGTERM, which the CLI turns into an exception in the main thread) while stacks train at once: the
-    caller gets it at once, not when the running jobs end, and the jobs not started never start."""
-    release, started = threading.Event(), []
+    caller gets it at once, not when the running jobs end, and the jobs not started never start. The interrupt is
+    sent once both running jobs have started (an event, not a timer: a loaded machine cannot reorder it)."""
+    release, started, finished = threading.Event(), [], []
+    lock = threading.Lock()
 
     def job(i: int) -> int:
-        started.append(i)
+        with lock:
+            started.append(i)
+            if len(started) == 2:  # both workers busy: now the caller is waiting on them
+                _thread.interrupt_main()
         release.wait(30)
+        finished.append(i)
         return i
 
-    threading.Timer(0.3, _thread.interrupt_main).start()
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         engine.concurrently([lambda i=i: job(i) for i in range(3)], 2, "cpu")
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 5  # at once: the jobs still wait on `release`
     release.set()
-    time.sleep(0.5)  # the two running jobs end; the third is not taken
-    assert sorted(started) == [0, 1]
+    deadline = time.perf_counter() + 10
+    while len(finished) < 2 and time.perf_counter() < deadline:  # the two running jobs end
+        time.sleep(0.01)
+    time.sleep(0.2)  # a third job, were one taken, would start within this
+    assert sorted(started) == [0, 1] and sorted(finished) == [0, 1]
 
 
 # eager under -m slow (20 s on 2 cores; CI runs it): the default suite keeps the captured case, within about 10 minutes

@@ -278,9 +278,9 @@ def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) 
     threads = [
         threading.Thread(target=worker, name=f"qlbench-stack-{k}", daemon=True) for k in range(min(width, len(jobs)))
     ]
-    for t in threads:
-        t.start()
-    try:
+    try:  # an interrupt while the threads start (a job may already run) stops them too
+        for t in threads:
+            t.start()
         for t in threads:
             while t.is_alive():  # woken every 0.2 s, so that an interrupt is raised here at once
                 t.join(0.2)
