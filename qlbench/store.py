@@ -99,13 +99,16 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
 
 
 def check_replaceable(path: Path) -> None:
-    """ValueError (one line) unless `path` is missing or a regular file (a link to one counts as one)."""
+    """ValueError (one line) unless `path` is missing, a regular file or a symbolic link (the rename replaces the
+    link itself, never what it points to: a link loop or a link to a device is replaced by the file)."""
     try:
-        mode = os.stat(path).st_mode
+        mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
     except OSError as err:
         raise ValueError(f"cannot write {path}: {err.strerror or err}") from None
+    if stat.S_ISLNK(mode):
+        return
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a device, a pipe or a socket)"
         raise ValueError(f"cannot write {path}: it is {kind}; qlbench writes only over regular files")
