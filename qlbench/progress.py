@@ -62,11 +62,8 @@ class LogBar:
         return f"{head}{self.n:,}/{self.total:,} {self.unit}s ({pct:.0f}%), {_clock(elapsed)} elapsed{eta}"
 
     def write(self) -> None:
-        if self.file is not None:  # stderr closed (`2>&-`): no line, the work goes on
-            try:
-                print(self.line(), file=self.file, flush=True)
-            except (OSError, ValueError):  # a full device, a closed pipe or file: progress never stops the work
-                self.file = None
+        if self.file is not None:  # stderr closed (`2>&-`): no line (a failing one is the CLI's QuietStream's)
+            print(self.line(), file=self.file, flush=True)
         self.written, self.last_time = self.n, self.clock()
         self.last_pct = 100 * self.n // self.total if self.total else 0
 

@@ -81,9 +81,9 @@ def clean_temps(root: Path) -> list[Path]:
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call write(tmp) on a temp file next to `path`, then rename it into place with the user's umask applied
-    (mkstemp creates files 0600). On any error the temp file is removed and `path` is untouched. Only a regular file
-    or a missing path is replaced: anything else there (a device such as /dev/full, a pipe, a socket, a folder) is a
-    ValueError, and nothing is written."""
+    (mkstemp creates files 0600). On any error the temp file is removed and `path` is untouched. Only a regular file,
+    a symbolic link (itself) or a missing path is replaced: anything else there (a device such as /dev/full, a pipe,
+    a socket, a folder) is a ValueError, and nothing is written (`check_replaceable`)."""
     path = Path(path)
     check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
