@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import adapters, inputs, per_seed, protocols, results, stats, text
+from qlbench import adapters, inputs, protocols, text
+from qlbench.metrics import stats
+from qlbench.records import per_seed, results
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 

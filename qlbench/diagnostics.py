@@ -39,11 +39,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from qlbench import adapters, engine, experiment, inputs, results, stats, zoo
+from qlbench import adapters, engine, inputs, zoo
 from qlbench.adapters import queryable
 from qlbench.backbones import build_backbone, check_init
+from qlbench.experiments import experiment
+from qlbench.metrics import stats
+from qlbench.records import results
+from qlbench.records.store import Store
 from qlbench.stacked import ForwardContext
-from qlbench.store import Store
 
 ROUTED = adapters.of_family("queryable")  # methods routed over shared atoms (the route maps read their atoms)
 GRADIENT_METHODS = (adapters.BASELINE, *ROUTED)  # the paper's gradient comparison: LoRA against the routed adapters

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from qlbench import suites, zoo
-from qlbench.store import write_text
+from qlbench.records.store import write_text
 
 MODEL = "all-MiniLM-L6-v2"  # the cache key and the shipped table's file name
 HUB_ID = f"sentence-transformers/{MODEL}"

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from qlbench import __version__, adapters, experiment, inputs, zoo
+from qlbench import __version__, adapters, inputs, zoo
 from qlbench.backbones import ARCHS
-from qlbench.store import Store, finite
+from qlbench.experiments import experiment
+from qlbench.records.store import Store, finite
 from qlbench.theory import checks, tracing
 from qlbench.theory.bounds import REL_TOL
 

@@ -11,9 +11,11 @@ import torch
 from scipy import integrate
 from scipy.stats import norm
 
-from qlbench import diagnostics, engine, experiment, multitask, runner
+from qlbench import diagnostics, engine
 from qlbench.backbones import GELU_GAIN, build_backbone
-from qlbench.store import Store
+from qlbench.experiments import experiment, multitask
+from qlbench.records import runner
+from qlbench.records.store import Store
 
 from helpers import one_line_error
 

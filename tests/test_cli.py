@@ -352,8 +352,8 @@ def test_every_shared_option_has_one_default_and_one_help():
 def test_the_library_plans_share_the_command_line_defaults():
     import inspect
 
-    from qlbench import experiment, multitask
     from qlbench.commands import options
+    from qlbench.experiments import experiment, multitask
 
     suite = inspect.signature(multitask.plan).parameters
     for flag, (keyword, spec) in options.TRAINING.items():
@@ -386,7 +386,7 @@ def test_shared_options_a_command_cannot_honour_are_one_line_exit_2(capsys, tmp_
 
 
 def test_the_shared_options_reach_the_plans_of_pareto_and_ablate(tmp_path):
-    from qlbench import ablation, pareto
+    from qlbench.experiments import ablation, pareto
 
     settings = dict(arch="deep-narrow", budget="smoke", out_dir=tmp_path, dtype="float64", eps=1e-30, compile="off")
     grid = pareto.parse_grid("r=4 M=4 k=1")

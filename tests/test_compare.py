@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from qlbench import cli, compare, per_seed, protocols
+from qlbench import cli, compare, protocols
+from qlbench.records import per_seed
 
 from helpers import one_line_error
 

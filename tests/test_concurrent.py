@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlbench import cli, engine, experiment, planning
+from qlbench import cli, engine
 from qlbench.engine import step
+from qlbench.experiments import experiment, planning
 
 from helpers import ReplayByRerun, fail_adapting, one_line_error
 
@@ -131,7 +132,7 @@ def test_bad_methods_at_once_is_one_line_before_any_work(tmp_path, capsys, extra
 def test_methods_at_once_auto_trains_every_method_at_once_on_cuda_for_deep_narrow_only():
     """`--methods-at-once auto` (the CLI's default): every method's stack at once where it was measured to pay (CUDA,
     deep-narrow, stacks on this machine, not --compile on), else one at a time; an integer as given."""
-    from qlbench.planning import resolve_at_once
+    from qlbench.experiments.planning import resolve_at_once
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_at_once("auto", "deep-narrow", cuda, 9, "auto", local=True) == 9

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.special import rel_entr
 
-from qlbench import continual
+from qlbench.metrics import continual
 
 # Three tasks trained in order; R[i, j]: task j's MSE after stage i.
 R = np.array(

@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qlbench import adapters, cost, experiment, report, results, runner
+from qlbench import adapters, cost, report
+from qlbench.experiments import experiment
+from qlbench.records import results, runner
 from qlbench.report import tables
 
 pytestmark = pytest.mark.xdist_group("cost")  # its module fixture trains once: its tests, one worker

@@ -24,7 +24,9 @@ import sys
 import pytest
 import torch
 
-from qlbench import adapters, cli, engine, experiment, multitask, results, runner
+from qlbench import adapters, cli, engine
+from qlbench.experiments import experiment, multitask
+from qlbench.records import results, runner
 
 from helpers import SYNCING
 

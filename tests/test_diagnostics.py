@@ -11,8 +11,10 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from qlbench import cli, diagnostics, experiment, report, runner, zoo
+from qlbench import cli, diagnostics, report, zoo
 from qlbench.adapters import queryable
+from qlbench.experiments import experiment
+from qlbench.records import runner
 from qlbench.theory import tracing
 
 from helpers import one_line_error

@@ -12,9 +12,11 @@ import sys
 import pytest
 import torch
 
-from qlbench import adapters, engine, experiment, results, runner, zoo
+from qlbench import adapters, engine, zoo
+from qlbench.experiments import experiment
+from qlbench.records import results, runner
+from qlbench.records.store import Store
 from qlbench.seeding import generator
-from qlbench.store import Store
 
 from helpers import SYNCING, ReplayByRerun
 

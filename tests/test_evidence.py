@@ -14,7 +14,8 @@ import pytest
 from scipy import stats as sps
 from test_stats import make_frame
 
-from qlbench import per_seed, results, stats
+from qlbench.metrics import stats
+from qlbench.records import per_seed, results
 from qlbench.report import tables, write_report
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -386,7 +387,7 @@ def test_the_real_model_tables_are_rebuilt_from_their_records(tmp_path):
     """real.md / real.csv (MiniLM through peft) and real-lm.md (the tiny decoder) from the JSON records committed
     beside them."""
     pytest.importorskip("peft")
-    from qlbench import real_lm
+    from qlbench.experiments import real_lm
     from qlbench.report import real as real_report
 
     records = sorted((RESULTS / "real" / "records").glob("*.json"))

@@ -25,8 +25,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlbench import adapters, cli, experiment, planning, results, store
-from qlbench.store import DamagedFile, Store
+from qlbench import adapters, cli
+from qlbench.experiments import experiment, planning
+from qlbench.records import results, store
+from qlbench.records.store import DamagedFile, Store
 
 from helpers import one_line_error
 
@@ -602,7 +604,7 @@ def test_random_damage_of_suite_rows_real_records_and_backbones_is_found(
         if argv[0] in ("suite", "real"):
             assert code == 0, (argv, err.getvalue()[-500:])  # recomputed whatever was damaged
     results.read_record(suite_rec)
-    from qlbench import real
+    from qlbench.experiments import real
 
     real.check_record(store.read_json(real_rec), real_rec)
     if target == "backbone swap":

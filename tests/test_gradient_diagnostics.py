@@ -12,8 +12,10 @@ import pandas as pd
 import pytest
 import torch
 
-from qlbench import adapters, engine, experiment, gradients, results, runner
+from qlbench import adapters, engine, gradients
 from qlbench.backbones import DeepNarrowMLP, RegressionTransformer
+from qlbench.experiments import experiment
+from qlbench.records import results, runner
 from qlbench.seeding import generator
 
 from helpers import F64, TINY_DEEP_NARROW, TINY_TRANSFORMER, gens

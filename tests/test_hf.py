@@ -172,7 +172,10 @@ def test_bad_configs_are_clear_errors():
 
 
 def test_the_core_package_does_not_import_peft():
-    code = "import sys, qlbench, qlbench.cli, qlbench.adapters, qlbench.experiment; print('peft' in sys.modules)"
+    code = (
+        "import sys, qlbench, qlbench.cli, qlbench.adapters, qlbench.experiments.experiment; "
+        "print('peft' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

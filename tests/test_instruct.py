@@ -12,9 +12,11 @@ import pandas as pd
 import pytest
 import torch
 
-from qlbench import ablation, adapters, cli, experiment, instructions, results, zoo
+from qlbench import adapters, cli, instructions, zoo
 from qlbench.adapters import instruct
 from qlbench.backbones import build_backbone
+from qlbench.experiments import ablation, experiment
+from qlbench.records import results
 
 from helpers import F64, TINY_DEEP_NARROW, gens, one_line_error
 

@@ -67,50 +67,66 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 LAYERS = [
     [
         "qlbench",
+        "qlbench.records",
+        "qlbench.experiments",
+        "qlbench.metrics",
         "qlbench.seeding",
-        "qlbench.store",
-        "qlbench.schema",
+        "qlbench.records.store",
+        "qlbench.records.schema",
         "qlbench.soap",
         "qlbench.stacked",
         "qlbench.gradients",
-        "qlbench.continual",
+        "qlbench.metrics.continual",
     ],
     ["qlbench.text", "qlbench.inputs", "qlbench.progress", "qlbench.zoo", "qlbench.parametric"],
-    ["qlbench.backbones", "qlbench.instructions", "qlbench.results", "qlbench.per_seed", "qlbench.suites"],
+    [
+        "qlbench.backbones",
+        "qlbench.instructions",
+        "qlbench.records.results",
+        "qlbench.records.per_seed",
+        "qlbench.suites",
+    ],
     ["qlbench.adapters"],
     ["qlbench.engine"],
     [
-        "qlbench.planning",
-        "qlbench.runner",
+        "qlbench.experiments.planning",
+        "qlbench.records.runner",
         "qlbench.protocols",
-        "qlbench.experiment",
+        "qlbench.experiments.experiment",
         "qlbench.cost",
-        "qlbench.pareto_stack",
+        "qlbench.experiments.pareto_stack",
     ],
     [
-        "qlbench.stats",
+        "qlbench.metrics.stats",
         "qlbench.compare",
         "qlbench.theory",
         "qlbench.verify",
         "qlbench.bench",
         "qlbench.ray_executor",
-        "qlbench.multitask",
-        "qlbench.suite_stats",
+        "qlbench.experiments.multitask",
+        "qlbench.metrics.suite_stats",
         "qlbench.hf",
-        "qlbench.real",
-        "qlbench.real_lm",
+        "qlbench.experiments.real",
+        "qlbench.experiments.real_lm",
     ],
-    ["qlbench.diagnostics", "qlbench.ablation", "qlbench.pareto"],
+    ["qlbench.diagnostics", "qlbench.experiments.ablation", "qlbench.experiments.pareto"],
     ["qlbench.report"],
     ["qlbench.commands"],
     ["qlbench.cli"],
 ]
 
 
+# packages that are folders of modules of several layers, each module placed on its own; their __init__ imports nothing
+FOLDERS = {"qlbench", "qlbench.records", "qlbench.experiments", "qlbench.metrics"}
+
+
 def layer_of(module: str) -> int:
     """The index in LAYERS of a module or of the package it belongs to; KeyError for one LAYERS does not place."""
-    for i, layer in enumerate(LAYERS):
-        if module in layer or any(module.startswith(m + ".") for m in layer if m != "qlbench"):
+    for i, layer in enumerate(LAYERS):  # a module named on its own first (qlbench.records.runner)
+        if module in layer:
+            return i
+    for i, layer in enumerate(LAYERS):  # then the package it belongs to (qlbench.engine.loop)
+        if any(module.startswith(m + ".") for m in layer if m not in FOLDERS):
             return i
     raise KeyError(module)
 
@@ -217,5 +233,9 @@ def test_only_the_engine_runs_a_backward_pass():
 def test_the_backward_check_finds_a_planted_training_loop():
     planted = "def train(model, x):\n    loss = model(x).sum()\n    loss.backward()\n"
     grad = "import torch\ndef g(y, x):\n    return torch.autograd.grad(y, x)\n"
-    sources = {"qlbench.multitask": planted, "qlbench.real": grad, "qlbench.engine.loop": planted}
-    assert backward_callers(sources) == ["qlbench.multitask", "qlbench.real"]
+    sources = {
+        "qlbench.experiments.multitask": planted,
+        "qlbench.experiments.real": grad,
+        "qlbench.engine.loop": planted,
+    }
+    assert backward_callers(sources) == ["qlbench.experiments.multitask", "qlbench.experiments.real"]

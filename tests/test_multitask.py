@@ -9,7 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qlbench import ablation, cli, continual, multitask, results, runner, suite_stats, suites
+from qlbench import cli, suites
+from qlbench.experiments import ablation, multitask
+from qlbench.metrics import continual, suite_stats
+from qlbench.records import results, runner
 
 from helpers import one_line_error
 

@@ -12,7 +12,10 @@ import pandas as pd
 import pytest
 import torch
 
-from qlbench import adapters, continual, engine, multitask, parametric, runner, stats, suite_stats, suites, text
+from qlbench import adapters, engine, parametric, suites, text
+from qlbench.experiments import multitask
+from qlbench.metrics import continual, stats, suite_stats
+from qlbench.records import runner
 from qlbench.report import heldout
 
 F64 = torch.float64
@@ -421,7 +424,7 @@ def test_a_held_out_run_records_both_standardisations(tmp_path):
     statistics are the raw training labels' of the 4 training tasks, recomputed here from the suite's data and each
     task's own statistics; the training-statistics MSE of each held-out task is mean((c - y')^2) over its test
     samples, y' = (sd_h y + mu_h - m) / s; null for the trained tasks. The per-task MSE (headline) is unchanged."""
-    from qlbench import results
+    from qlbench.records import results
 
     p = multitask.plan(suite=f"{parametric.PREFIX}4", schedule="held-out", arch="deep-narrow", methods=["mean"],
                        out_dir=tmp_path, budget="smoke", seeds=2, threads=1)  # fmt: skip
@@ -448,7 +451,8 @@ def test_param_code_trains_and_reports(tmp_path, capsys):
     """A smoke held-out run of instruct-queryable and param-code on param-sin-cos-4: param-code binds the parameter
     codes, has no paraphrase (no words) but a shuffled evaluation, and the report tests instruct-queryable against
     it on each split (vs params), with both standardisations shown; the columns of absent controls are left out."""
-    from qlbench import cli, results
+    from qlbench import cli
+    from qlbench.records import results
 
     p = multitask.plan(suite=f"{parametric.PREFIX}4", schedule="held-out", arch="deep-narrow",
                        methods=["instruct-queryable", "param-code"], out_dir=tmp_path / "r", budget="smoke", seeds=2,

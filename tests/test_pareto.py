@@ -7,7 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qlbench import cli, pareto, results
+from qlbench import cli
+from qlbench.experiments import pareto
+from qlbench.records import results
 
 
 def test_the_grid_is_the_papers_narrowed_by_the_user():

@@ -1,5 +1,5 @@
-"""A Pareto grid's points that differ in k alone train as one stack (qlbench/pareto_stack.py): each point's record
-equals the one its own plan writes alone, bit for bit, under the same path; a grid resumes point by point."""
+"""A Pareto grid's points that differ in k alone train as one stack (qlbench/experiments/pareto_stack.py): each point's
+record equals the one its own plan writes alone, bit for bit, under the same path; a grid resumes point by point."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
-from qlbench import cli, pareto, pareto_stack, results, runner
+from qlbench import cli
 from qlbench.adapters.routing import topk_softmax
+from qlbench.experiments import pareto, pareto_stack
+from qlbench.records import results, runner
 
 
 def test_a_k_per_member_routes_each_member_as_its_k_alone():

@@ -311,7 +311,7 @@ def test_every_runnable_tuner_adapts_at_the_smoke_budget(arch, kind):
 def test_capture_auto_stays_off_for_a_tuner_on_cuda(tmp_path):
     """Planned for CUDA machines (a Ray cluster's: cuda=True, nothing allocated here): auto records qlbench's own
     methods' steps in CUDA graphs, but not a run that holds a peft tuner; on records it anyway."""
-    from qlbench import experiment
+    from qlbench.experiments import experiment
 
     plan = lambda methods, capture: experiment.plan(
         functions=["matyas"], arch="deep-narrow", methods=methods, budget="smoke", device="cuda", cuda=True,
@@ -345,7 +345,7 @@ def test_every_runnable_tuner_is_planned_shapes_only(arch):
     """A sweep plans before it trains: every method is built on a meta-device backbone for its sizes
     (planning.dry_build). tinylora and unilora hold tensors torch cannot move to the meta device; the plan crashed
     there, a traceback before any work. Every runnable tuner now gives its sizes, trainable count as when built."""
-    from qlbench import planning
+    from qlbench.experiments import planning
 
     prefix = peft_tuners.PREFIX
     sizes = planning.dry_build(arch, {prefix + k: adapters.get(prefix + k).make_config() for k in RUNNABLE})

@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qlbench import adapters, backbones, planning
+from qlbench import adapters, backbones
 from qlbench.adapters import poly
 from qlbench.adapters.base import Site, isolate_tasks
 from qlbench.backbones import DeepNarrowMLP, RegressionTransformer, Target
+from qlbench.experiments import planning
 from qlbench.stacked import ForwardContext, StackedLinear
 
 from helpers import F64, TINY_DEEP_NARROW, TINY_TRANSFORMER, gens, outputs_and_gradients

@@ -14,7 +14,9 @@ import pandas as pd
 import pytest
 import torch
 
-from qlbench import cli, experiment, pareto, report, results, store
+from qlbench import cli, report
+from qlbench.experiments import experiment, pareto
+from qlbench.records import results, store
 from qlbench.report import pareto as pareto_report
 from qlbench.report import real as real_report
 

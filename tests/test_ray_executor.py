@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlbench import cli, results
-from qlbench.store import Store
+from qlbench import cli
+from qlbench.records import results
+from qlbench.records.store import Store
 
 from helpers import one_line_error
 
@@ -35,7 +36,7 @@ def faults(tmp_path_factory):
     def install():  # runs in every Ray worker at start-up (pickled by value: a local function)
         import os
 
-        from qlbench import experiment
+        from qlbench.experiments import experiment
 
         run_method = experiment.run_method
 

@@ -11,9 +11,11 @@ import pytest
 
 pytest.importorskip("peft")
 
-from qlbench import cli, real, runner, store  # noqa: E402
+from qlbench import cli  # noqa: E402
+from qlbench.experiments import real
+from qlbench.records import runner, store
 
-# General knowledge, written here apart from qlbench/real.py's tables: the yes answers.
+# General knowledge, written here apart from qlbench/experiments/real.py's tables: the yes answers.
 MAMMALS = {"cat", "dog", "horse", "whale", "mouse", "bat"}
 WARM = {"red", "orange", "yellow", "pink", "gold", "crimson"}
 EUROPE = {"Paris", "Rome", "Berlin", "Madrid", "Oslo", "Vienna"}
@@ -158,8 +160,8 @@ def test_lora_matched_is_lora_of_instruct_queryables_size():
 
 
 def test_the_runner_completes_a_record_keeps_its_seeds_and_leaves_a_locked_method(tmp_path, monkeypatch):
-    """real runs through qlbench.runner: a record missing seeds is completed (the seeds it held kept), a damaged one
-    is set aside and retrained, a method another process holds is left to it."""
+    """real runs through qlbench.records.runner: a record missing seeds is completed (the seeds it held kept), a
+    damaged one is set aside and retrained, a method another process holds is left to it."""
     trained = []
 
     def fake(method, config, seed, *args):

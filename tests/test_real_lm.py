@@ -1,6 +1,6 @@
-"""qlbench real-lm (qlbench/real_lm.py): the tasks and both sequence layouts by hand, the engine's loss against
-transformers' own on both, lora-matched's rank against a hand count, a tiny run of every method through the runner
-(records, resume, table), damaged records and bad input."""
+"""qlbench real-lm (qlbench/experiments/real_lm.py): the tasks and both sequence layouts by hand, the engine's loss
+against transformers' own on both, lora-matched's rank against a hand count, a tiny run of every method through the
+runner (records, resume, table), damaged records and bad input."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from qlbench import real_lm, runner, store  # noqa: E402
+from qlbench.experiments import real_lm  # noqa: E402
+from qlbench.records import runner, store  # noqa: E402
 
 from helpers import one_line_error  # noqa: E402
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from qlbench import cli, results, schema
-from qlbench.store import Store
+from qlbench import cli
+from qlbench.records import results, schema
+from qlbench.records.store import Store
 
 pytestmark = pytest.mark.xdist_group("record_shapes")  # its module fixture trains once: its tests, one worker
 
@@ -84,7 +85,7 @@ def test_report_results_and_suite_set_a_damaged_suite_record_aside(finished, tmp
 
 
 def test_a_real_record_without_status_or_score_is_damaged(tmp_path):
-    from qlbench import real
+    from qlbench.experiments import real
 
     good = {"seed": 0, "status": "ok", "test_mse": 0.1, "test_mse_per_task": dict.fromkeys(real.TASKS, 0.1),
             "train_mse": 0.1, "trainable_params": 10}  # fmt: skip

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from qlbench import adapters, diagnostics, stats, verify
+from qlbench import adapters, diagnostics, verify
 from qlbench.adapters.base import KINDS, Method
+from qlbench.metrics import stats
 
 
 def test_kinds_as_the_paper_groups_the_methods():

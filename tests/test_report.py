@@ -15,7 +15,8 @@ import pytest
 from matplotlib.figure import Figure
 from test_stats import Div, make_frame
 
-from qlbench import cli, report, stats, text
+from qlbench import cli, report, text
+from qlbench.metrics import stats
 
 from helpers import one_line_error
 
@@ -407,7 +408,7 @@ def test_report_on_an_empty_or_missing_folder_is_one_line(tmp_path, capsys):
 
 def real_frame(mean_over_tasks: dict[str, list[float]]) -> pd.DataFrame:
     """The frame of `report.real.frame`: one row per (method, seed), every task's MSE equal to the mean."""
-    from qlbench.real import TASKS
+    from qlbench.experiments.real import TASKS
 
     return pd.DataFrame(
         {"method": m, "seed": s, "test_mse": v, "trainable_params": 100} | {t: v for t in TASKS}

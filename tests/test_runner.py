@@ -1,4 +1,4 @@
-"""The runner (qlbench/runner.py) on a toy workload: which units are finished, what it trains, what it leaves to
+"""The runner (qlbench/records/runner.py) on a toy workload: which units are finished, what it trains, what it leaves to
 another process; and its failure and cost wrappers."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qlbench import runner, store
+from qlbench.records import runner, store
 
 
 @dataclass
@@ -139,7 +139,8 @@ def test_attempt_records_a_failure_and_goes_on_and_cost_is_an_extra():
 
 def test_ablate_tabulates_its_variants_when_the_reference_is_left_to_another_process(tmp_path, capsys, monkeypatch):
     """Only the card's variant is held elsewhere: the others train and are tabulated without a comparison."""
-    from qlbench import ablation, cli
+    from qlbench import cli
+    from qlbench.experiments import ablation
 
     plans = ablation.plans(function="matyas", arch="deep-narrow", budget="smoke", out_dir=tmp_path)
     held = {plans[ablation.REFERENCE].unit_path(u) for u in plans[ablation.REFERENCE].units()}

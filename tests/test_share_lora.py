@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qlbench import adapters, engine, planning
+from qlbench import adapters, engine
 from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP
+from qlbench.experiments import planning
 from qlbench.seeding import generator
 
 F64 = torch.float64

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlbench import adapters, cli, engine, experiment, results, runner
+from qlbench import adapters, cli, engine
 from qlbench.adapters.base import adamw
 from qlbench.engine import loop
-from qlbench.store import Store
+from qlbench.experiments import experiment
+from qlbench.records import results, runner
+from qlbench.records.store import Store
 
 PRE = engine.Phase(epochs=2, lr=3e-3)
 BUDGET = engine.Budget("test", 2, PRE, engine.Phase(epochs=7, lr=2e-3), eval_every=2)

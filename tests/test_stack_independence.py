@@ -9,9 +9,10 @@ import functools
 import pytest
 import torch
 
-from qlbench import adapters, cli, engine, results, stacked, zoo
+from qlbench import adapters, cli, engine, stacked, zoo
 from qlbench.adapters import base
-from qlbench.store import Store
+from qlbench.records import results
+from qlbench.records.store import Store
 
 SMOKE = engine.budget("smoke", "deep-narrow")
 LONE = ("matyas", 1)
@@ -165,7 +166,8 @@ def test_a_plan_wider_than_the_memory_trains_in_narrower_stacks_with_the_same_nu
     """With memory for two functions' stacks of three, a sweep trains a stack of two functions, then one: every
     cell's per-seed numbers equal those of the one-stack sweep, bit for bit; with memory for less than one
     function's seeds the plan is refused in one line."""
-    from qlbench import experiment, planning, runner
+    from qlbench.experiments import experiment, planning
+    from qlbench.records import runner
 
     kw = dict(functions=["matyas", "levy", "dropwave"], arch="deep-narrow", methods=["lora"], budget="smoke", seeds=2)
     whole = experiment.plan(**kw, threads=1, out_dir=tmp_path / "whole")

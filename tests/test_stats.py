@@ -1,5 +1,5 @@
-"""qlbench.stats: diverged seeds score inf, methods are paired by seed, and every p-value and interval matches scipy
-computed here independently (or by hand)."""
+"""qlbench.metrics.stats: diverged seeds score inf, methods are paired by seed, and every p-value and interval matches
+scipy computed here independently (or by hand)."""
 
 import math
 
@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from qlbench import stats, suite_stats
+from qlbench.metrics import stats, suite_stats
 
 
 class Div(float):

@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 
-from qlbench import cli, engine, experiment, results
-from qlbench.store import Store
+from qlbench import cli, engine
+from qlbench.experiments import experiment
+from qlbench.records import results
+from qlbench.records.store import Store
 
 from helpers import one_line_error
 
@@ -140,7 +142,7 @@ def test_a_blow_up_without_nan_is_diverged_and_every_seed_is_named(tmp_path, cap
 def test_a_killed_writers_lock_file_is_removed_and_a_held_one_kept(tmp_path):
     """kill -9 skips claim's clean-up and leaves `.<record>.lock`; the next run's clean-up removes a lock nobody
     holds, never one a live process holds (here: this process, through another descriptor)."""
-    from qlbench import store
+    from qlbench.records import store
 
     stale, live = tmp_path / "a.json", tmp_path / "b.json"
     stale.with_name(".a.json.lock").write_text("")  # what a killed writer leaves
@@ -153,7 +155,7 @@ def test_a_killed_writers_lock_file_is_removed_and_a_held_one_kept(tmp_path):
 
 
 def test_a_folder_or_a_link_loop_where_a_file_should_be_is_damage(tmp_path):
-    from qlbench import store
+    from qlbench.records import store
 
     folder, loop = tmp_path / "rec.json", tmp_path / "loop.json"
     folder.mkdir()
@@ -168,7 +170,7 @@ def test_a_folder_or_a_link_loop_where_a_file_should_be_is_damage(tmp_path):
 
 
 def test_an_out_that_is_a_link_loop_or_holds_a_read_only_folder_is_refused(tmp_path, monkeypatch):
-    from qlbench import store
+    from qlbench.records import store
 
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
@@ -187,14 +189,14 @@ def test_an_out_that_is_a_link_loop_or_holds_a_read_only_folder_is_refused(tmp_p
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc file system here")
 def test_an_out_on_a_file_system_that_takes_no_folders_is_refused_before_any_work():
     """/proc is writable to os.access as root, but takes no new folder: the probe creates (and removes) one."""
-    from qlbench import store
+    from qlbench.records import store
 
     with pytest.raises(ValueError, match="cannot create results folder /proc/qlbench-x/y"):
         store.check_writable(store.Path("/proc/qlbench-x/y"))
 
 
 def test_an_out_on_a_full_device_is_refused(tmp_path, monkeypatch):
-    from qlbench import store
+    from qlbench.records import store
 
     store.check_writable(tmp_path / "new")
     usage = store.shutil.disk_usage(tmp_path)
@@ -207,7 +209,7 @@ def test_an_out_on_a_full_device_is_refused(tmp_path, monkeypatch):
 def test_the_atomic_writer_replaces_only_regular_files(tmp_path):
     """A record, a report or a verify file is written over a regular file or a missing path, never over a device, a
     pipe or a folder (a rename over /dev/full as root replaced the device)."""
-    from qlbench import store
+    from qlbench.records import store
 
     fifo, folder, link = tmp_path / "pipe", tmp_path / "folder", tmp_path / "link"
     os.mkfifo(fifo)

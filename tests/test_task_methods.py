@@ -256,7 +256,8 @@ def test_a_routed_task_is_evaluated_through_its_routes_factors():
     """multitask.task_mse with route (0, 1, 0): task 2's samples go through task 0's LoRA (by hand: one forward with
     task index 0), grouped as task 2's MSE; tasks 0 and 1 as without a route. A route to task 1 instead (a planted
     wrong choice) gives another number, so the comparison can fail."""
-    from qlbench import engine, multitask
+    from qlbench import engine
+    from qlbench.experiments import multitask
 
     model = build("lora-per-task", "deep-narrow", tasks=T)
     perturb(model, "route")
@@ -278,7 +279,9 @@ def test_nearest_task_trains_as_lora_per_task_and_reports(tmp_path, capsys):
     route (its own hash), and the report writes the fixed-n design's own held-out table."""
     import pandas as pd
 
-    from qlbench import cli, multitask, parametric, results, runner
+    from qlbench import cli, parametric
+    from qlbench.experiments import multitask
+    from qlbench.records import results, runner
 
     suite = parametric.suite_name(4, parametric.FIXED_N)
     p = multitask.plan(suite=suite, schedule="held-out", arch="deep-narrow", methods=["lora-per-task", "nearest-task"],

@@ -10,9 +10,10 @@ import copy
 import pytest
 import torch
 
-from qlbench import adapters, instructions, planning, zoo
+from qlbench import adapters, instructions, zoo
 from qlbench.adapters import instruct, text_lora
 from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP, RegressionTransformer, TransformerConfig
+from qlbench.experiments import planning
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext
 
@@ -321,7 +322,9 @@ def test_text_lora_params_trains_and_reports(tmp_path, capsys):
     has a shuffled evaluation and no paraphrase, and the report tests text-lora against it on each split."""
     import pandas as pd
 
-    from qlbench import cli, multitask, parametric, results, runner
+    from qlbench import cli, parametric
+    from qlbench.experiments import multitask
+    from qlbench.records import results, runner
 
     p = multitask.plan(suite=f"{parametric.PREFIX}4", schedule="held-out", arch="deep-narrow",
                        methods=["text-lora", "text-lora-params"], out_dir=tmp_path / "r", budget="smoke", seeds=2,

@@ -1,6 +1,6 @@
 """Every seed's numbers of a results folder as one small CSV: `python docs/gpu/per-seed.py RESULTS OUT.csv`.
 
-One row per (record, seed), from `qlbench.results.load` (the loader every table of `qlbench report` is computed
+One row per (record, seed), from `qlbench.records.results.load` (the loader every table of `qlbench report` is computed
 from): arch, budget, function, method, seed, the cell's and the seed's status, the epoch it diverged at, the three
 test and train metrics of the paper's tables, the stage's wall time and members, the config hash and the record's
 commit. `make gpu-check`'s part paper-table brings this file back from the GPU machine, where the records themselves
@@ -35,7 +35,7 @@ COLUMNS = [
 
 
 def main(folder: Path, out: Path) -> int:
-    from qlbench import results, store  # here: the script's usage line works without the package on the path
+    from qlbench.records import results, store  # here: the script's usage line works without the package on the path
 
     frame = results.load(folder, on_damaged=lambda message: print(message, file=sys.stderr))
     if frame.empty:

@@ -45,9 +45,9 @@ def scaled_similarity(a: torch.Tensor, b: torch.Tensor, temperature: float, eps:
 def topk_softmax(logits: torch.Tensor, k: int | tuple[int, ...]) -> torch.Tensor:
     """Softmax over the k largest logits, zero elsewhere: (E, ..., M) -> (E, ..., M) with exactly k non-zeros.
 
-    `k` per member (a tuple of E, a stacked Pareto grid's points that differ in k alone: qlbench/pareto_stack.py):
-    the members of each k are routed apart and put back in place. Every op is per row, so member e's weights and
-    gradients are the bits it gets with its k alone (tests/test_pareto_stack.py)."""
+    `k` per member (a tuple of E, a stacked Pareto grid's points that differ in k alone:
+    qlbench/experiments/pareto_stack.py): the members of each k are routed apart and put back in place. Every op is per
+    row, so member e's weights and gradients are the bits it gets with its k alone (tests/test_pareto_stack.py)."""
     if not isinstance(k, int):
         if len(k) != logits.shape[0]:
             raise ValueError(f"one k per member: {len(k)} for {logits.shape[0]} members")

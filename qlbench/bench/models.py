@@ -154,10 +154,12 @@ def lora_floor_step(model: nn.Module, opt: torch.optim.Optimizer, *, compile: bo
 
 
 def hf_step(method: str, device):
-    """One training step of the causal-LM experiment's decoder (qlbench/real_lm.py) with `method`'s peft adapter
-    (lora, queryable, instruct-queryable): forward with the labels (transformers' next-token loss), backward, AdamW,
-    on a fixed batch of 32 sequences of 13 tokens; the loop a peft user writes, as the plain PyTorch loop above is."""
-    from qlbench import instructions, real_lm
+    """One training step of the causal-LM experiment's decoder (qlbench/experiments/real_lm.py) with `method`'s peft
+    adapter (lora, queryable, instruct-queryable): forward with the labels (transformers' next-token loss), backward,
+    AdamW, on a fixed batch of 32 sequences of 13 tokens; the loop a peft user writes, as the plain PyTorch loop above
+    is."""
+    from qlbench import instructions
+    from qlbench.experiments import real_lm
 
     ids = real_lm.sequences("reverse", 32, 0, "train").to(device)
     model = real_lm.adapted(method, real_lm.decoder(0), real_lm.LMConfig()).to(device).train()

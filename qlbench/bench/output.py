@@ -147,7 +147,7 @@ TABLES = [
     Table(
         "pareto_stack",
         "Pareto grid: the points of one (r, M) that differ in k alone (k = 1, 2, 4) as one stack, against one stack "
-        "per point trained one after another (qlbench/pareto_stack.py); E: members per point",
+        "per point trained one after another (qlbench/experiments/pareto_stack.py); E: members per point",
         STACK
         + [
             Column("points", "points", digits(0)),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from qlbench import adapters, engine, pareto_stack, results
+from qlbench import adapters, engine
 from qlbench.bench.capture import at_once_row, capture_row
 from qlbench.bench.estimate import paper_estimate
 from qlbench.bench.forwards import inference
@@ -32,7 +32,9 @@ from qlbench.bench.training import (
 )
 from qlbench.bench.workloads import SUITE_METHODS, hf_rows, pareto_stack_row, snapshot_row, suite_row
 from qlbench.engine.step import first_line
+from qlbench.experiments import pareto_stack
 from qlbench.progress import bar as progress_bar
+from qlbench.records import results
 
 PAPER_MEMBERS = 45  # a method's members in the paper table (9 functions x 5 seeds): one stack on a GPU
 

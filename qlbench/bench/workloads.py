@@ -12,16 +12,17 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, engine, multitask, pareto_stack, suites
+from qlbench import adapters, engine, suites
 from qlbench.bench.models import batches, hf_step, stacked_model
 from qlbench.bench.timing import BATCH, Settings, alternate, chunk, median_ratio, sync
 from qlbench.bench.training import stack_row
 from qlbench.engine import snapshot
+from qlbench.experiments import multitask, pareto_stack
 
 
 def hf_rows(s: Settings, device) -> list[dict]:
     """The peft tuner (qlbench.hf) against peft's LoRA on the same model: the causal-LM experiment's decoder
-    (qlbench/real_lm.py, 2 layers, width 64) with each adapter on q_proj and v_proj, one training step
+    (qlbench/experiments/real_lm.py, 2 layers, width 64) with each adapter on q_proj and v_proj, one training step
     (`models.hf_step`) on a batch of 32 sequences of 13 tokens, alternating; ms per step and the ratio to LoRA's.
     None without the hf extra, or without the instruction encoder (its sentence is not in the packaged table; the
     rows are then skipped with a line on stderr, as the other measurements do not need it)."""
@@ -98,8 +99,8 @@ PARETO_KS = (1, 2, 4)  # the k of one (r, M) of a Pareto grid (the paper's k <= 
 
 
 def pareto_stack_row(arch: str, method: str, s: Settings, device) -> dict:
-    """A Pareto grid's points that differ in k alone (qlbench/pareto_stack.py): one stack of the P points' E members
-    each, every member with its k, against the P stacks of E that a grid trained point by point runs one after
+    """A Pareto grid's points that differ in k alone (qlbench/experiments/pareto_stack.py): one stack of the P points'
+    E members each, every member with its k, against the P stacks of E that a grid trained point by point runs one after
     another (each with its engine thread setting, alternating); model-steps/s of both and the speed-up."""
     E, n, P = min(s.members), s.steps[arch], len(PARETO_KS)
     size = dict(n_atoms=max(PARETO_KS), n_experts=max(PARETO_KS))

@@ -36,7 +36,7 @@ def usage_errors():
 
 def check_out(folder, what: str = "output folder") -> None:
     """UsageError (one line) unless `folder` is, or can be created as, a writable folder; creates nothing."""
-    from qlbench.store import check_writable
+    from qlbench.records.store import check_writable
 
     with usage_errors():
         check_writable(Path(folder), what)
@@ -44,7 +44,7 @@ def check_out(folder, what: str = "output folder") -> None:
 
 def check_out_file(path) -> None:
     """UsageError (one line) unless a file can be written at `path` (not a folder; its folder writable)."""
-    from qlbench.store import check_replaceable
+    from qlbench.records.store import check_replaceable
 
     path = Path(path)
     if path.is_dir():

@@ -1,14 +1,17 @@
-"""`qlbench ablate`: the instruction-router ablation (qlbench.ablation) on one function and arch, or on a multi-task
-suite (--suite), one table."""
+"""`qlbench ablate`: the instruction-router ablation (qlbench.experiments.ablation) on one function and arch, or on a
+multi-task suite (--suite), one table."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-from qlbench import ablation, multitask, planning, runner, suite_stats, text, zoo
+from qlbench import text, zoo
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, check_out, options, usage_errors
+from qlbench.experiments import ablation, multitask, planning
+from qlbench.metrics import suite_stats
+from qlbench.records import runner
 
 
 def register(subparsers) -> None:

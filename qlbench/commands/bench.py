@@ -5,7 +5,7 @@ from __future__ import annotations
 from qlbench import adapters, bench, engine
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
-from qlbench.store import Store, write_json, write_text
+from qlbench.records.store import Store, write_json, write_text
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile -> Settings.make's compile
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlbench import compare, per_seed, protocols, results, stats, store, text
+from qlbench import compare, protocols, text
 from qlbench.commands import UsageError, path_arg, usage_errors
+from qlbench.metrics import stats
+from qlbench.records import per_seed, results, store
 from qlbench.text import Column
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlbench import diagnostics, results, store, text, zoo
+from qlbench import diagnostics, text, zoo
 from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS
 from qlbench.commands import UsageError, check_out, options, path_arg, usage_errors
+from qlbench.records import results, store
 
 
 def register(subparsers) -> None:

@@ -13,9 +13,10 @@ import argparse
 import inspect
 from pathlib import Path
 
-from qlbench import engine, experiment, planning, zoo
+from qlbench import engine, zoo
 from qlbench.backbones import INITS
 from qlbench.commands import parse_overrides, path_arg, usage_errors
+from qlbench.experiments import experiment, planning
 
 DEFAULTS = {name: p.default for name, p in inspect.signature(experiment.plan).parameters.items()}
 

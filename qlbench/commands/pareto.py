@@ -8,11 +8,12 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench import multitask, pareto, pareto_stack, planning, runner
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
+from qlbench.experiments import multitask, pareto, pareto_stack, planning
+from qlbench.records import runner
+from qlbench.records.store import stable_hash
 from qlbench.report import pareto as pareto_report
-from qlbench.store import stable_hash
 
 
 def register(subparsers) -> None:
@@ -108,7 +109,7 @@ def run(args) -> int:
 
 def batches(todo: list, stack: bool) -> list[tuple[str, list]]:
     """(method, [(point, plan), ...]) in grid order: on one function, a routed method's points that differ in k
-    alone train as one stack (qlbench/pareto_stack.py); every other point alone."""
+    alone train as one stack (qlbench/experiments/pareto_stack.py); every other point alone."""
     out = []
     for m in dict.fromkeys(m for m, _, _ in todo):
         pairs = [(pt, p) for n, pt, p in todo if n == m]

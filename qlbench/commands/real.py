@@ -1,14 +1,15 @@
-"""`qlbench real`: the offline real-model experiment (qlbench/real.py): the bundled all-MiniLM-L6-v2 adapted through
-peft with LoRA, Queryable LoRA and Instruction-Queryable LoRA to three instructed yes/no tasks; records, table and
-figure."""
+"""`qlbench real`: the offline real-model experiment (qlbench/experiments/real.py): the bundled all-MiniLM-L6-v2 adapted
+through peft with LoRA, Queryable LoRA and Instruction-Queryable LoRA to three instructed yes/no tasks; records, table
+and figure."""
 
 from __future__ import annotations
 
 import sys
 
-from qlbench import real, runner
 from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
+from qlbench.experiments import real
 from qlbench.progress import bar
+from qlbench.records import runner
 from qlbench.report import real as real_report
 
 

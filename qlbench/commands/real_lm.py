@@ -1,15 +1,16 @@
-"""`qlbench real-lm`: the causal-LM experiment (qlbench/real_lm.py): a tiny decoder, pretrained here, adapted through
-peft with LoRA (at r 8, at instruct-queryable's parameter count, and with the instruction's words in its prompt),
-Queryable LoRA and Instruction-Queryable LoRA to three generation tasks told apart by their instruction alone; records
-and a table."""
+"""`qlbench real-lm`: the causal-LM experiment (qlbench/experiments/real_lm.py): a tiny decoder, pretrained here,
+adapted through peft with LoRA (at r 8, at instruct-queryable's parameter count, and with the instruction's words in
+its prompt), Queryable LoRA and Instruction-Queryable LoRA to three generation tasks told apart by their instruction
+alone; records and a table."""
 
 from __future__ import annotations
 
 import sys
 
-from qlbench import real_lm, runner, store
 from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
+from qlbench.experiments import real_lm
 from qlbench.progress import bar
+from qlbench.records import runner, store
 
 
 def register(subparsers) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlbench import inputs, per_seed, results, stats, store, suite_stats, text
+from qlbench import inputs, text
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, check_out, path_arg, split_list, usage_errors
+from qlbench.metrics import stats, suite_stats
+from qlbench.records import per_seed, results, store
 
 
 def register(subparsers) -> None:

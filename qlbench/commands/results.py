@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from qlbench import inputs, results, suite_stats, text
+from qlbench import inputs, text
 from qlbench.commands import UsageError, path_arg, usage_errors
+from qlbench.metrics import suite_stats
+from qlbench.records import results
 
 
 def register(subparsers) -> None:

@@ -9,10 +9,12 @@ import contextlib
 import sys
 import time
 
-from qlbench import adapters, engine, experiment, planning, ray_executor, results, runner, text, zoo
+from qlbench import adapters, engine, ray_executor, text, zoo
 from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
-from qlbench.store import Store
+from qlbench.experiments import experiment, planning
+from qlbench.records import results, runner
+from qlbench.records.store import Store
 
 
 def register(subparsers) -> None:

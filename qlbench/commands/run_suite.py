@@ -5,9 +5,12 @@ from __future__ import annotations
 import sys
 import time
 
-from qlbench import multitask, planning, runner, suite_stats, suites
+from qlbench import suites
 from qlbench.backbones import ARCHS, DEFAULT_INIT
 from qlbench.commands import options, split_list, usage_errors
+from qlbench.experiments import multitask, planning
+from qlbench.metrics import suite_stats
+from qlbench.records import runner
 
 
 def register(subparsers) -> None:

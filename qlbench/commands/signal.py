@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import sys
 
-from qlbench import diagnostics, engine, progress, store, text, zoo
+from qlbench import diagnostics, engine, progress, text, zoo
 from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS, check_init
 from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
+from qlbench.records import store
 
 
 def register(subparsers) -> None:

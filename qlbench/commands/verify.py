@@ -61,7 +61,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from qlbench import runner, verify
+    from qlbench import verify
+    from qlbench.records import runner
 
     log = lambda message: print(message, file=sys.stderr, flush=True)
     if args.peft is not None:
@@ -69,7 +70,8 @@ def run(args) -> int:
             import peft  # noqa: F401
         except ImportError as err:
             raise UsageError(f"verify --peft needs the hf extra (pip install 'qlbench[hf]'): {err}") from None
-        from qlbench import inputs, real
+        from qlbench import inputs
+        from qlbench.experiments import real
 
         with usage_errors():
             inputs.folder(args.peft, "--peft adapter folder")
@@ -101,7 +103,7 @@ def run(args) -> int:
 def finish(report: dict, out: Path, log) -> int:
     """Print the report's table, write its JSON and name every violated statement; exit 1 if one is violated."""
     from qlbench import verify
-    from qlbench.store import write_json
+    from qlbench.records.store import write_json
 
     print(
         f"qlbench verify: {report['method']} on {report['function']} ({report['arch']}, budget {report['budget']}, "

@@ -68,7 +68,7 @@ def adapt(
     `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `eps`: the optimiser's
     epsilon (AdamW's, or SOAP's for full-soap); `noise`: the target labels' noise (zoo.NOISES); `compile`, `capture`:
     how the training step runs (engine.fit); `prepare(model)`, if given, is called on the built stack before any
-    training (a stacked Pareto grid sets each member's k there, qlbench/pareto_stack.py); `snapshots`: the
+    training (a stacked Pareto grid sets each member's k there, qlbench/experiments/pareto_stack.py); `snapshots`: the
     training state saved as it goes, and a stopped run's restored (engine/snapshot.py). The wall time counts the
     earlier processes' training up to the snapshot resumed from."""
     method = adapters.get(method_name)

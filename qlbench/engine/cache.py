@@ -10,14 +10,15 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from qlbench import results, suites, zoo
+from qlbench import suites, zoo
 from qlbench.adapters.base import adamw
 from qlbench.backbones import DEFAULT_INIT, build_backbone
 from qlbench.engine.budgets import Phase
 from qlbench.engine.loop import Member, StackedData, Stage, fit, padded
 from qlbench.engine.runtime import flush_denormals
+from qlbench.records import results
+from qlbench.records.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash
 from qlbench.seeding import generator
-from qlbench.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash
 
 
 @dataclass

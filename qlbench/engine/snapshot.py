@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from qlbench.store import DamagedFile, load_torch, save_torch, set_aside
+from qlbench.records.store import DamagedFile, load_torch, save_torch, set_aside
 
 FORMAT = 1  # the layout of a snapshot's dict; a file of another format is set aside
 EVERY_S = 60.0  # seconds between snapshots: what a stopped stage loses at most, beyond its last evaluation period

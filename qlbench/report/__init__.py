@@ -8,7 +8,7 @@ figures. Entry point: `write_report(frame, curves, out_dir)`.
     suite         write_suite_report: the suite section (tables, stage x task heatmaps, continual-routing figures)
 
 Every number says how many seeds it stands on, and a diverged seed counts as MSE = inf in every "best" mark and
-test (see `qlbench.stats` for the conventions); numbers and Markdown tables come from `qlbench.text`.
+test (see `qlbench.metrics.stats` for the conventions); numbers and Markdown tables come from `qlbench.text`.
 """
 
 from qlbench.report.figures import (

@@ -9,7 +9,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from qlbench import stats
+from qlbench.metrics import stats
 from qlbench.report.figures import _facets, _palette
 
 COST_AXES = {  # x axis of the quality-vs-cost figure: (column(s), label)

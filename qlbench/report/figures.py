@@ -2,9 +2,9 @@
 Agg included; seaborn draws the lines, bands and heatmaps.
 
 Results: learning curves and the log-ratio heatmap vs LoRA of one (arch, budget). Diagnostics (data from
-`qlbench.diagnostics` and `qlbench.results`): per-layer gradient norms and the gradient concentration index, route
-maps, atom weights and usage, signal propagation. And the function zoo, source vs target. Quality against cost (the
-cost panels and the Pareto figure) is in qlbench.report.cost_figures, on the styling helpers here.
+`qlbench.diagnostics` and `qlbench.records.results`): per-layer gradient norms and the gradient concentration index,
+route maps, atom weights and usage, signal propagation. And the function zoo, source vs target. Quality against cost
+(the cost panels and the Pareto figure) is in qlbench.report.cost_figures, on the styling helpers here.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from qlbench import stats, zoo
-from qlbench.results import SHARED_LAYER, gradients_summary
+from qlbench import zoo
+from qlbench.metrics import stats
+from qlbench.records.results import SHARED_LAYER, gradients_summary
 
 # --------------------------------------------------------------------------------------------------------------
 # Function zoo: source vs target surfaces.

@@ -37,10 +37,12 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from qlbench import parametric, results, stats, suite_stats, suites, text
+from qlbench import parametric, suites, text
 from qlbench.backbones import DEFAULT_INIT
+from qlbench.metrics import stats, suite_stats
+from qlbench.records import results
+from qlbench.records.store import DamagedFile
 from qlbench.report.write import _save_figure, _save_table, _slug
-from qlbench.store import DamagedFile
 from qlbench.text import Column
 
 CODE_OF = {"instruct-queryable": "task-code", "text-lora": "text-lora-code"}  # a language row -> its identity control

@@ -1,5 +1,5 @@
 """The Pareto section of `qlbench pareto`: the grid's table (one row per point, frontier marked) and the paper's two
-panels, from `qlbench.pareto.load`."""
+panels, from `qlbench.experiments.pareto.load`."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import pareto, results, stats, store, text
+from qlbench import text
+from qlbench.experiments import pareto
+from qlbench.metrics import stats
+from qlbench.records import results, store
 from qlbench.report.cost_figures import pareto_figure
 from qlbench.report.write import _save_figure
 
 LEGEND = (
-    "One row per grid point (qlbench/pareto.py; alpha = 2 r at every point): mean ± sample std over the finished "
-    "seeds, n seeds (k diverged: the point is never on a frontier); latency: median seconds per sample of no-grad "
-    "forwards at batch 256 on one member (qlbench/cost.py, - when not measured); front: on the non-dominated "
+    "One row per grid point (qlbench/experiments/pareto.py; alpha = 2 r at every point): mean ± sample std over the "
+    "finished seeds, n seeds (k diverged: the point is never on a frontier); latency: median seconds per sample of "
+    "no-grad forwards at batch 256 on one member (qlbench/cost.py, - when not measured); front: on the non-dominated "
     "frontier against latency (L) and against trainable parameters (P)."
 )
 

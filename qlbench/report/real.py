@@ -9,8 +9,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from qlbench import adapters, results, stats, store, text
-from qlbench.real import METHODS, TASKS, check_record
+from qlbench import adapters, text
+from qlbench.experiments.real import METHODS, TASKS, check_record
+from qlbench.metrics import stats
+from qlbench.records import results, store
 from qlbench.report.write import _save_figure
 
 
@@ -23,7 +25,7 @@ def legend(comparisons: pd.DataFrame) -> str:
         f"when a seed diverged), its raw p and its p Holm-adjusted over the table's {family} comparisons with LoRA "
         "(every method against LoRA); win / loss = significantly lower / higher on the Holm p (< 0.05 with at least "
         "3 pairs), else tie. The tasks share their sentences and differ only in the instruction that every method "
-        "reads in its input (qlbench/real.py)."
+        "reads in its input (qlbench/experiments/real.py)."
     )
 
 

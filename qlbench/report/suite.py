@@ -8,7 +8,7 @@ heatmaps of every row, and for every routed row the figures of the paper's conti
         <row>-atom-entropy.png  each atom's usage entropy across tasks after the last stage (seed 0)
         <row>-kl-drift.png      final symmetric KL between tasks and the stagewise route drift (mean over seeds)
 
-Input is `suite_stats.load`; the metrics and their definitions are `qlbench.continual`'s.
+Input is `suite_stats.load`; the metrics and their definitions are `qlbench.metrics.continual`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from qlbench import continual, results, stats, suite_stats, text
+from qlbench import text
 from qlbench.backbones import DEFAULT_INIT
+from qlbench.metrics import continual, stats, suite_stats
+from qlbench.records import results
 from qlbench.report.heldout import write_heldout_report
 from qlbench.report.write import _save_figure, _save_table, _slug
 

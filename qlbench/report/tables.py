@@ -3,7 +3,7 @@ method, one per (arch, budget) and metric), the paired statistics and the gradie
 text, with their legends. Numbers and Markdown come from `qlbench.text`; rendering to LaTeX and files is
 `qlbench.report.write`'s.
 
-A cell says how many seeds it stands on, and a diverged seed makes the cell inf (see `qlbench.stats`).
+A cell says how many seeds it stands on, and a diverged seed makes the cell inf (see `qlbench.metrics.stats`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from qlbench import adapters, stats, text
+from qlbench import adapters, text
+from qlbench.metrics import stats
 
 # --------------------------------------------------------------------------------------------------------------
 # The run table: one row per method, what `qlbench run` prints.

@@ -3,7 +3,7 @@
 and report.md.
 
 Every number says how many seeds it stands on, and a diverged seed counts as MSE = inf in every "best" mark and
-test (see `qlbench.stats` for the conventions).
+test (see `qlbench.metrics.stats` for the conventions).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from qlbench import adapters, diagnostics, per_seed, results, stats, store, text
+from qlbench import adapters, diagnostics, text
 from qlbench.backbones import DEFAULT_INIT
+from qlbench.metrics import stats
+from qlbench.records import per_seed, results, store
 from qlbench.report import cost_figures, figures, tables
 
 # --------------------------------------------------------------------------------------------------------------

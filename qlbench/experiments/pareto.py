@@ -22,7 +22,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import adapters, experiment, inputs, multitask, results, stats, suite_stats
+from qlbench import adapters, inputs
+from qlbench.experiments import experiment, multitask
+from qlbench.metrics import stats, suite_stats
+from qlbench.records import results
 
 GRID_AXES = {  # method -> {axis: config field}; the queryable family shares one config (its layers')
     **{m: {"r": "r", "M": "n_atoms", "k": "top_k"} for m in adapters.of_family("queryable")},

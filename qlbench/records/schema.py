@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from qlbench.store import stable_hash
+from qlbench.records.store import stable_hash
 
 STATUSES = ("ok", "diverged", "failed")  # a record's train_info.status
 SEED_STATUSES = ("ok", "diverged")  # a per-seed entry's status

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, cost, engine, protocols, results, runner, zoo
+from qlbench import adapters, cost, engine, protocols, zoo
 from qlbench.adapters import member
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
-from qlbench.planning import (
+from qlbench.experiments.planning import (
     DTYPES,
     cells_per_stack,
     check_at_once,
@@ -34,7 +34,17 @@ from qlbench.planning import (
     seed_count,
 )
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
-from qlbench.store import DamagedFile, Store, check_writable, load_torch, save_torch, set_aside, stable_hash, write_json
+from qlbench.records import results, runner
+from qlbench.records.store import (
+    DamagedFile,
+    Store,
+    check_writable,
+    load_torch,
+    save_torch,
+    set_aside,
+    stable_hash,
+    write_json,
+)
 
 
 @dataclass(kw_only=True)

@@ -41,9 +41,9 @@ import pandas as pd
 import torch
 
 import qlbench
-from qlbench import schema
 from qlbench.backbones import DEFAULT_INIT
-from qlbench.store import DamagedFile, Store, finite, read_json, stable_hash
+from qlbench.records import schema
+from qlbench.records.store import DamagedFile, Store, finite, read_json, stable_hash
 
 SCHEMA = 1
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from qlbench import results, store
-from qlbench.store import DamagedFile
+from qlbench.records import results, store
+from qlbench.records.store import DamagedFile
 
 FILE = "per-seed.csv.gz"
 COLUMNS = (

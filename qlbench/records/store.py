@@ -341,7 +341,7 @@ class Store:
     def suite_record_path(
         self, arch: str, suite: str, schedule: str, method: str, budget: str, config_hash: str
     ) -> Path:
-        """One suite run's record: a method on a suite under a schedule (qlbench/multitask.py)."""
+        """One suite run's record: a method on a suite under a schedule (qlbench/experiments/multitask.py)."""
         return self.root / "suites" / arch / suite / schedule / method / f"{budget}-{config_hash}.json"
 
     def suite_records(
@@ -382,7 +382,7 @@ class Store:
 
     @property
     def real_dir(self) -> Path:
-        """`qlbench real`'s records, one folder per configuration (qlbench/real.py)."""
+        """`qlbench real`'s records, one folder per configuration (qlbench/experiments/real.py)."""
         return self.root / "real"
 
     def is_results_folder(self) -> bool:

@@ -32,7 +32,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from qlbench import engine, experiment, multitask, results, stats, suite_stats, suites, text
+from qlbench import engine, suites, text
+from qlbench.experiments import experiment, multitask
+from qlbench.metrics import stats, suite_stats
+from qlbench.records import results
 
 METHOD = "instruct-queryable"
 REFERENCE = "card"  # the variant every other is compared with

@@ -2,9 +2,9 @@
 
 One row per (record, seed) of `load`: the slice keys SLICE (a `-same-instruction` control is folded into its card's
 slice, its instruct-queryable row named CONTROL), the row's method, the seed, its status, the continual
-metrics of `qlbench.continual` computed from that seed's stage x task matrix, and the raw arrays (R, initial, usage)
-for the figures. A diverged seed scores inf in every metric (as in `qlbench.stats`: equally worst, never dropped
-from a test); a failed row has one row per seed with status "failed" and no metrics.
+metrics of `qlbench.metrics.continual` computed from that seed's stage x task matrix, and the raw arrays (R, initial,
+usage) for the figures. A diverged seed scores inf in every metric (as in `qlbench.metrics.stats`: equally worst, never
+dropped from a test); a failed row has one row per seed with status "failed" and no metrics.
 
     average      final test MSE averaged over the tasks the schedule trains (suites.schedule_stages: all T under
                  joint and a card's sequential; all but the held-out tasks under held-out and a parametric card's
@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import adapters, continual, stats, suites, text
-from qlbench.results import cost_fields, git_fields, read_record
-from qlbench.store import DamagedFile, Store
+from qlbench import adapters, suites, text
+from qlbench.metrics import continual, stats
+from qlbench.records.results import cost_fields, git_fields, read_record
+from qlbench.records.store import DamagedFile, Store
 from qlbench.text import Column
 
 SLICE = ["arch", "suite", "schedule", "budget", "backbone_init"]

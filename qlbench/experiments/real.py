@@ -18,7 +18,7 @@ of the last hidden states (MiniLM's own pooling) -> a trained Linear(384, 1) hea
 - `instruct-queryable`: the same with both instruction channels on (InstructQueryableLoraConfig).
 AdamW (lr 1e-3, weight decay 0.01) on the trainable parameters, batch 32, `epochs` passes over the training set.
 Metric: test MSE per task and its mean over tasks, at the end of training; mean ± std over seeds, each method paired
-with LoRA by seed (qlbench.stats.paired_test).
+with LoRA by seed (qlbench.metrics.stats.paired_test).
 
 Needs the `hf` extra (peft, transformers); imported only by `qlbench real`.
 """
@@ -38,9 +38,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from qlbench import engine, instructions, results, runner, store
+from qlbench import engine, instructions
 from qlbench.adapters.base import check_positive_int
 from qlbench.adapters.lora_matched import nearest_rank
+from qlbench.records import results, runner, store
 
 # Each task: its instruction, the sentence slot it asks about, and that slot's words with their yes/no answers.
 ANIMALS = {"cat": 1, "dog": 1, "horse": 1, "whale": 1, "mouse": 1, "bat": 1,

@@ -73,14 +73,16 @@ from pathlib import Path
 
 import torch
 
-from qlbench import adapters, cost, engine, instructions, parametric, planning, results, runner, suites, zoo
+from qlbench import adapters, cost, engine, instructions, parametric, suites, zoo
 from qlbench.adapters import instruct, member, queryable
 from qlbench.adapters.base import isolate_tasks
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
+from qlbench.experiments import planning
 from qlbench.progress import bar as progress_bar
+from qlbench.records import results, runner
+from qlbench.records.store import Store, check_writable, stable_hash, write_json
 from qlbench.seeding import generator
 from qlbench.stacked import ForwardContext
-from qlbench.store import Store, check_writable, stable_hash, write_json
 
 SCHEDULES = ("joint", "sequential", "held-out")
 # the instruction-router ablation's structural variants: instruct-queryable's settings, run on one function

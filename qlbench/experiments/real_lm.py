@@ -53,8 +53,10 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from qlbench import engine, instructions, results, runner, stats, store, text
+from qlbench import engine, instructions, text
 from qlbench.adapters.base import check_positive_int
+from qlbench.metrics import stats
+from qlbench.records import results, runner, store
 
 PAD, BOS, SEP, EOS, FIRST = 0, 1, 2, 3, 4  # FIRST: the letter a; letters a..h are FIRST..FIRST+7
 LETTERS, LENGTH = 8, 5
@@ -407,7 +409,7 @@ def table(paths: list[Path]) -> tuple[pd.DataFrame, str]:
         "trainable parameters over lora's (lora-matched: LoRA at the rank nearest instruct-queryable's count). The "
         "inputs hold the letters only: the tasks differ in the instruction alone, which two rows see: lora-prompt "
         "reads the instruction's words in its prompt, instruct-queryable routes on its MiniLM embedding; base, lora, "
-        "lora-matched and queryable see the letters only (qlbench/real_lm.py)."
+        "lora-matched and queryable see the letters only (qlbench/experiments/real_lm.py)."
     )
     return pd.DataFrame(rows), legend
 

@@ -25,8 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from qlbench import results
-from qlbench.store import DamagedFile, claim, clean_locks, clean_temps, read_json, set_aside, stable_hash, write_json
+from qlbench.records import results
+from qlbench.records.store import (
+    DamagedFile,
+    claim,
+    clean_locks,
+    clean_temps,
+    read_json,
+    set_aside,
+    stable_hash,
+    write_json,
+)
 
 Log = Callable[[str], None]
 T = TypeVar("T")
