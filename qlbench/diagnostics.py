@@ -42,10 +42,11 @@ import torch
 from qlbench import adapters, engine, inputs, zoo
 from qlbench.adapters import queryable
 from qlbench.backbones import build_backbone, check_init
-from qlbench.experiments import experiment
+from qlbench.experiments import adapted
 from qlbench.metrics import stats
 from qlbench.records import results
 from qlbench.records.store import Store
+from qlbench.settings import Protocol
 from qlbench.stacked import ForwardContext
 
 ROUTED = adapters.of_family("queryable")  # methods routed over shared atoms (the route maps read their atoms)
@@ -149,14 +150,14 @@ def find_cell(
 
 
 def load_cell(record: Path, device: str = "cpu"):
-    """(model, target data, record) of a trained routed cell (experiment.load_adapted), model in eval mode;
+    """(model, target data, record) of a trained routed cell (adapted.load_adapted), model in eval mode;
     ValueError when the record is not a queryable / instruct-queryable cell or cannot be rebuilt."""
     rec = results.read_record(record)
     method = rec["run_info"]["config"]["method"]
     if method not in ROUTED:
         raise ValueError(f"{record} is a {method} record; routing diagnostics need one of {', '.join(ROUTED)}")
     try:
-        model, data, rec = experiment.load_adapted(record, device=device)
+        model, data, rec = adapted.load_adapted(record, device=device)
     except (FileNotFoundError, KeyError) as err:
         raise ValueError(f"cannot rebuild the trained cell from {record}: {err}") from None
     return model.eval(), data, rec
@@ -250,12 +251,10 @@ def spread(features: list[torch.Tensor]) -> torch.Tensor:
 
 
 def signal_profile(
-    arch: str,
     function: str,
     inits: list[str],
-    budget: str = "quick",
+    protocol: Protocol,
     *,
-    seeds: int | None = None,
     store: Store | None = None,
     device: str = "cpu",
     pretrained: bool = True,
@@ -266,12 +265,12 @@ def signal_profile(
     initialisation and (pretrained=True) after the budget's pretraining (from the store's cache; trained and
     cached when missing). One row per (init, stage, seed, layer): arch, function, budget, init, stage
     ("init" | "pretrained"), seed, layer (0 = after the input layer; deep-narrow: l = after hidden layer l),
-    spread."""
+    spread. The protocol gives the arch, the budget and the seeds (its backbone init is not read: `inits` are)."""
+    arch, budget, b = protocol.arch, protocol.budget, protocol.schedule
     for init in inits:
         check_init(arch, init)
-    b = engine.budget(budget, arch)
     zoo.card(function)
-    members = [(function, s) for s in range(b.seeds if seeds is None else seeds)]
+    members = [(function, s) for s in protocol.seed_list]
     dev = engine.resolve_device(device)
     x = engine.StackedData.build(members, "target", device=dev, dtype=torch.float32).x_test  # (E, 800, 2)
     rows = []

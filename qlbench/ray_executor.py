@@ -156,10 +156,10 @@ def run(
         # the local executor's thread count (by the whole sweep's members) unless the stacks are split
         members = lambda unit: len(p.seeds) * (len(union) if group_size is None else len(unit.functions))
         plans = [resources(p, experiment.threads(p, members(u)), cluster) for u in work]
-        pre_request, pre_threads = resources(p, experiment.threads(p, len(union) * len(p.seeds)), cluster)
+        pre_resources = resources(p, experiment.threads(p, len(union) * len(p.seeds)), cluster)
         reporter = ray.remote(num_cpus=0)(_Progress).remote() if progress else None
         try:
-            if not _pretrain(ray, p, union, pre_request, pre_threads, retries, reporter, progress, log):
+            if not _pretrain(ray, p, union, pre_resources, retries, reporter, progress, log):
                 return experiment.record_paths(p)
             _adapt(ray, p, work, plans, retries, reporter, progress, log)
         finally:
@@ -168,9 +168,10 @@ def run(
     return experiment.record_paths(p)
 
 
-def _pretrain(ray, p, functions, request, threads, retries, reporter, progress, log) -> bool:
-    """Pretrain (or check the cache of) every member once, in one task; False when it failed (every pending cell
-    is then written as failed)."""
+def _pretrain(ray, p, functions, task_resources: tuple[dict, int], retries, reporter, progress, log) -> bool:
+    """Pretrain (or check the cache of) every member once, in one task of `task_resources` (`resources`: the Ray
+    request, the intra-op threads); False when it failed (every pending cell is then written as failed)."""
+    request, threads = task_resources
     members = [(f, s) for f in functions for s in p.seeds]
     needed = p.pretrain_needed(members)
     total = engine.steps(p.budget.pretrain, zoo.SOURCE_TRAIN) if needed else 0

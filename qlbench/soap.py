@@ -38,6 +38,8 @@ import math
 
 import torch
 
+MAX_PRECONDITION_DIM = 10000  # pytorch_optimizer.SOAP's default max_precondition_dim: larger dims are not rotated
+
 
 class StackedSoap:
     """SOAP over stacked parameters (each of shape (E, *member_shape)); the interface the engine uses of an
@@ -52,8 +54,6 @@ class StackedSoap:
         weight_decay: float = 1e-2,
         precondition_frequency: int = 10,
         eps: float = 1e-8,
-        shampoo_beta: float | None = None,
-        max_precondition_dim: int = 10000,
         capturable: bool = False,
     ):
         params = list(params)
@@ -64,8 +64,8 @@ class StackedSoap:
             raise ValueError(f"every parameter must be stacked as (E={self.members}, ...)")
         self.lr, self.betas, self.weight_decay, self.eps = lr, tuple(betas), weight_decay, eps
         self.frequency = precondition_frequency
-        self.shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
-        self.max_dim = max_precondition_dim
+        self.shampoo_beta = betas[1]  # pytorch_optimizer.SOAP's default (shampoo_beta None)
+        self.max_dim = MAX_PRECONDITION_DIM
         self.steps = 0  # pytorch_optimizer's group["step"]: the first call only initialises
         groups: dict[tuple, list] = {}  # same member shape, dtype and device: one batch of P x E members
         for p in params:

@@ -28,8 +28,9 @@ import torch
 
 from qlbench import __version__, adapters, inputs, zoo
 from qlbench.backbones import ARCHS
-from qlbench.experiments import experiment
+from qlbench.experiments import adapted, experiment
 from qlbench.records.store import Store, finite
+from qlbench.settings import Execution, Protocol
 from qlbench.theory import checks, tracing
 from qlbench.theory.bounds import REL_TOL
 
@@ -74,8 +75,9 @@ def find_record(
 def smoke_plan(folder: Path, arch: str, function: str, device: str, method: str = METHOD):
     """The plan of a smoke-budget cell of `method` to verify when no trained one is given (ValueError on bad
     input)."""
+    protocol = Protocol(arch=arch, budget="smoke")
     return experiment.plan(
-        functions=[function], arch=arch, methods=[check_method(method)], budget="smoke", device=device, out_dir=folder
+        [function], [check_method(method)], protocol=protocol, execution=Execution(device=device, out_dir=folder)
     )
 
 
@@ -95,7 +97,7 @@ def base_instruction(model, members: int, device) -> tuple[torch.Tensor, str]:
 def verify_record(record: Path, device: str = "cpu") -> dict:
     """Rebuild the trained cell and check every statement over its target test set; returns the JSON report."""
     try:
-        model, data, rec = experiment.load_adapted(record, device=device)
+        model, data, rec = adapted.load_adapted(record, device=device)
     except (FileNotFoundError, ValueError, KeyError) as err:
         raise ValueError(f"cannot rebuild the trained cell from {record}: {err}") from None
     cfg = rec["run_info"]["config"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import types
 
 import torch
@@ -41,10 +42,10 @@ def fail_adapting(monkeypatch, failing: str) -> None:
 
     adapt = engine.adapt
 
-    def planted(pre, method, *args, **kwargs):
-        if method == failing:
+    def planted(pre, adaptation, *args, **kwargs):
+        if adaptation.method == failing:
             raise RuntimeError("planted failure")
-        return adapt(pre, method, *args, **kwargs)
+        return adapt(pre, adaptation, *args, **kwargs)
 
     monkeypatch.setattr(engine, "adapt", planted)
 
@@ -215,3 +216,15 @@ except RuntimeError as err:
     print(err)
     raise SystemExit(3)
 """
+
+
+def settings(**kw) -> dict:
+    """A plan's keywords from flat ones: the fields of Protocol go into protocol=, those of Execution into
+    execution=, the rest (functions, methods, overrides, ...) pass through (for tests that vary a few settings)."""
+    from qlbench.settings import Execution, Protocol
+
+    protocol, execution = ({f.name for f in dataclasses.fields(c)} for c in (Protocol, Execution))
+    return {k: v for k, v in kw.items() if k not in protocol | execution} | dict(
+        protocol=Protocol(**{k: v for k, v in kw.items() if k in protocol}),
+        execution=Execution(**{k: v for k, v in kw.items() if k in execution}),
+    )

@@ -13,9 +13,10 @@ from scipy.stats import norm
 
 from qlbench import diagnostics, engine
 from qlbench.backbones import GELU_GAIN, build_backbone
-from qlbench.experiments import experiment, multitask
+from qlbench.experiments import adapted, experiment, multitask
 from qlbench.records import runner
 from qlbench.records.store import Store
+from qlbench.settings import Execution, Protocol
 
 from helpers import one_line_error
 
@@ -54,9 +55,8 @@ def test_signal_survives_32_layers_with_a_variance_preserving_init_and_collapses
     below 1e-6 with PyTorch's default (a constant network) and between 0.05 and 100 with kaiming / orthogonal
     (measured over the nine functions x 5 seeds: 0.15 to 55; GELU is not homogeneous, so a fixed gain lets the
     spread drift, mostly upwards for the zoo's input boxes; docs/why.md)."""
-    profile = diagnostics.signal_profile(
-        "deep-narrow", function, ["default", "kaiming", "orthogonal"], "smoke", seeds=3, pretrained=False
-    )
+    smoke = Protocol(arch="deep-narrow", budget="smoke", seeds=3)
+    profile = diagnostics.signal_profile(function, ["default", "kaiming", "orthogonal"], smoke, pretrained=False)
     ratio = profile.pivot_table(index=["init", "seed"], columns="layer", values="spread")
     ratio = ratio[32] / ratio[1]  # (init, seed)
     assert (ratio.loc["default"] < 1e-6).all()  # float32: about 1e-9, the rounding floor of features ~0.1
@@ -74,9 +74,11 @@ def test_cache_keys_and_config_hashes(tmp_path):
     """Literals computed by the code before backbone inits and label-noise constructions existed: the stores written
     then (default init, absolute noise) stay valid."""
     make = lambda init, noise="absolute": experiment.plan(
-        functions=["dropwave"], arch="deep-narrow", methods=["lora", "queryable"], budget="quick", device="cpu",
-        out_dir=tmp_path, backbone_init=init, noise=noise,
-    )  # fmt: skip
+        functions=["dropwave"],
+        methods=["lora", "queryable"],
+        protocol=Protocol(arch="deep-narrow", budget="quick", backbone_init=init, noise=noise),
+        execution=Execution(device="cpu", out_dir=tmp_path),
+    )
     legacy = make("default")
     assert legacy.record_path("dropwave", "lora").name == "quick-a4bb5b0f5c2239af.json"
     assert legacy.record_path("dropwave", "queryable").name == "quick-e0866099891a77ef.json"
@@ -99,7 +101,10 @@ def test_cache_keys_and_config_hashes(tmp_path):
     assert "noise" not in legacy.cell_config("dropwave", "lora")
     # the default noise (relative) is a new construction: its own key, record and backbone cache
     default = experiment.plan(
-        functions=["dropwave"], arch="deep-narrow", methods=["lora"], budget="quick", device="cpu", out_dir=tmp_path
+        functions=["dropwave"],
+        methods=["lora"],
+        protocol=Protocol(arch="deep-narrow", budget="quick"),
+        execution=Execution(device="cpu", out_dir=tmp_path),
     )
     assert default.noise == "relative" and default.cell_config("dropwave", "lora")["noise"] == "relative"
     assert default.record_path("dropwave", "lora") != legacy.record_path("dropwave", "lora")
@@ -108,15 +113,17 @@ def test_cache_keys_and_config_hashes(tmp_path):
 
 def test_a_kaiming_cell_trains_caches_and_reloads(tmp_path):
     plan = experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["queryable"], seeds=2, budget="smoke", device="cpu",
-        dtype="float64", out_dir=tmp_path, backbone_init="kaiming",
-    )  # fmt: skip
+        functions=["matyas"],
+        methods=["queryable"],
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke", dtype="float64", backbone_init="kaiming"),
+        execution=Execution(device="cpu", out_dir=tmp_path),
+    )
     (path,) = runner.run(plan, progress=False, log=lambda m: None)
     assert len(list(Store(tmp_path).backbone_dir.glob("*.pt"))) == 2
     rec = experiment.results.read_record(path)
     assert rec["run_info"]["config"]["backbone_init"] == "kaiming"
     # reloading rebuilds the kaiming backbone from its own cache (a default one would not reproduce the MSE)
-    model, data, _ = experiment.load_adapted(path)
+    model, data, _ = adapted.load_adapted(path)
     torch.testing.assert_close(
         engine.evaluate(model, data.x_test, data.y_test),
         torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]], dtype=torch.float64),
@@ -138,10 +145,11 @@ def test_bad_inits_are_one_line_errors(capsys, tmp_path):
 
 def test_transformer_features_feed_the_signal_profile():
     """The Transformer lists its token embedding and every encoder layer's output (default init only)."""
-    profile = diagnostics.signal_profile("transformer", "levy", ["default"], "smoke", seeds=1, pretrained=False)
+    smoke = Protocol(arch="transformer", budget="smoke", seeds=1)
+    profile = diagnostics.signal_profile("levy", ["default"], smoke, pretrained=False)
     assert sorted(profile["layer"]) == list(range(9)) and (profile["spread"] > 0).all()
     with pytest.raises(ValueError, match="deep-narrow only"):
-        diagnostics.signal_profile("transformer", "levy", ["orthogonal"], "smoke", seeds=1, pretrained=False)
+        diagnostics.signal_profile("levy", ["orthogonal"], smoke, pretrained=False)
 
 
 def test_a_record_states_every_setting_at_default_values_too(tmp_path):
@@ -149,9 +157,11 @@ def test_a_record_states_every_setting_at_default_values_too(tmp_path):
     init, noise, device, compile, dtype, threads, library versions), while the config and its hash keep their keys
     (the literal hashes above); a suite row's record states them too."""
     plan = experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["lora"], seeds=2, budget="smoke", device="cpu",
-        out_dir=tmp_path, threads=1,
-    )  # fmt: skip
+        functions=["matyas"],
+        methods=["lora"],
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke"),
+        execution=Execution(device="cpu", out_dir=tmp_path, threads=1),
+    )
     (path,) = runner.run(plan, progress=False, log=lambda m: None)
     run = experiment.results.read_record(path)["run_info"]
     assert "eps" not in run["config"] and "backbone_init" not in run["config"]  # hashed only when not default
@@ -162,22 +172,27 @@ def test_a_record_states_every_setting_at_default_values_too(tmp_path):
     assert {"python", "qlbench", "numpy", "scipy", "pandas"} <= set(s["versions"])
     # the backbones' own provenance: the cache is keyed by settings, not code, so the record names the code that
     # trained them; a cache file from before that was recorded reads "unknown"
-    git = experiment.results.git_info()
+    git = experiment.record.git_info()
     assert s["backbone_commits"] == [git["commit"] + ("+dirty" if git["dirty"] else "")]
     for f in Store(tmp_path).backbone_dir.glob("*.pt"):
         saved = torch.load(f)
         assert saved.pop("git") == git
         torch.save(saved, f)
     again = experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["mean"], seeds=2, budget="smoke", device="cpu",
-        out_dir=tmp_path, threads=1,
-    )  # fmt: skip
+        functions=["matyas"],
+        methods=["mean"],
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke"),
+        execution=Execution(device="cpu", out_dir=tmp_path, threads=1),
+    )
     (path,) = runner.run(again, progress=False, log=lambda m: None)
     assert experiment.results.read_record(path)["run_info"]["settings"]["backbone_commits"] == ["unknown"]
     suite = multitask.plan(
-        suite="zoo-4", schedule="joint", arch="deep-narrow", methods=["mean"], budget="smoke", seeds=2,
-        out_dir=tmp_path, threads=1,
-    )  # fmt: skip
+        suite="zoo-4",
+        schedule="joint",
+        methods=["mean"],
+        protocol=Protocol(arch="deep-narrow", budget="smoke", seeds=2),
+        execution=Execution(out_dir=tmp_path, threads=1),
+    )
     (row,) = runner.run(suite, progress=False, log=lambda m: None)
     s = experiment.results.read_record(row)["run_info"]["settings"]
     assert (s["eps"], s["backbone_init"], s["device"], s["dtype"]) == (1e-8, "default", "cpu", "float32")

@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from qlbench import cli
 
-from helpers import fail_adapting, one_line_error
+from helpers import fail_adapting, one_line_error, settings
 
 
 @pytest.mark.parametrize(
@@ -297,21 +298,39 @@ def test_tiny_eps_in_float32_is_warned_before_work(capsys, tmp_path, dtype, warn
 # --- the shared options (qlbench.commands.options) ---------------------------------------------------------------
 
 TRAINS = ("run", "sweep", "suite", "pareto", "ablate")
-OWN = {  # (command, option) that is not the shared option of that name, and why
+OWN = {  # (command, option) whose settings are not the shared option's, and why (options.add(..., name=dict(...)))
     ("pareto", "--out"): "the grid's records, kept apart from the method tables' (default ./pareto-results)",
+    ("pareto", "--methods"): "the methods that have a size grid (default queryable)",
     ("real", "--seeds"): "the real model has no budget: its own default, 3",
     ("real-lm", "--seeds"): "the causal-LM experiment has no budget: its own default, 3",
+    ("real", "--methods"): "the real experiment's rows",
+    ("real-lm", "--methods"): "the causal-LM experiment's rows",
+    ("real", "--epochs"): "its own default, 10",
+    ("real-lm", "--epochs"): "its own default, 20",
     ("signal", "--backbone-init"): "a list of inits, compared side by side",
     ("verify", "--out"): "the JSON report file",
     ("verify", "--budget"): "selects a record",
+    ("verify", "--arch"): "selects a record",
+    ("verify", "--function"): "selects a record",
     ("diagnose", "--budget"): "selects a record",
+    ("diagnose", "--arch"): "selects a record",
     ("diagnose", "--backbone-init"): "selects a record",
     ("diagnose", "--out"): "the figure folder",
+    ("report", "--arch"): "selects records",
     ("report", "--budget"): "selects records",
     ("report", "--backbone-init"): "selects records",
     ("report", "--out"): "the report folder",
+    ("report", "--metric"): "the test table's metric",
+    ("compare", "--metric"): "the metric compared with the baselines",
     ("bench", "--compile"): "whether the torch.compile variants are measured (auto: not with --quick)",
     ("bench", "--out"): "the bench folder",
+    ("bench", "--methods"): "every registered method by default",
+    ("run", "--methods"): "the registry's methods and their summaries",
+    ("sweep", "--methods"): "the registry's methods and their summaries",
+    ("suite", "--methods"): "a suite's rows and variants",
+    ("suite", "--schedule"): "required with a suite: default joint",
+    ("diagnose", "--method"): "the routed methods a route map is drawn for",
+    ("verify", "--method"): "the methods whose bounds are checked",
 }
 
 
@@ -342,24 +361,79 @@ def test_every_shared_option_has_one_default_and_one_help():
         actions = {s: a for a in parser._actions for s in a.option_strings}
         if name in TRAINS:
             assert set(shared) <= set(actions), (name, sorted(set(shared) - set(actions)))
-        for flag, (_, spec) in shared.items():
+        for flag, option in options.SHARED.items():
             if flag not in actions or (name, flag) in OWN:
                 continue
+            spec = option.settings
             declared = spec.get("default", False if spec.get("action") == "store_true" else None)
             assert (actions[flag].default, actions[flag].help) == (declared, spec["help"]), (name, flag)
 
 
+def declarations() -> dict[str, list[str]]:
+    """option -> the command modules whose text declares it (`add_argument("--x"`), options.py left out."""
+    import ast
+
+    from qlbench import commands
+
+    found: dict[str, list[str]] = {}
+    for path in sorted(Path(commands.__file__).parent.glob("*.py")):
+        if path.name == "options.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args:
+                first = node.args[0]
+                if isinstance(first, ast.Constant) and str(first.value).startswith("--"):
+                    found.setdefault(first.value, []).append(path.stem)
+    return found
+
+
+# options two commands declare that mean different things there (not one idea under one name)
+HOMONYMS = {
+    "--grid": "pareto's size grid; diagnose's route-map grid points",
+    "--peft": "methods: list peft's tuners (a switch); verify: a saved peft adapter's folder",
+}
+
+
+def test_each_shared_option_is_declared_once():
+    """No command module declares a shared option itself, and no option is declared by two command modules unless it
+    names two different things (HOMONYMS): each shared option has one declaration, in options.py."""
+    from qlbench.commands import options
+
+    found = declarations()
+    assert {f: m for f, m in found.items() if f in options.SHARED} == {}
+    assert {f: m for f, m in found.items() if len(set(m)) > 1 and f not in HOMONYMS} == {}
+    for flag in ("--arch", "--methods", "--function", "--out", "--budget", "--seeds"):
+        assert flag in options.SHARED
+
+
+def test_the_declaration_count_finds_a_planted_declaration(tmp_path, monkeypatch):
+    from qlbench import commands
+
+    (tmp_path / "planted.py").write_text('def register(p):\n    p.add_argument("--arch", default="x")\n')
+    monkeypatch.setattr(commands, "__file__", str(tmp_path / "__init__.py"))
+    assert declarations() == {"--arch": ["planted"]}
+
+
 def test_the_library_plans_share_the_command_line_defaults():
-    import inspect
+    """A shared option's default is its settings object's field default (the CLI and the library cannot drift);
+    --methods-at-once is auto on the command line (one method at a time off CUDA: the library's 1)."""
+    import dataclasses
 
     from qlbench.commands import options
-    from qlbench.experiments import experiment, multitask
+    from qlbench.settings import Execution, Protocol
 
-    suite = inspect.signature(multitask.plan).parameters
-    for flag, (keyword, spec) in options.TRAINING.items():
-        if "default" in spec and keyword in suite and keyword != "overrides":  # --hp: [] for None
-            assert suite[keyword].default == spec["default"] == options.DEFAULTS[keyword], flag
-    assert options.DEFAULTS == {k: p.default for k, p in inspect.signature(experiment.plan).parameters.items()}
+    defaults = {
+        target: {f.name: f.default for f in dataclasses.fields(cls)}
+        for target, cls in (("protocol", Protocol), ("execution", Execution))
+    }
+    for flag, option in options.SHARED.items():
+        if option.target and "default" in option.settings and flag != "--methods-at-once":
+            default = option.settings["default"]
+            expected = defaults[option.target][option.field]
+            assert (Path(default) if option.field == "out_dir" else default) == expected, flag
+    assert {f.name for c in (Protocol, Execution) for f in dataclasses.fields(c)} >= {
+        o.field for o in options.SHARED.values() if o.target
+    }
 
 
 @pytest.mark.parametrize(
@@ -388,16 +462,19 @@ def test_shared_options_a_command_cannot_honour_are_one_line_exit_2(capsys, tmp_
 def test_the_shared_options_reach_the_plans_of_pareto_and_ablate(tmp_path):
     from qlbench.experiments import ablation, pareto
 
-    settings = dict(arch="deep-narrow", budget="smoke", out_dir=tmp_path, dtype="float64", eps=1e-30, compile="off")
+    common = dict(arch="deep-narrow", budget="smoke", out_dir=tmp_path, dtype="float64", eps=1e-30, compile="off")
     grid = pareto.parse_grid("r=4 M=4 k=1")
-    ((point, p),), _ = pareto.plans("queryable", grid, function="matyas", noise="absolute", force=True,
-                                    overrides={"t_attn": 2.0}, **settings)  # fmt: skip
+    ((point, p),), _ = pareto.plans(
+        "queryable",
+        grid,
+        **settings(function="matyas", overrides={"t_attn": 2.0}, **common, noise="absolute", force=True),
+    )
     assert (p.dtype, p.eps, p.noise, p.force, p.compile) == ("float64", 1e-30, "absolute", True, False)
     assert p.capture is False  # --capture auto: on CUDA only
     assert (p.configs["queryable"].t_attn, p.configs["queryable"].n_atoms) == (2.0, 4)
-    ((_, s),), _ = pareto.plans("lora", grid, suite="zoo-4", overrides={"t_attn": 2.0}, **settings)
+    ((_, s),), _ = pareto.plans("lora", grid, **settings(suite="zoo-4", overrides={"t_attn": 2.0}, **common))
     assert (s.dtype, s.eps) == ("float64", 1e-30)  # t_attn: not lora's, left out as a sweep's --hp
-    plans = ablation.plans(function="matyas", backbone_init="kaiming", overrides={"t_attn": 2.0}, **settings)
+    plans = ablation.plans(**settings(function="matyas", overrides={"t_attn": 2.0}, **common, backbone_init="kaiming"))
     assert {(q.backbone_init, q.dtype, q.configs["instruct-queryable"].t_attn) for q in plans.values()} == {
         ("kaiming", "float64", 2.0)
     }

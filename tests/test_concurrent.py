@@ -20,7 +20,7 @@ from qlbench import cli, engine
 from qlbench.engine import step
 from qlbench.experiments import experiment, planning
 
-from helpers import ReplayByRerun, fail_adapting, one_line_error
+from helpers import ReplayByRerun, fail_adapting, one_line_error, settings
 
 SWEEP = ["sweep", "--functions", "matyas,levy", "--budget", "smoke", "--seeds", "2",
          "--methods", "full-soap,lora,queryable,instruct-queryable,frozen", "--no-progress"]  # fmt: skip
@@ -152,28 +152,30 @@ def test_the_cli_default_trains_one_method_at_a_time_on_the_cpu(tmp_path):
     args = cli.build_parser().parse_args(["sweep", "--arch", "deep-narrow", "--functions", "matyas"])
     assert args.methods_at_once == "auto" and run_command.check_executor(args) == "local"
     kwargs = dict(functions=["matyas"], arch="deep-narrow", budget="paper", device="cpu", out_dir=tmp_path)
-    plan = experiment.plan(**kwargs, methods_at_once="auto")
-    assert plan.methods_at_once == 1 and plan.compile == experiment.plan(**kwargs).compile
+    plan = experiment.plan(**settings(**kwargs, methods_at_once="auto"))
+    assert plan.methods_at_once == 1 and plan.compile == experiment.plan(**settings(**kwargs)).compile
 
 
 def test_compile_auto_does_not_compile_stacks_trained_at_once(tmp_path):
     kwargs = dict(functions=["matyas"], arch="deep-narrow", budget="paper", device="cpu", out_dir=tmp_path)
     assert engine.compile_by_default(torch.device("cpu"), "paper")  # what auto gives one method at a time
-    assert experiment.plan(**kwargs).compile
-    assert not experiment.plan(**kwargs, methods_at_once=2).compile
-    assert not experiment.plan(**kwargs, methods_at_once=2, compile="auto").compile
+    assert experiment.plan(**settings(**kwargs)).compile
+    assert not experiment.plan(**settings(**kwargs, methods_at_once=2)).compile
+    assert not experiment.plan(**settings(**kwargs, methods_at_once=2, compile="auto")).compile
 
 
 def test_the_memory_check_counts_every_stack_that_trains_at_once(tmp_path, monkeypatch):
     kwargs = dict(functions=["matyas", "levy"], arch="deep-narrow", methods=["lora", "queryable"], seeds=2)
-    plan = experiment.plan(**kwargs, device="cpu", out_dir=tmp_path)
+    plan = experiment.plan(**settings(**kwargs, device="cpu", out_dir=tmp_path))
     sizes = planning.dry_build("deep-narrow", plan.configs)
     both = planning.plan_bytes(sizes, 2 * 2, "float32")  # the two functions' members in one stack
     monkeypatch.setattr(planning, "available_bytes", lambda device: both)
-    assert experiment.plan(**kwargs, device="cpu", out_dir=tmp_path).stack_functions is None  # one stack fits
-    at_once = experiment.plan(**kwargs, device="cpu", out_dir=tmp_path, methods_at_once=2)
+    assert (
+        experiment.plan(**settings(**kwargs, device="cpu", out_dir=tmp_path)).stack_functions is None
+    )  # one stack fits
+    at_once = experiment.plan(**settings(**kwargs, device="cpu", out_dir=tmp_path, methods_at_once=2))
     assert at_once.stack_functions == 1  # two stacks of both functions do not: a function per stack
-    assert experiment.plan(**kwargs, device="cpu", out_dir=tmp_path, methods_at_once=9).stack_functions == 1
+    assert experiment.plan(**settings(**kwargs, device="cpu", out_dir=tmp_path, methods_at_once=9)).stack_functions == 1
 
 
 def test_each_method_trained_at_once_writes_its_records_as_it_ends(tmp_path, monkeypatch):
@@ -182,10 +184,10 @@ def test_each_method_trained_at_once_writes_its_records_as_it_ends(tmp_path, mon
     their records are written."""
     adapt, seen = engine.adapt, {}
 
-    def spy(pre, method, *args, **kwargs):
-        if method == "frozen":  # the fifth of SWEEP's methods
+    def spy(pre, adaptation, *args, **kwargs):
+        if adaptation.method == "frozen":  # the fifth of SWEEP's methods
             seen["written"] = {p.parts[-2] for p in (tmp_path / "records").rglob("*.json")}
-        return adapt(pre, method, *args, **kwargs)
+        return adapt(pre, adaptation, *args, **kwargs)
 
     monkeypatch.setattr(engine, "adapt", spy)
     assert cli.main([*SWEEP, "--methods-at-once", "2", "--out", str(tmp_path)]) == 0

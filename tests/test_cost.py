@@ -12,6 +12,7 @@ from qlbench import adapters, cost, report
 from qlbench.experiments import experiment
 from qlbench.records import results, runner
 from qlbench.report import tables
+from qlbench.settings import Execution, Protocol
 
 pytestmark = pytest.mark.xdist_group("cost")  # its module fixture trains once: its tests, one worker
 
@@ -103,9 +104,11 @@ def test_the_smoke_budget_times_the_fewest_rounds_after_one_warm_up(monkeypatch)
 def smoke_records(tmp_path_factory):
     out = tmp_path_factory.mktemp("cost")
     plan = experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["lora", "queryable", "frozen"], seeds=2, budget="smoke",
-        device="cpu", out_dir=out,
-    )  # fmt: skip
+        functions=["matyas"],
+        methods=["lora", "queryable", "frozen"],
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke"),
+        execution=Execution(device="cpu", out_dir=out),
+    )
     paths = runner.run(plan, progress=False, log=lambda m: None)
     return out, paths
 
@@ -157,9 +160,11 @@ def test_a_failing_cost_measurement_keeps_the_record(tmp_path, monkeypatch):
     monkeypatch.setattr(cost, "measure", broken)
     said = []
     plan = experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["lora"], seeds=2, budget="smoke", device="cpu",
-        out_dir=tmp_path,
-    )  # fmt: skip
+        functions=["matyas"],
+        methods=["lora"],
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke"),
+        execution=Execution(device="cpu", out_dir=tmp_path),
+    )
     (path,) = runner.run(plan, progress=False, log=said.append)
     rec = results.read_record(path)
     assert rec["train_info"]["status"] == "ok" and "cost" not in rec["train_info"]

@@ -27,6 +27,7 @@ import torch
 from qlbench import adapters, cli, engine
 from qlbench.experiments import experiment, multitask
 from qlbench.records import results, runner
+from qlbench.settings import Execution, Protocol
 
 from helpers import SYNCING
 
@@ -47,9 +48,11 @@ def cells(
 ):
     """The smoke cells' per-seed entries by (function, method), trained through the runner on `device`."""
     plan = experiment.plan(
-        functions=list(functions), arch=arch, methods=list(methods), seeds=seeds, budget="smoke", device=device,
-        compile=compile, out_dir=tmp_path / device, capture=capture,
-    )  # fmt: skip
+        functions=list(functions),
+        methods=list(methods),
+        protocol=Protocol(arch=arch, seeds=seeds, budget="smoke"),
+        execution=Execution(device=device, compile=compile, out_dir=tmp_path / device, capture=capture),
+    )
     runner.run(plan, progress=False, log=lambda m: None)
     out = {}
     for function in functions:
@@ -90,7 +93,7 @@ def test_a_member_alone_equals_the_same_member_in_a_wider_stack_on_cuda():
         curves = {}
         for members in (wide[:1], wide):
             pre = engine.pretrain(spec, members, device="cuda")
-            res = engine.adapt(pre, method, config, smoke, device="cuda")
+            res = engine.adapt(pre, engine.Adaptation(method, config, smoke), engine.Runtime("cuda"))
             curves[len(members)] = res.curves.test_mse[0]
         # cuBLAS may pick other kernels for another stack width: rounding, amplified by training (not yet measured)
         assert torch.allclose(curves[1], curves[len(wide)], rtol=1e-4, atol=0), method
@@ -98,9 +101,12 @@ def test_a_member_alone_equals_the_same_member_in_a_wider_stack_on_cuda():
 
 def test_a_suite_trains_its_sequential_stages_on_cuda(tmp_path):
     plan = multitask.plan(
-        suite="zoo-4", schedule="sequential", arch="deep-narrow", methods=["lora", "task-lora", "instruct-queryable"],
-        budget="smoke", device="cuda", out_dir=tmp_path,
-    )  # fmt: skip
+        suite="zoo-4",
+        schedule="sequential",
+        methods=["lora", "task-lora", "instruct-queryable"],
+        protocol=Protocol(arch="deep-narrow", budget="smoke"),
+        execution=Execution(device="cuda", out_dir=tmp_path),
+    )
     for path in runner.run(plan, progress=False, log=lambda m: None):
         rec = results.read_record(path)
         assert rec["train_info"]["status"] == "ok"
@@ -149,7 +155,11 @@ def test_a_captured_stage_stopped_mid_way_resumes_from_its_snapshot_on_cuda(tmp_
                 raise KeyboardInterrupt
 
         return engine.adapt(
-            pre, method, config, budget, device="cuda", capture=True, progress=progress, snapshots=snapshots
+            pre,
+            engine.Adaptation(method, config, budget),
+            engine.Runtime("cuda", capture=True),
+            progress=progress,
+            snapshots=snapshots,
         )
 
     clean = adapt()
@@ -213,9 +223,9 @@ def test_a_stage_records_one_graph_per_batch_shape_not_per_epoch(monkeypatch):
     )
     budget = engine.Budget("test", 2, smoke.pretrain, engine.Phase(12, 5e-4), eval_every=4)
     config = adapters.get("lora").make_config()
-    captured = engine.adapt(pre, "lora", config, budget, device="cuda", capture=True)
+    captured = engine.adapt(pre, engine.Adaptation("lora", config, budget), engine.Runtime("cuda", capture=True))
     assert [tuple(s) for s in recorded] == [(2, 64, 2), (2, 16, 2)]
-    eager = engine.adapt(pre, "lora", config, budget, device="cuda", capture=False)
+    eager = engine.adapt(pre, engine.Adaptation("lora", config, budget), engine.Runtime("cuda", capture=False))
     torch.testing.assert_close(captured.curves.test_mse, eager.curves.test_mse, rtol=CUDA_RTOL, atol=0)
 
 
@@ -237,9 +247,11 @@ def test_methods_trained_at_once_on_cuda_streams_train_as_one_at_a_time(tmp_path
     same kernels, on other streams)."""
     one = cells(tmp_path / "one", "cuda", CAPTURED, capture="on")
     plan = experiment.plan(
-        functions=["dropwave"], arch="deep-narrow", methods=CAPTURED, seeds=2, budget="smoke", device="cuda",
-        out_dir=tmp_path / "at-once", capture="on", methods_at_once=len(CAPTURED),
-    )  # fmt: skip
+        functions=["dropwave"],
+        methods=CAPTURED,
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke"),
+        execution=Execution(device="cuda", out_dir=tmp_path / "at-once", capture="on", methods_at_once=len(CAPTURED)),
+    )
     runner.run(plan, progress=False, log=lambda m: None)
     for (function, method), per_seed in one.items():
         rec = results.read_record(plan.record_path(function, method))

@@ -15,6 +15,7 @@ from qlbench import cli, diagnostics, report, zoo
 from qlbench.adapters import queryable
 from qlbench.experiments import experiment
 from qlbench.records import runner
+from qlbench.settings import Execution, Protocol
 from qlbench.theory import tracing
 
 from helpers import one_line_error
@@ -58,9 +59,11 @@ def trained(tmp_path_factory):
     """A smoke-trained queryable cell (3 seeds) rebuilt from its record."""
     folder = tmp_path_factory.mktemp("queryable")
     plan = experiment.plan(
-        functions=["levy"], arch="deep-narrow", methods=["queryable"], seeds=3, budget="smoke", device="cpu",
-        out_dir=folder,
-    )  # fmt: skip
+        functions=["levy"],
+        methods=["queryable"],
+        protocol=Protocol(arch="deep-narrow", seeds=3, budget="smoke"),
+        execution=Execution(device="cpu", out_dir=folder),
+    )
     (record,) = runner.run(plan, progress=False, log=lambda m: None)
     return diagnostics.load_cell(record)
 

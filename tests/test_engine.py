@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from qlbench import adapters, engine, zoo
-from qlbench.experiments import experiment
+from qlbench.experiments import adapted, experiment
 from qlbench.records import results, runner
 from qlbench.records.store import Store
 from qlbench.seeding import generator
+from qlbench.settings import Execution, Protocol
 
-from helpers import SYNCING, ReplayByRerun
+from helpers import SYNCING, ReplayByRerun, settings
 
 F64 = torch.float64
 PRE = engine.Phase(epochs=2, lr=3e-3)
@@ -29,7 +30,9 @@ def run(members, method_name, *, dtype=F64, break_member=None):
     pre = engine.pretrain(engine.Backbones("deep-narrow", PRE, dtype), members, device="cpu")
     method = adapters.get(method_name)
     if break_member is None:
-        return engine.adapt(pre, method_name, method.make_config(), BUDGET, device="cpu", dtype=dtype)
+        return engine.adapt(
+            pre, engine.Adaptation(method_name, method.make_config(), BUDGET), engine.Runtime("cpu", dtype=dtype)
+        )
     model, data = engine.build_model(pre, method_name, method.make_config(), device="cpu", dtype=dtype)
     with torch.no_grad():
         next(p for p in model.parameters() if p.requires_grad)[break_member].fill_(torch.nan)
@@ -122,13 +125,9 @@ def test_paper_budget_is_the_papers_protocol():
 def test_experiment_writes_records_resumes_and_reloads(tmp_path):
     plan = experiment.plan(
         functions=["matyas"],
-        arch="deep-narrow",
         methods=["queryable", "mean"],
-        seeds=2,
-        budget="smoke",
-        device="cpu",
-        dtype="float64",
-        out_dir=tmp_path,
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke", dtype="float64"),
+        execution=Execution(device="cpu", out_dir=tmp_path),
     )
     paths = runner.run(plan, progress=False, log=lambda m: None)
     rec = results.read_record(paths[0])
@@ -145,7 +144,7 @@ def test_experiment_writes_records_resumes_and_reloads(tmp_path):
     assert paths[0].stat().st_mtime_ns == stamp and "skipped" in logs[0]
     frame = results.load(tmp_path)
     assert sorted(frame["method"].unique()) == ["mean", "queryable"] and len(frame) == 4
-    model, data, _ = experiment.load_adapted(paths[0])  # the saved adapter reproduces the recorded test MSE
+    model, data, _ = adapted.load_adapted(paths[0])  # the saved adapter reproduces the recorded test MSE
     torch.testing.assert_close(
         engine.evaluate(model, data.x_test, data.y_test),
         torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]], dtype=F64),
@@ -281,15 +280,15 @@ def test_compile_default_per_device_and_budget(device, budget, expected):
 def test_plan_resolves_compile_auto_from_the_budget(tmp_path):
     """`plan` turns `--compile auto` into the per-(device, budget) default; on and off override it."""
     kw = dict(functions=["matyas"], arch="deep-narrow", methods=["lora"], device="cpu", out_dir=tmp_path)
-    assert experiment.plan(budget="paper", **kw).compile is True
-    assert experiment.plan(budget="quick", **kw).compile is False
-    assert experiment.plan(budget="paper", compile="off", **kw).compile is False
-    assert experiment.plan(budget="smoke", compile="on", **kw).compile is True
+    assert experiment.plan(**settings(**kw, budget="paper")).compile is True
+    assert experiment.plan(**settings(**kw, budget="quick")).compile is False
+    assert experiment.plan(**settings(**kw, budget="paper", compile="off")).compile is False
+    assert experiment.plan(**settings(**kw, budget="smoke", compile="on")).compile is True
 
 
 def test_the_optimisers_eps_is_recorded_and_hashed_only_when_not_the_default(tmp_path):
     make = lambda **kw: experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["lora"], budget="smoke", out_dir=tmp_path, **kw
+        **settings(functions=["matyas"], methods=["lora"], **kw, arch="deep-narrow", budget="smoke", out_dir=tmp_path)
     )
     default, same, tiny = make(), make(eps=1e-8), make(eps=1e-30)
     assert "eps" not in default.cell_config("matyas", "lora")  # records written before eps existed keep their hash
@@ -306,12 +305,9 @@ def test_the_optimisers_eps_reaches_the_update(method, tmp_path):
     for eps in (adapters.EPS, 1e3):
         p = experiment.plan(
             functions=["matyas"],
-            arch="deep-narrow",
             methods=[method],
-            budget="smoke",
-            dtype="float64",
-            out_dir=tmp_path / str(eps),
-            eps=eps,
+            protocol=Protocol(arch="deep-narrow", budget="smoke", dtype="float64", eps=eps),
+            execution=Execution(out_dir=tmp_path / str(eps)),
         )
         (path,) = runner.run(p, progress=False)
         curves[eps] = json.loads(path.read_text())["train_info"]["per_seed"][0]["train_curve"]
@@ -325,13 +321,15 @@ def test_a_cell_trains_and_reloads_with_its_own_label_noise(noise, tmp_path):
     from its record (which must read the noise back from the config) and evaluating on labels drawn with that noise,
     and not on the other construction's labels."""
     p = experiment.plan(
-        functions=["dropwave"], arch="deep-narrow", methods=["lora"], seeds=2, budget="smoke", dtype="float64",
-        out_dir=tmp_path, noise=noise,
-    )  # fmt: skip
+        functions=["dropwave"],
+        methods=["lora"],
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke", dtype="float64", noise=noise),
+        execution=Execution(out_dir=tmp_path),
+    )
     (path,) = runner.run(p, progress=False, log=lambda m: None)
     rec = json.loads(path.read_text())
     assert rec["run_info"]["config"].get("noise", "absolute") == noise
-    model, data, _ = experiment.load_adapted(path)
+    model, data, _ = adapted.load_adapted(path)
     last = torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]], dtype=torch.float64)
     torch.testing.assert_close(engine.evaluate(model, data.x_test, data.y_test), last, rtol=1e-9, atol=0)
     other = "absolute" if noise == "relative" else "relative"
@@ -344,15 +342,17 @@ def test_source_mse_after_adaptation_is_measured_on_the_final_model(tmp_path):
     it equals the pretrained backbone's source test MSE, which pretraining recorded on its own path; a LoRA
     adaptation to the shifted target moves it; and it is the saved adapter's MSE on the source data."""
     plan = experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["frozen", "lora"], seeds=2, budget="smoke",
-        device="cpu", dtype="float64", out_dir=tmp_path,
-    )  # fmt: skip
+        functions=["matyas"],
+        methods=["frozen", "lora"],
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke", dtype="float64"),
+        execution=Execution(device="cpu", out_dir=tmp_path),
+    )
     paths = {Store(tmp_path).cell_of(p)[2]: p for p in runner.run(plan, progress=False, log=lambda m: None)}
     frozen, lora = (results.read_record(paths[m])["train_info"]["per_seed"] for m in ("frozen", "lora"))
     for f, a in zip(frozen, lora):
         assert f["source_test_mse_after"] == pytest.approx(f["source_test_mse"], rel=1e-12)
         assert a["source_test_mse"] == f["source_test_mse"] and a["source_test_mse_after"] != a["source_test_mse"]
-    model, _, _ = experiment.load_adapted(paths["lora"])
+    model, _, _ = adapted.load_adapted(paths["lora"])
     source = engine.StackedData.build([("matyas", 0), ("matyas", 1)], "source", device="cpu", dtype=F64)
     torch.testing.assert_close(
         engine.evaluate(model, source.x_test, source.y_test),
@@ -370,7 +370,9 @@ def test_a_reference_row_with_non_finite_scores_is_reported_diverged():
     pre = engine.pretrain(engine.Backbones("deep-narrow", smoke.pretrain), [("matyas", 0), ("matyas", 1)], device="cpu")
     name = next(k for k in pre.state if k.endswith("weight"))
     pre.state[name][0] = float("nan")
-    res = engine.adapt(pre, "frozen", adapters.get("frozen").make_config(), smoke, device="cpu")
+    res = engine.adapt(
+        pre, engine.Adaptation("frozen", adapters.get("frozen").make_config(), smoke), engine.Runtime("cpu")
+    )
     assert res.curves.diverged_epoch == [0, None]
 
 
@@ -428,7 +430,7 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
     methods = [m for m in adapters.names() if adapters.get(m).trains]
     for method in methods:
         config = adapters.get(method).make_config()
-        train = functools.partial(engine.adapt, pre, method, config, smoke, device="cpu")
+        train = functools.partial(adapt_on_cpu, pre, engine.Adaptation(method, config, smoke))
         key = (method, whole and method == "full-soap")  # the eager step is the same both ways, but full-soap's
         if key not in eager_curves:  # optimiser: capturable when its update is recorded
             eager_curves[key] = train(capture=False).curves
@@ -441,6 +443,10 @@ def test_the_captured_steps_bookkeeping_trains_every_method_as_the_eager_step(mo
             assert (eager is None) == (captured is None), (method, field)
             if eager is not None:
                 assert torch.equal(eager.nan_to_num(-1.0), captured.nan_to_num(-1.0)), (method, field)
+
+
+def adapt_on_cpu(pre, adaptation, capture: bool):
+    return engine.adapt(pre, adaptation, engine.Runtime("cpu", capture=capture))
 
 
 @pytest.mark.xdist_group("captured-bookkeeping")  # shares `eager_smoke`'s backbones
@@ -471,7 +477,7 @@ def test_full_soaps_refresh_is_recorded_once_and_replayed_when_due(monkeypatch, 
     smoke, pre, _ = eager_smoke
     longer = dataclasses.replace(smoke, adapt=dataclasses.replace(smoke.adapt, epochs=7))
     config = adapters.get("full-soap").make_config()
-    train = functools.partial(engine.adapt, pre, "full-soap", config, longer, device="cpu")
+    train = functools.partial(adapt_on_cpu, pre, engine.Adaptation("full-soap", config, longer))
     eager = train(capture=False).curves
     eager_refreshes, calls[:] = list(calls), []
     captured = train(capture=True).curves
@@ -581,7 +587,7 @@ def test_a_recording_that_fails_ends_in_one_line_naming_capture_off(monkeypatch)
     pre = engine.pretrain(engine.Backbones("deep-narrow", smoke.pretrain), [("dropwave", 0)], device="cpu")
     config = adapters.get("lora").make_config()
     with pytest.raises(RuntimeError) as err:
-        engine.adapt(pre, "lora", config, smoke, device="cpu", capture=True)
+        engine.adapt(pre, engine.Adaptation("lora", config, smoke), engine.Runtime("cpu", capture=True))
     message = str(err.value)
     assert "\n" not in message
     assert "could not be captured in a CUDA graph" in message and "--capture off" in message

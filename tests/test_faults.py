@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qlbench import adapters, cli
-from qlbench.experiments import experiment, planning
+from qlbench.experiments import adapted, planning
 from qlbench.records import results, store
 from qlbench.records.store import DamagedFile, Store
 
@@ -271,7 +271,7 @@ def test_an_adapter_file_with_wrong_contents_is_set_aside_and_recomputed(folder,
     path = _damage_model(folder, how)
     damaged = path.read_bytes()
     with pytest.raises(ValueError, match="is damaged"):  # a reader that loads it says so in one line
-        experiment.load_adapted(record(folder))
+        adapted.load_adapted(record(folder))
     assert len(asides(path)) == 1
     path.write_bytes(damaged)
     capsys.readouterr()
@@ -279,7 +279,7 @@ def test_an_adapter_file_with_wrong_contents_is_set_aside_and_recomputed(folder,
     err = capsys.readouterr().err
     assert f"{path} is damaged" in err and "Traceback" not in err
     assert len(asides(path)) == 2
-    model, data, rec = experiment.load_adapted(record(folder))  # recomputed and whole
+    model, data, rec = adapted.load_adapted(record(folder))  # recomputed and whole
     assert rec["train_info"]["status"] == "ok"
 
 
@@ -548,7 +548,7 @@ def test_random_damage_never_gives_a_traceback_or_loses_a_finished_record(
     for rec in Store(out).records():
         results.read_record(rec)
         if (m := Store.model_of(rec)).exists():
-            experiment.read_model(m, results.read_record(rec))
+            adapted.read_model(m, results.read_record(rec))
     if asides(path):
         assert path.exists()  # set aside and recomputed
 

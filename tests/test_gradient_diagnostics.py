@@ -17,6 +17,7 @@ from qlbench.backbones import DeepNarrowMLP, RegressionTransformer
 from qlbench.experiments import experiment
 from qlbench.records import results, runner
 from qlbench.seeding import generator
+from qlbench.settings import Execution, Protocol
 
 from helpers import F64, TINY_DEEP_NARROW, TINY_TRANSFORMER, gens
 
@@ -176,7 +177,9 @@ def test_recording_gradients_does_not_change_training():
     for method in ("queryable", "lora"):
         config = adapters.get(method).make_config()
         for diag in (False, True):
-            runs[method, diag] = engine.adapt(pre, method, config, budget, device="cpu", diagnostics=diag).curves
+            runs[method, diag] = engine.adapt(
+                pre, engine.Adaptation(method, config, budget), engine.Runtime("cpu"), diagnostics=diag
+            ).curves
         on, off = runs[method, True], runs[method, False]
         assert torch.equal(on.train_mse, off.train_mse) and torch.equal(on.test_mse, off.test_mse)
         assert off.grad_layers is None and off.grad_epochs == []
@@ -200,9 +203,11 @@ def test_a_diverged_members_gradients_are_nan_from_its_divergence():
 
 def test_records_hold_the_norms_and_old_records_still_load(tmp_path):
     plan = experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["lora", "queryable", "mean"], seeds=2, budget="smoke",
-        device="cpu", out_dir=tmp_path,
-    )  # fmt: skip
+        functions=["matyas"],
+        methods=["lora", "queryable", "mean"],
+        protocol=Protocol(arch="deep-narrow", seeds=2, budget="smoke"),
+        execution=Execution(device="cpu", out_dir=tmp_path),
+    )
     paths = runner.run(plan, progress=False, log=lambda m: None)
     rec = results.read_record(paths[1])
     train = rec["train_info"]

@@ -15,8 +15,9 @@ import torch
 from qlbench import adapters, cli, instructions, zoo
 from qlbench.adapters import instruct
 from qlbench.backbones import build_backbone
-from qlbench.experiments import ablation, experiment
+from qlbench.experiments import ablation, adapted
 from qlbench.records import results
+from qlbench.settings import Execution, Protocol
 
 from helpers import F64, TINY_DEEP_NARROW, gens, one_line_error
 
@@ -137,7 +138,11 @@ def test_the_instruction_changes_the_output_only_with_the_channels_on(name):
 
 
 def test_every_ablation_variant_has_the_same_trainable_parameters(tmp_path):
-    plans = ablation.plans(function="matyas", arch="deep-narrow", budget="smoke", seeds=2, out_dir=tmp_path)
+    plans = ablation.plans(
+        function="matyas",
+        protocol=Protocol(arch="deep-narrow", budget="smoke", seeds=2),
+        execution=Execution(out_dir=tmp_path),
+    )
     assert list(plans) == list(ablation.VARIANTS)
     counts, hashes = set(), set()
     for plan in plans.values():
@@ -186,7 +191,7 @@ def test_run_instruction_then_verify_the_trained_instruct_queryable_cell(capsys,
     assert lipschitz and all(r["observed"] > 0 and "vacuous" not in (r.get("note") or "") for r in lipschitz)
 
     # the trained model's bound e is the embedding of that sentence, not the card's
-    model, _, _ = experiment.load_adapted(record)
+    model, _, _ = adapted.load_adapted(record)
     want = instructions.embed([sentence]).to(F64)  # (1, 384)
     got = model.shared["queryable"].instruction.to(F64)  # (E, 384)
     assert got.shape[0] == 2 and math.isclose((got - want).abs().max().item(), 0, abs_tol=1e-5)

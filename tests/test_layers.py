@@ -72,6 +72,7 @@ LAYERS = [
         "qlbench.metrics",
         "qlbench.seeding",
         "qlbench.records.store",
+        "qlbench.records.record",
         "qlbench.records.schema",
         "qlbench.soap",
         "qlbench.stacked",
@@ -90,9 +91,12 @@ LAYERS = [
     ["qlbench.engine"],
     [
         "qlbench.experiments.planning",
+        "qlbench.settings",
         "qlbench.records.runner",
         "qlbench.protocols",
         "qlbench.experiments.experiment",
+        "qlbench.experiments.adapted",
+        "qlbench.experiments.suite_tasks",
         "qlbench.cost",
         "qlbench.experiments.pareto_stack",
     ],
@@ -239,3 +243,43 @@ def test_the_backward_check_finds_a_planted_training_loop():
         "qlbench.engine.loop": planted,
     }
     assert backward_callers(sources) == ["qlbench.experiments.multitask", "qlbench.experiments.real"]
+
+
+# Functions take at most MAX_PARAMETERS parameters (`self` and `cls` not counted; an autograd.Function's `ctx` not
+# counted either: it is the function's own state, as `self` is); settings travel whole, in the settings objects
+# (qlbench.settings) or a dataclass of their own. Dataclass constructors are generated, not written, and not seen here.
+MAX_PARAMETERS = 8
+
+
+def wide_functions(sources: dict[str, str]) -> list[str]:
+    """'module.function (n)' for every function of the sources (module -> text) with more than MAX_PARAMETERS."""
+    found = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+                n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                n -= bool(names) and names[0] in ("self", "cls", "ctx")
+                if n > MAX_PARAMETERS:
+                    found.append(f"{module}.{node.name} ({n})")
+    return found
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    sources = {module_name(p): p.read_text() for p in ROOT.rglob("*.py")}
+    assert wide_functions(sources) == []
+
+
+def test_the_parameter_count_finds_a_planted_wide_function():
+    planted = "def f(a, b, c, d, e, f, g, h, i):\n    pass\n"  # nine: found
+    planted += "class C:\n    def m(self, a, b, c, d, e, f, g, h):\n        pass\n"  # eight and self: fine
+    assert wide_functions({"m": planted}) == ["m.f (9)"]
+
+
+MAX_LINES = 500
+
+
+def test_no_module_is_over_five_hundred_lines():
+    long = {module_name(p): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}

@@ -14,7 +14,7 @@ from qlbench.experiments import ablation, multitask
 from qlbench.metrics import continual, suite_stats
 from qlbench.records import results, runner
 
-from helpers import one_line_error
+from helpers import one_line_error, settings
 
 pytestmark = pytest.mark.xdist_group("multitask")  # its module fixture trains once: its tests, one worker
 
@@ -23,7 +23,12 @@ FAST = dict(budget="smoke", seeds=2, backbone_init="kaiming", threads=1)
 
 def plan(tmp_path, suite="zoo-4", schedule="sequential", methods=("lora",), **kw):
     return multitask.plan(
-        suite=suite, schedule=schedule, arch="deep-narrow", methods=list(methods), out_dir=tmp_path, **(FAST | kw)
+        **settings(
+            suite=suite,
+            schedule=schedule,
+            methods=list(methods),
+            **settings(**FAST | kw, arch="deep-narrow", out_dir=tmp_path),
+        )
     )
 
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from qlbench import adapters, engine, parametric, suites, text
-from qlbench.experiments import multitask
+from qlbench.experiments import multitask, suite_tasks
 from qlbench.metrics import continual, stats, suite_stats
 from qlbench.records import runner
 from qlbench.report import heldout
+from qlbench.settings import Execution, Protocol
 
 F64 = torch.float64
 LARGEST = f"{parametric.PREFIX}{max(parametric.SIZES)}"
@@ -120,12 +121,9 @@ def test_held_out_tasks_never_reach_a_training_batch(tmp_path, monkeypatch, sche
     p = multitask.plan(
         suite=f"{parametric.PREFIX}4",
         schedule=schedule,
-        arch="deep-narrow",
         methods=["lora", "mean"],
-        out_dir=tmp_path,
-        budget="smoke",
-        seeds=2,
-        threads=1,
+        protocol=Protocol(arch="deep-narrow", budget="smoke", seeds=2),
+        execution=Execution(out_dir=tmp_path, threads=1),
     )
     runner.run(p, progress=False, log=lambda m: None)
     held = set(p.suite.held_out)
@@ -181,12 +179,9 @@ def test_the_held_out_report_reads_the_records(tmp_path, capsys):
     p = multitask.plan(
         suite=f"{parametric.PREFIX}4",
         schedule="held-out",
-        arch="deep-narrow",
         methods=["lora", "task-code", "instruct-queryable"],
-        out_dir=tmp_path / "r",
-        budget="smoke",
-        seeds=2,
-        threads=1,
+        protocol=Protocol(arch="deep-narrow", budget="smoke", seeds=2),
+        execution=Execution(out_dir=tmp_path / "r", threads=1),
     )
     runner.run(p, progress=False, log=lambda m: None)
     assert cli.main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "out")]) == 0
@@ -261,11 +256,11 @@ def test_parameter_codes_are_deterministic_and_one_per_task_across_sizes():
     assert torch.equal(a, b) and a.shape == (384, 4)
     a.zero_()  # a caller cannot change the codes
     assert parametric.code_matrix(384).abs().sum() > 0
-    small, large = (multitask.parameter_codes(suites.get(f"{parametric.PREFIX}{T}")) for T in (4, 64))
+    small, large = (suite_tasks.parameter_codes(suites.get(f"{parametric.PREFIX}{T}")) for T in (4, 64))
     assert torch.equal(small[:4], large[:4]) and torch.equal(small[4:], large[64:])
     config = adapters.get("instruct-queryable").make_config()  # the router's table: the codes at d_c = 384
-    config.instruction_source = multitask.PARAMETER_SOURCE
-    assert torch.equal(multitask.instruction_table(suites.get(f"{parametric.PREFIX}4"), config), small)
+    config.instruction_source = suite_tasks.PARAMETER_SOURCE
+    assert torch.equal(suite_tasks.instruction_table(suites.get(f"{parametric.PREFIX}4"), config), small)
 
 
 def test_parameter_codes_are_smooth_in_parameter_space():
@@ -300,8 +295,8 @@ def test_parameter_codes_are_not_task_codes():
     config = lambda source: dataclasses.replace(
         adapters.get("instruct-queryable").make_config(), instruction_source=source
     )
-    random = multitask.instruction_table(s, config("random"))
-    params = multitask.parameter_codes(s)
+    random = suite_tasks.instruction_table(s, config("random"))
+    params = suite_tasks.parameter_codes(s)
     cos = (random * params).sum(1) / (random.norm(dim=1) * params.norm(dim=1))
     assert cos.abs().max() < 0.3
     M = parametric.code_matrix(384)
@@ -352,12 +347,12 @@ def test_nearest_task_routes_each_held_out_task_to_its_nearest_training_task(mon
     identity; on param-sin-cos-16 every route's distance is parametric.nearest's. Planted bug: the farthest
     training task instead (parametric.closest as an argmax) fails the same check."""
     s = hand_suite()
-    route = multitask.held_out_routes(s, "held-out", "nearest")
+    route = suite_tasks.held_out_routes(s, "held-out", "nearest")
     assert route.tolist() == [0, 1, 2, 0, 2, 1] and routes_are_nearest(s, route)
-    assert multitask.held_out_routes(s, "held-out", "own").tolist() == list(range(6))
-    assert multitask.held_out_routes(s, "joint", "nearest").tolist() == list(range(6))  # every task trained
+    assert suite_tasks.held_out_routes(s, "held-out", "own").tolist() == list(range(6))
+    assert suite_tasks.held_out_routes(s, "joint", "nearest").tolist() == list(range(6))  # every task trained
     big = suites.get(f"{parametric.PREFIX}16")
-    route = multitask.held_out_routes(big, "held-out", "nearest")
+    route = suite_tasks.held_out_routes(big, "held-out", "nearest")
     assert routes_are_nearest(big, route)
     p = [parametric.params(t) for t in big.tasks]
     trained = [p[i] for i in range(len(p)) if i not in big.held_out]
@@ -366,8 +361,8 @@ def test_nearest_task_routes_each_held_out_task_to_its_nearest_training_task(mon
         assert parametric.distance(p[h], p[route[h]]) == parametric.nearest(p[h], trained)
     farthest = lambda q, among: max(range(len(among)), key=lambda i: parametric.distance(q, among[i]))
     monkeypatch.setattr(parametric, "closest", farthest)
-    assert not routes_are_nearest(s, multitask.held_out_routes(s, "held-out", "nearest"))
-    assert not routes_are_nearest(big, multitask.held_out_routes(big, "held-out", "nearest"))
+    assert not routes_are_nearest(s, suite_tasks.held_out_routes(s, "held-out", "nearest"))
+    assert not routes_are_nearest(big, suite_tasks.held_out_routes(big, "held-out", "nearest"))
 
 
 def test_fixed_n_suites_hold_n_training_samples_per_task():
@@ -408,14 +403,14 @@ def test_training_statistics_standardisation_by_hand():
     own = torch.tensor([[1.0, 2.0], [0.0, 1.0], [3.0, 0.5]], dtype=F64)
     y = torch.tensor([[1.0, -1.0, 2.0, 5.0], [0.0, 0.0, 1.0, 1.0]])
     task = torch.tensor([[0, 0, 1, 2], [0, 1, 0, 1]])
-    pooled = multitask.pooled_statistics(y, task, own, [0, 1])
+    pooled = suite_tasks.pooled_statistics(y, task, own, [0, 1])
     assert pooled[0, 0].item() == pytest.approx(4 / 3) and pooled[0, 1].item() == pytest.approx(math.sqrt(26 / 9))
     raw = [1.0, 0.0, 3.0, 1.0]  # member 1: 2*0+1, 1*0+0, 2*1+1, 1*1+0
     assert pooled[1, 0].item() == pytest.approx(np.mean(raw)) and pooled[1, 1].item() == pytest.approx(np.std(raw))
-    held = multitask.restandardise(torch.tensor([[1.0], [1.0]]), torch.tensor([[2], [2]]), own, pooled)
+    held = suite_tasks.restandardise(torch.tensor([[1.0], [1.0]]), torch.tensor([[2], [2]]), own, pooled)
     assert held[0, 0].item() == pytest.approx((3.5 - 4 / 3) / math.sqrt(26 / 9))
     assert held[1, 0].item() == pytest.approx((3.5 - np.mean(raw)) / np.std(raw))
-    same = multitask.restandardise(y, task, own, torch.tensor([[1.0, 2.0], [1.0, 2.0]], dtype=F64))
+    same = suite_tasks.restandardise(y, task, own, torch.tensor([[1.0, 2.0], [1.0, 2.0]], dtype=F64))
     assert torch.allclose(same[0, :2], y[0, :2].double())  # task 0 by its own statistics: unchanged
 
 
@@ -426,8 +421,13 @@ def test_a_held_out_run_records_both_standardisations(tmp_path):
     samples, y' = (sd_h y + mu_h - m) / s; null for the trained tasks. The per-task MSE (headline) is unchanged."""
     from qlbench.records import results
 
-    p = multitask.plan(suite=f"{parametric.PREFIX}4", schedule="held-out", arch="deep-narrow", methods=["mean"],
-                       out_dir=tmp_path, budget="smoke", seeds=2, threads=1)  # fmt: skip
+    p = multitask.plan(
+        suite=f"{parametric.PREFIX}4",
+        schedule="held-out",
+        methods=["mean"],
+        protocol=Protocol(arch="deep-narrow", budget="smoke", seeds=2),
+        execution=Execution(out_dir=tmp_path, threads=1),
+    )
     runner.run(p, progress=False, log=lambda m: None)
     s = p.suite
     for entry in results.read_record(p.record_path("mean"))["train_info"]["per_seed"]:
@@ -454,9 +454,13 @@ def test_param_code_trains_and_reports(tmp_path, capsys):
     from qlbench import cli
     from qlbench.records import results
 
-    p = multitask.plan(suite=f"{parametric.PREFIX}4", schedule="held-out", arch="deep-narrow",
-                       methods=["instruct-queryable", "param-code"], out_dir=tmp_path / "r", budget="smoke", seeds=2,
-                       threads=1)  # fmt: skip
+    p = multitask.plan(
+        suite=f"{parametric.PREFIX}4",
+        schedule="held-out",
+        methods=["instruct-queryable", "param-code"],
+        protocol=Protocol(arch="deep-narrow", budget="smoke", seeds=2),
+        execution=Execution(out_dir=tmp_path / "r", threads=1),
+    )
     assert p.configs["param-code"].instruction_source == "params"
     assert p.cell_config("param-code")["method_config"]["instruction_source"] == "params"
     assert p.record_path("param-code") != p.record_path("instruct-queryable")

@@ -13,6 +13,8 @@ from qlbench.adapters.routing import topk_softmax
 from qlbench.experiments import pareto, pareto_stack
 from qlbench.records import results, runner
 
+from helpers import settings
+
 
 def test_a_k_per_member_routes_each_member_as_its_k_alone():
     """Weights and gradients of member e with k_e equal, bit for bit, those of the members of k_e routed apart; a
@@ -57,8 +59,8 @@ def test_stacked_points_write_the_records_each_point_writes_alone(tmp_path, meth
     diagnostics bit for bit."""
     grid = pareto.parse_grid("r=2 M=4 k=1,2,4")
     kw = dict(function="matyas", arch="deep-narrow", seeds=2, budget="smoke", threads=1)
-    alone, _ = pareto.plans(method, grid, out_dir=tmp_path / "alone", **kw)
-    stacked, _ = pareto.plans(method, grid, out_dir=tmp_path / "stacked", **kw)
+    alone, _ = pareto.plans(method, grid, **settings(**kw, out_dir=tmp_path / "alone"))
+    stacked, _ = pareto.plans(method, grid, **settings(**kw, out_dir=tmp_path / "stacked"))
     (group,) = pareto_stack.groups(stacked)
     assert [pt.values["k"] for pt, _ in group] == [1, 2, 4]
     paths_alone = [path for _, p in alone for path in runner.run(p, progress=False, log=lambda m: None)]

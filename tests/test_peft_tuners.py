@@ -17,6 +17,7 @@ import torch
 from qlbench import adapters, cli, engine
 from qlbench.adapters import member, peft_tuners
 from qlbench.backbones import build_backbone
+from qlbench.settings import Execution, Protocol
 
 SMOKE = {arch: engine.budget("smoke", arch) for arch in ("deep-narrow", "transformer")}
 MEMBERS = [("matyas", 0), ("levy", 1)]
@@ -43,11 +44,8 @@ def adapted(arch: str, method: str, init: dict[str, torch.Tensor] | None = None,
     config = adapters.get(method).make_config(**overrides)
     res = engine.adapt(
         pretrained(arch),
-        method,
-        config,
-        SMOKE[arch],
-        device="cpu",
-        dtype=torch.float64,
+        engine.Adaptation(method, config, SMOKE[arch]),
+        engine.Runtime("cpu", dtype=torch.float64),
         prepare=prepare,
         diagnostics=False,
     )
@@ -301,7 +299,13 @@ def test_every_runnable_tuner_adapts_at_the_smoke_budget(arch, kind):
         {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     )
     config = adapters.get(method).make_config()
-    res = engine.adapt(pretrained(arch), method, config, SMOKE[arch], device="cpu", prepare=prepare, diagnostics=False)
+    res = engine.adapt(
+        pretrained(arch),
+        engine.Adaptation(method, config, SMOKE[arch]),
+        engine.Runtime("cpu"),
+        prepare=prepare,
+        diagnostics=False,
+    )
     finished = [i for i, d in enumerate(res.curves.diverged_epoch) if d is None]
     assert all(torch.isfinite(res.curves.test_mse[i]).all() for i in finished)
     params = dict(res.model.named_parameters())
@@ -314,9 +318,11 @@ def test_capture_auto_stays_off_for_a_tuner_on_cuda(tmp_path):
     from qlbench.experiments import experiment
 
     plan = lambda methods, capture: experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=methods, budget="smoke", device="cuda", cuda=True,
-        capture=capture, out_dir=tmp_path,
-    )  # fmt: skip
+        functions=["matyas"],
+        methods=methods,
+        protocol=Protocol(arch="deep-narrow", budget="smoke"),
+        execution=Execution(device="cuda", cuda=True, capture=capture, out_dir=tmp_path),
+    )
     assert plan(["lora"], "auto").capture is True
     assert plan(["lora", "peft:ia3"], "auto").capture is False
     assert plan(["peft:ia3"], "on").capture is True

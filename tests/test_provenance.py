@@ -1,6 +1,6 @@
 """One provenance per snapshot: every table of a report states the commit(s) its records were written from, and warns
 when they are not one clean commit's (several commits, a dirty tree, no git info); the Makefile's snapshot targets
-refuse a dirty tree. Records are written by the project's own `results.make_record` (its `git_info` stubbed), read
+refuse a dirty tree. Records are written by the project's own `record.make_record` (its `git_info` stubbed), read
 back by the loaders, and reported by `report.write_report`, `qlbench report`, the real-model and Pareto writers."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import torch
 
 from qlbench import cli, report
 from qlbench.experiments import experiment, pareto
-from qlbench.records import results, store
+from qlbench.records import record, results, store
 from qlbench.report import pareto as pareto_report
 from qlbench.report import real as real_report
+from qlbench.settings import Execution, Protocol
 
 # seaborn 0.13's heatmap calls Colormap.set_bad, which matplotlib >= 3.11 marks pending deprecation (not ours)
 pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
@@ -27,7 +28,7 @@ A = "1f2e3d4c5b6a" + "0" * 28  # two full commit hashes, told apart by their fir
 B = "9a8b7c6d5e4f" + "1" * 28
 CLEAN_A, CLEAN_B, DIRTY_A = {"commit": A, "dirty": False}, {"commit": B, "dirty": False}, {"commit": A, "dirty": True}
 NO_GIT = None  # a record written before run_info.git existed: no git key at all
-OUTSIDE = {"commit": None, "dirty": None}  # a record written outside a git checkout (results.git_info)
+OUTSIDE = {"commit": None, "dirty": None}  # a record written outside a git checkout (record.git_info)
 CELLS = [("matyas", "lora"), ("matyas", "queryable"), ("levy", "lora"), ("levy", "queryable")]
 
 
@@ -42,20 +43,17 @@ def seed_entry(seed: int, v: float) -> dict:
 def write_cell(out: Path, function: str, method: str, git: dict | None, monkeypatch, seeds: int = 3) -> Path:
     """One finished smoke cell's record, as runner.run writes it, from the checkout `git` (None: no git key)."""
     p = experiment.plan(
-        functions=[function], arch="deep-narrow", methods=[method], seeds=seeds, budget="smoke", device="cpu",
-        out_dir=out,
-    )  # fmt: skip
+        functions=[function],
+        methods=[method],
+        protocol=Protocol(arch="deep-narrow", seeds=seeds, budget="smoke"),
+        execution=Execution(device="cpu", out_dir=out),
+    )
     with monkeypatch.context() as m:
-        m.setattr(results, "git_info", lambda: dict(git or OUTSIDE))
-        rec = results.make_record(
-            config=p.cell_config(function, method),
-            seeds=p.seeds,
-            device=torch.device("cpu"),
-            status="ok",
-            trainable_params=100,
-            total_params=1000,
-            eval_epochs=[0, 1],
-            per_seed=[seed_entry(s, 1.0 + 0.1 * s + (method == "queryable") * 0.05 * s) for s in p.seeds],
+        m.setattr(record, "git_info", lambda: dict(git or OUTSIDE))
+        per_seed = [seed_entry(s, 1.0 + 0.1 * s + (method == "queryable") * 0.05 * s) for s in p.seeds]
+        rec = record.make_record(
+            record.RunInfo(p.cell_config(function, method), p.seeds, torch.device("cpu")),
+            record.TrainInfo("ok", trainable_params=100, total_params=1000, eval_epochs=[0, 1], per_seed=per_seed),
         )
     if git is NO_GIT:
         del rec["run_info"]["git"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 import random
@@ -465,9 +466,9 @@ def test_model_output_matches_the_oracle(case):
 # The two mutants of tests/mutation/run_mutants.py that the theorem suite does not kill, applied to the real model in
 # process: the router is called with w = 0 (block prior dropped from q0) or with Q_dep = 0 (q = q0, the depth term
 # Q_dep u dropped; the same function as the source mutant `q = q0`).
-MUTANTS = {
-    "block_prior_dropped": lambda kw: {**kw, "w": torch.zeros_like(kw["w"])},
-    "depth_summary_dropped": lambda kw: {**kw, "Q_dep": torch.zeros_like(kw["Q_dep"])},
+MUTANTS = {  # routing.route's Router with one parameter zeroed
+    "block_prior_dropped": lambda router: dataclasses.replace(router, w=torch.zeros_like(router.w)),
+    "depth_summary_dropped": lambda router: dataclasses.replace(router, Q_dep=torch.zeros_like(router.Q_dep)),
 }
 _MUTANT_CASE = dict(
     seed=100,
@@ -505,9 +506,9 @@ def test_oracle_detects_the_mutant(arch, mutant, monkeypatch):
 
     original, calls = routing.route, []
 
-    def mutated(*args, **kwargs):
+    def mutated(s_entry, summaries, router, *args):
         calls.append(1)
-        return original(*args, **MUTANTS[mutant](kwargs))
+        return original(s_entry, summaries, MUTANTS[mutant](router), *args)
 
     # queryable.py binds `route` by name at import, so patching routing.route alone would not reach the model:
     # patch the name wherever it is bound to the original

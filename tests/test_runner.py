@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from qlbench.records import runner, store
+from qlbench.settings import Execution, Protocol
 
 
 @dataclass
@@ -142,7 +143,9 @@ def test_ablate_tabulates_its_variants_when_the_reference_is_left_to_another_pro
     from qlbench import cli
     from qlbench.experiments import ablation
 
-    plans = ablation.plans(function="matyas", arch="deep-narrow", budget="smoke", out_dir=tmp_path)
+    plans = ablation.plans(
+        function="matyas", protocol=Protocol(arch="deep-narrow", budget="smoke"), execution=Execution(out_dir=tmp_path)
+    )
     held = {plans[ablation.REFERENCE].unit_path(u) for u in plans[ablation.REFERENCE].units()}
     real_claim = store.claim
     monkeypatch.setattr(runner, "claim", lambda paths: real_claim([p for p in paths if p not in held]))

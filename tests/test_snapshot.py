@@ -22,6 +22,8 @@ from qlbench.experiments import experiment
 from qlbench.records import results, runner
 from qlbench.records.store import Store
 
+from helpers import settings
+
 PRE = engine.Phase(epochs=2, lr=3e-3)
 BUDGET = engine.Budget("test", 2, PRE, engine.Phase(epochs=7, lr=2e-3), eval_every=2)
 MEMBERS = [("dropwave", 0), ("levy", 1)]
@@ -47,7 +49,9 @@ def adapt(pre, method: str, snapshots=None, stop: int | None = None) -> engine.A
             raise Stop
 
     config = adapters.get(method).make_config()
-    return engine.adapt(pre, method, config, BUDGET, device="cpu", progress=progress, snapshots=snapshots)
+    return engine.adapt(
+        pre, engine.Adaptation(method, config, BUDGET), engine.Runtime("cpu"), progress=progress, snapshots=snapshots
+    )
 
 
 def stopped_and_resumed(pre, method: str, path: Path, logs: list) -> engine.AdaptResult:
@@ -158,9 +162,17 @@ def test_fit_refuses_snapshots_of_several_stages(pre):
 
 def smoke_plan(out: Path, **kwargs) -> experiment.Plan:
     return experiment.plan(
-        functions=["matyas"], arch="deep-narrow", methods=["lora"], budget="smoke", device="cpu", out_dir=out,
-        snapshot_every_s=0.0, **kwargs,
-    )  # fmt: skip
+        **settings(
+            functions=["matyas"],
+            methods=["lora"],
+            **kwargs,
+            arch="deep-narrow",
+            budget="smoke",
+            device="cpu",
+            out_dir=out,
+            snapshot_every_s=0.0,
+        )
+    )
 
 
 def test_a_run_interrupted_after_a_snapshot_resumes_and_its_record_says_so(tmp_path, monkeypatch):
@@ -288,7 +300,9 @@ def test_a_captured_stage_resumes_as_an_eager_one(pre, method, tmp_path, monkeyp
     monkeypatch.setattr(step_module, "capturable", forced)
     config = adapters.get(method).make_config()
     snapshots = engine.Snapshots(tmp_path / "s.pt", "key", every_s=0.0, log=lambda m: None)
-    captured = lambda **kw: engine.adapt(pre, method, config, BUDGET, device="cpu", capture=True, **kw)
+    captured = lambda **kw: engine.adapt(
+        pre, engine.Adaptation(method, config, BUDGET), engine.Runtime("cpu", capture=True), **kw
+    )
     stops = []
 
     def stop(steps):

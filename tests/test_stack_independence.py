@@ -14,6 +14,8 @@ from qlbench.adapters import base
 from qlbench.records import results
 from qlbench.records.store import Store
 
+from helpers import settings
+
 SMOKE = engine.budget("smoke", "deep-narrow")
 LONE = ("matyas", 1)
 LAST = ("levy", 3)
@@ -35,7 +37,7 @@ def trained(members: list[engine.Member], method: str) -> dict[engine.Member, tu
     `members` (float32, smoke budget)."""
     pre = pretrained(tuple(members))
     config = adapters.get(method).make_config()
-    res = engine.adapt(pre, method, config, SMOKE, device="cpu")
+    res = engine.adapt(pre, engine.Adaptation(method, config, SMOKE), engine.Runtime("cpu"))
     out = {}
     for i, member in enumerate(members):
         trainable = [p.detach()[i].flatten() for p in res.model.parameters() if p.requires_grad]
@@ -169,13 +171,13 @@ def test_a_plan_wider_than_the_memory_trains_in_narrower_stacks_with_the_same_nu
     from qlbench.experiments import experiment, planning
     from qlbench.records import runner
 
-    kw = dict(functions=["matyas", "levy", "dropwave"], arch="deep-narrow", methods=["lora"], budget="smoke", seeds=2)
-    whole = experiment.plan(**kw, threads=1, out_dir=tmp_path / "whole")
+    kw = dict(functions=["matyas", "levy", "dropwave"], methods=["lora"], budget="smoke", seeds=2)
+    whole = experiment.plan(**settings(**kw, threads=1, out_dir=tmp_path / "whole"))
     assert whole.stack_functions is None
     runner.run(whole, progress=False, log=lambda m: None)
     one = planning.plan_bytes(planning.dry_build("deep-narrow", whole.configs), 2, "float32")  # one function's seeds
     monkeypatch.setattr(planning, "available_bytes", lambda device: 2 * one + one // 2)
-    split = experiment.plan(**kw, threads=1, out_dir=tmp_path / "split")
+    split = experiment.plan(**settings(**kw, threads=1, out_dir=tmp_path / "split"))
     assert split.stack_functions == 2
     said = []
     runner.run(split, progress=False, log=said.append)
@@ -186,4 +188,4 @@ def test_a_plan_wider_than_the_memory_trains_in_narrower_stacks_with_the_same_nu
         assert (a["stacked_members"], b["stacked_members"]) == (6, 2 if f == "dropwave" else 4)
     monkeypatch.setattr(planning, "available_bytes", lambda device: one - 1)
     with pytest.raises(ValueError, match="needs at least"):
-        experiment.plan(**kw, out_dir=tmp_path / "none")
+        experiment.plan(**settings(**kw, out_dir=tmp_path / "none"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qlbench import cli, engine
-from qlbench.experiments import experiment
+from qlbench.experiments import adapted
 from qlbench.records import results
 from qlbench.records.store import Store
 
@@ -36,7 +36,7 @@ def test_budgets_live_side_by_side_with_loadable_models(tmp_path, capsys, monkey
     found = records(tmp_path)
     assert sorted(Store(tmp_path).cell_of(p)[3] for p in found) == ["quick", "smoke"]
     for record in found:
-        model, data, rec = experiment.load_adapted(record)
+        model, data, rec = adapted.load_adapted(record)
         expected = torch.tensor([s["test_curve"][-1] for s in rec["train_info"]["per_seed"]])
         torch.testing.assert_close(engine.evaluate(model, data.x_test, data.y_test), expected, rtol=1e-5, atol=0)
     capsys.readouterr()

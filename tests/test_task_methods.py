@@ -10,6 +10,7 @@ import torch
 
 from qlbench import adapters, instructions
 from qlbench.backbones import DeepNarrowMLP, RegressionTransformer
+from qlbench.settings import Execution, Protocol
 
 from helpers import F64, TINY_DEEP_NARROW, TINY_TRANSFORMER, gens
 
@@ -253,19 +254,19 @@ def routed_mse_by_hand(model, x, y, task, t: int, through: int) -> torch.Tensor:
 
 
 def test_a_routed_task_is_evaluated_through_its_routes_factors():
-    """multitask.task_mse with route (0, 1, 0): task 2's samples go through task 0's LoRA (by hand: one forward with
+    """suite_tasks.task_mse with route (0, 1, 0): task 2's samples go through task 0's LoRA (by hand: one forward with
     task index 0), grouped as task 2's MSE; tasks 0 and 1 as without a route. A route to task 1 instead (a planted
     wrong choice) gives another number, so the comparison can fail."""
     from qlbench import engine
-    from qlbench.experiments import multitask
+    from qlbench.experiments import suite_tasks
 
     model = build("lora-per-task", "deep-narrow", tasks=T)
     perturb(model, "route")
     x, task = inputs(30)
     y = torch.sin(x.sum(-1))
     data = engine.StackedData(x, y, x, y, task, task)
-    plain = multitask.task_mse(model, data, T)
-    routed = multitask.task_mse(model, data, T, route=torch.tensor([0, 1, 0]))
+    plain = suite_tasks.task_mse(model, data, T)
+    routed = suite_tasks.task_mse(model, data, T, route=torch.tensor([0, 1, 0]))
     assert torch.equal(routed[:, :2], plain[:, :2])
     torch.testing.assert_close(routed[:, 2], routed_mse_by_hand(model, x, y, task, 2, 0), rtol=1e-12, atol=0)
     assert (routed[:, 2] - plain[:, 2]).abs().min() > 1e-6
@@ -280,18 +281,23 @@ def test_nearest_task_trains_as_lora_per_task_and_reports(tmp_path, capsys):
     import pandas as pd
 
     from qlbench import cli, parametric
-    from qlbench.experiments import multitask
+    from qlbench.experiments import multitask, suite_tasks
     from qlbench.records import results, runner
 
     suite = parametric.suite_name(4, parametric.FIXED_N)
-    p = multitask.plan(suite=suite, schedule="held-out", arch="deep-narrow", methods=["lora-per-task", "nearest-task"],
-                       out_dir=tmp_path / "r", budget="smoke", seeds=2, threads=1)  # fmt: skip
+    p = multitask.plan(
+        suite=suite,
+        schedule="held-out",
+        methods=["lora-per-task", "nearest-task"],
+        protocol=Protocol(arch="deep-narrow", budget="smoke", seeds=2),
+        execution=Execution(out_dir=tmp_path / "r", threads=1),
+    )
     assert p.cell_config("nearest-task")["held_out_route"] == "nearest"
     assert "held_out_route" not in p.cell_config("lora-per-task")
     runner.run(p, progress=False, log=lambda m: None)
     seeds = {r: results.read_record(p.record_path(r))["train_info"]["per_seed"] for r in p.rows}
     held = list(p.suite.held_out)
-    route = multitask.held_out_routes(p.suite, "held-out", "nearest")
+    route = suite_tasks.held_out_routes(p.suite, "held-out", "nearest")
     assert all(route[h] < 4 for h in held)
     for own, near in zip(seeds["lora-per-task"], seeds["nearest-task"]):
         R_own, R_near = own["stage_task_mse"][-1], near["stage_task_mse"][-1]

@@ -15,6 +15,7 @@ from qlbench.adapters import instruct, text_lora
 from qlbench.backbones import DeepNarrowConfig, DeepNarrowMLP, RegressionTransformer, TransformerConfig
 from qlbench.experiments import planning
 from qlbench.seeding import generator
+from qlbench.settings import Execution, Protocol
 from qlbench.stacked import ForwardContext
 
 F64 = torch.float64
@@ -182,7 +183,7 @@ def test_a_forward_instruction_overrides_the_bound_one_and_task_none_is_task_0()
     # no task indices: every sample is task 0, as a table of task 0 alone
     alone = model(x, instruction=table[:, 0])
     torch.testing.assert_close(model(x), alone, rtol=1e-10, atol=1e-12)
-    # a suite's table bound as multitask.bind does it: one (T, d_c) expanded over the members
+    # a suite's table bound as suite_tasks.bind does it: one (T, d_c) expanded over the members
     model.shared["text_lora"].bind_instruction(table[0].expand(len(MEMBERS), -1, -1))
     assert model.shared["text_lora"].instruction.is_contiguous()
     one = model(x, instruction=table[0, 0].expand(len(MEMBERS), -1))  # T = 1: the merged LoRA path
@@ -323,15 +324,19 @@ def test_text_lora_params_trains_and_reports(tmp_path, capsys):
     import pandas as pd
 
     from qlbench import cli, parametric
-    from qlbench.experiments import multitask
+    from qlbench.experiments import multitask, suite_tasks
     from qlbench.records import results, runner
 
-    p = multitask.plan(suite=f"{parametric.PREFIX}4", schedule="held-out", arch="deep-narrow",
-                       methods=["text-lora", "text-lora-params"], out_dir=tmp_path / "r", budget="smoke", seeds=2,
-                       threads=1)  # fmt: skip
+    p = multitask.plan(
+        suite=f"{parametric.PREFIX}4",
+        schedule="held-out",
+        methods=["text-lora", "text-lora-params"],
+        protocol=Protocol(arch="deep-narrow", budget="smoke", seeds=2),
+        execution=Execution(out_dir=tmp_path / "r", threads=1),
+    )
     config = p.configs["text-lora-params"]
     codes = parametric.codes([parametric.params(t) for t in p.suite.tasks], instructions.DIM)
-    assert config.instruction_source == "params" and torch.equal(multitask.instruction_table(p.suite, config), codes)
+    assert config.instruction_source == "params" and torch.equal(suite_tasks.instruction_table(p.suite, config), codes)
     runner.run(p, progress=False, log=lambda m: None)
     rec = results.read_record(p.record_path("text-lora-params"))
     assert rec["train_info"]["status"] == "ok" and rec["train_info"]["trainable_params"] == 31_824

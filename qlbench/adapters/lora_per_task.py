@@ -10,7 +10,7 @@ LoRA, number for number (tests/test_task_methods.py).
 
 A held-out task (one no stage of a suite trains) keeps its initial factors (B_t = 0: the frozen backbone). The
 suite row `nearest-task` (multitask.VARIANTS) is this method with every such task evaluated through the factors
-of its nearest trained task in parameter space instead (multitask.held_out_routes, parametric suites): the
+of its nearest trained task in parameter space instead (suite_tasks.held_out_routes, parametric suites): the
 nearest-neighbour baseline of the held-out experiment, which transfers without words. qlbench interpretation: the
 routing is a rule of the evaluation (the forward reads the routed task index), so the method itself is unchanged.
 """

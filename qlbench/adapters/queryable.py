@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from qlbench.adapters.base import AdapterMethod, Site, check_nonnegative, check_positive, check_positive_int
 from qlbench.adapters.lora import LoraConfig, lora_factors, low_rank_update
-from qlbench.adapters.routing import Route, route, samples_last
+from qlbench.adapters.routing import Route, Router, Temperatures, route, samples_last
 from qlbench.stacked import (
     ForwardContext,
     StackedLinear,
@@ -189,9 +189,7 @@ def route_with(memory, block: int, s_entry, summaries, instruction) -> Route:
     """Algorithm 2 for one block from `memory`'s parameters (each (E, ...)) and its config's sizes and temperatures:
     qlbench's QueryableMemory, or the peft tuner's memory seen as a stack of one (qlbench.hf.model.MemoryView)."""
     c = memory.config
-    return route(
-        s_entry,
-        summaries,
+    router = Router(
         w=memory.block_prior[:, block],
         Q_cur=memory.Q_cur,
         Q_dep=memory.Q_dep,
@@ -199,17 +197,19 @@ def route_with(memory, block: int, s_entry, summaries, instruction) -> Route:
         Q_dep_k=memory.Q_dep_k,
         keys=memory.keys,
         atoms=memory.atoms,
+        Q_ctx=memory.Q_ctx,
+        R_ctx=memory.R_ctx,
+    )
+    temperatures = Temperatures(
         top_k=getattr(memory, "member_top_k", None) or c.top_k,
         t_attn=c.t_attn,
         t_dep=c.t_dep,
         t_lang=c.t_lang,
         tau_lang=c.tau_lang,
         lambda_ctx=c.lambda_ctx,
-        instruction=instruction,
-        Q_ctx=memory.Q_ctx,
-        R_ctx=memory.R_ctx,
         eps=c.rms_eps,
     )
+    return route(s_entry, summaries, router, temperatures, instruction)
 
 
 class QueryableLinear(nn.Module):

@@ -102,35 +102,54 @@ class Route:
     S: torch.Tensor  # (E, N, r, r) routed operator sum_m alpha_m C_m
 
 
+@dataclass(frozen=True)
+class Router:
+    """One block's router parameters, each (E, ...): w (E, d_k) the block prior; Q_cur, Q_dep (E, d_k, r); Q_dep_q
+    (E, d_k, d_k); Q_dep_k (E, d_k, r); keys (E, M, d_k); atoms (E, M, r, r); Q_ctx, R_ctx (E, d_k, d_c) or None
+    without instruction channels."""
+
+    w: torch.Tensor
+    Q_cur: torch.Tensor
+    Q_dep: torch.Tensor
+    Q_dep_q: torch.Tensor
+    Q_dep_k: torch.Tensor
+    keys: torch.Tensor
+    atoms: torch.Tensor
+    Q_ctx: torch.Tensor | None = None
+    R_ctx: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Temperatures:
+    """The router's sizes and scalars: top_k (an int, or one per member), the attention, depth and language
+    temperatures, the language prior's weight tau_lang, the context query's weight lambda_ctx and the RMS eps."""
+
+    top_k: int | tuple[int, ...]
+    t_attn: float = 1.0
+    t_dep: float = 1.0
+    t_lang: float = 1.0
+    tau_lang: float = 0.0
+    lambda_ctx: float = 0.0
+    eps: float = 1e-6
+
+
 def route(
     s_entry: torch.Tensor,
     summaries: torch.Tensor | None,
-    *,
-    w: torch.Tensor,
-    Q_cur: torch.Tensor,
-    Q_dep: torch.Tensor,
-    Q_dep_q: torch.Tensor,
-    Q_dep_k: torch.Tensor,
-    keys: torch.Tensor,
-    atoms: torch.Tensor,
-    top_k: int | tuple[int, ...],
-    t_attn: float = 1.0,
-    t_dep: float = 1.0,
-    t_lang: float = 1.0,
-    tau_lang: float = 0.0,
-    lambda_ctx: float = 0.0,
+    router: Router,
+    temperatures: Temperatures,
     instruction: torch.Tensor | None = None,
-    Q_ctx: torch.Tensor | None = None,
-    R_ctx: torch.Tensor | None = None,
-    eps: float = 1e-6,
 ) -> Route:
     """One block's routing (Algorithm 2, lines 5-27).
 
-    s_entry (E, N, r) block-entry rank state; summaries (E, N, b-1, r) or None for the first block;
-    w (E, d_k) block prior; Q_cur, Q_dep (E, d_k, r); Q_dep_q (E, d_k, d_k); Q_dep_k (E, d_k, r);
-    keys (E, M, d_k); atoms (E, M, r, r); instruction (E, d_c) one per member, or (E, N, d_c) one per sample (a
-    multi-task batch); Q_ctx, R_ctx (E, d_k, d_c).
+    s_entry (E, N, r) block-entry rank state; summaries (E, N, b-1, r) or None for the first block; `router` the
+    block's parameters (Router: shapes there); instruction (E, d_c) one per member, or (E, N, d_c) one per sample (a
+    multi-task batch).
     """
+    w, Q_cur, Q_dep, Q_dep_q, Q_dep_k = router.w, router.Q_cur, router.Q_dep, router.Q_dep_q, router.Q_dep_k
+    keys, atoms, Q_ctx, R_ctx = router.keys, router.atoms, router.Q_ctx, router.R_ctx
+    top_k, t_attn, t_dep, t_lang = temperatures.top_k, temperatures.t_attn, temperatures.t_dep, temperatures.t_lang
+    tau_lang, lambda_ctx, eps = temperatures.tau_lang, temperatures.lambda_ctx, temperatures.eps
     E, N, r = s_entry.shape
     q0 = w.unsqueeze(1) + s_entry @ Q_cur.transpose(1, 2)  # (E, N, d_k)
     if instruction is not None and instruction.dim() == 2:

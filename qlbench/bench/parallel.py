@@ -7,6 +7,7 @@ import multiprocessing as mp
 import queue as queues
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +30,8 @@ def side_by_side(arch: str, methods: list[str], E: int, s: Settings, device) -> 
     rows = []
     for method in methods:
         barrier, queue = ctx.Barrier(workers), ctx.Queue()
-        args = (arch, method, E, threads, compile, s.side_by_side_s, s.rounds, barrier, queue)
+        case = Worker(arch, method, E, threads, compile, s.side_by_side_s, s.rounds)
+        args = (case, barrier, queue)
         procs = [ctx.Process(target=_side_by_side_worker, args=(rank, *args), daemon=True) for rank in range(workers)]
         for proc in procs:
             proc.start()
@@ -76,16 +78,31 @@ def _get(queue, procs, timeout: float = 900.0):
                 raise RuntimeError(f"a side-by-side benchmark worker {why}") from None
 
 
-def _side_by_side_worker(rank, arch, method, E, threads, compile, window_s, rounds, barrier, queue) -> None:
+@dataclass(frozen=True)
+class Worker:
+    """What each process of `side_by_side` trains, and how long it measures: a stack of E members of `method` on
+    `arch`, with `threads` intra-op threads, compiled or not, `rounds` windows of `window_s` seconds."""
+
+    arch: str
+    method: str
+    E: int
+    threads: int
+    compile: bool
+    window_s: float
+    rounds: int
+
+
+def _side_by_side_worker(rank: int, case: Worker, barrier, queue) -> None:
     """One process of `side_by_side`: its own stack and data (seeded alike), warmed up (compiled), then per round
     a window alone (rank 0 only) and a window with every worker; puts (phase, round, model-steps/s)."""
-    torch.set_num_threads(threads)
+    arch, method, E, window_s = case.arch, case.method, case.E, case.window_s
+    torch.set_num_threads(case.threads)
     cpu = torch.device("cpu")
     with engine.flush_denormals():
         model, opt = stacked_model(arch, method, E, cpu)
-        step, data = engine.make_step(model, opt, compile=compile), batches(E, cpu)
+        step, data = engine.make_step(model, opt, compile=case.compile), batches(E, cpu)
         chunk(step, data, 3)()  # warm-up: compilation, SOAP's first step
-        for i in range(rounds):
+        for i in range(case.rounds):
             for phase in ("alone", "together"):
                 barrier.wait()
                 if phase == "together" or rank == 0:

@@ -34,7 +34,7 @@ from qlbench.bench.workloads import SUITE_METHODS, hf_rows, pareto_stack_row, sn
 from qlbench.engine.step import first_line
 from qlbench.experiments import pareto_stack
 from qlbench.progress import bar as progress_bar
-from qlbench.records import results
+from qlbench.records import record
 
 PAPER_MEMBERS = 45  # a method's members in the paper table (9 functions x 5 seeds): one stack on a GPU
 
@@ -193,7 +193,7 @@ def run(
     report (JSON-ready). `partial(report)`, if given, is called after each measurement with the report so far (the
     command writes it, so that a run stopped at a time limit keeps the rows it measured)."""
     report = dict(
-        meta=results.meta_info(device),
+        meta=record.meta_info(device),
         settings=vars(s) | {"batch": BATCH},
         only=None if only is None else sorted(only),
         throughput=[],

@@ -17,7 +17,7 @@ from qlbench.bench.models import batches, hf_step, stacked_model
 from qlbench.bench.timing import BATCH, Settings, alternate, chunk, median_ratio, sync
 from qlbench.bench.training import stack_row
 from qlbench.engine import snapshot
-from qlbench.experiments import multitask, pareto_stack
+from qlbench.experiments import multitask, pareto_stack, suite_tasks
 
 
 def hf_rows(s: Settings, device) -> list[dict]:
@@ -151,7 +151,7 @@ def suite_row(arch: str, method: str, E: int, s: Settings, device) -> dict:
     multi, multi_opt = stacked_model(arch, method, E, device, tasks=T)
     config = adapters.get(method).make_config(**({"tasks": T} if adapters.kind_of(method) == "task" else {}))
     if multitask.reads_instruction(config):
-        multitask.bind(multi, multitask.instruction_table(suite, config).to(device), E)
+        suite_tasks.bind(multi, suite_tasks.instruction_table(suite, config).to(device), E)
     data = batches(E, device)
     g = torch.Generator().manual_seed(1)
     task = [torch.randint(0, T, (E, BATCH), generator=g).to(device) for _ in data]  # (E, b) per batch

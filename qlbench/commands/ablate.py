@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 import time
 
-from qlbench import text, zoo
-from qlbench.backbones import ARCHS
+from qlbench import text
 from qlbench.commands import UsageError, check_out, options, usage_errors
-from qlbench.experiments import ablation, multitask, planning
+from qlbench.experiments import ablation, planning
 from qlbench.metrics import suite_stats
 from qlbench.records import runner
+from qlbench.settings import DEFAULT_PROTOCOL
 
 
 def register(subparsers) -> None:
@@ -27,10 +27,8 @@ def register(subparsers) -> None:
         + ").",
     )
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--function", metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
-    where.add_argument("--suite", metavar="NAME", help="a multi-task suite (qlbench suites lists them)")
-    p.add_argument("--schedule", help=f"with --suite: one of {', '.join(multitask.SCHEDULES)} (default joint)")
-    p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
+    options.add(where, "--function", "--suite")
+    options.add(p, "--schedule", "--arch")
     options.add_training_options(p)
     options.add_output_options(p)
     p.set_defaults(func=run)
@@ -43,14 +41,14 @@ def run(args) -> int:
     if args.suite is not None:
         args.schedule = args.schedule or "joint"
         return run_suite(args, log)
-    shared = options.plan_kwargs(args)
-    check_out(shared["out_dir"], "results folder")
+    protocol, execution, overrides = options.protocol_of(args), options.execution_of(args), options.overrides_of(args)
+    check_out(execution.out_dir, "results folder")
     with usage_errors():
-        plans = ablation.plans(function=args.function, arch=args.arch, **shared)
+        plans = ablation.plans(function=args.function, overrides=overrides, protocol=protocol, execution=execution)
     first = next(iter(plans.values()))
     for caveat in planning.caveats(first):
         log(f"qlbench ablate: warning: {caveat}")
-    init = "" if first.backbone_init == options.DEFAULTS["backbone_init"] else f", {first.backbone_init} init"
+    init = "" if first.backbone_init == DEFAULT_PROTOCOL.backbone_init else f", {first.backbone_init} init"
     print(
         f"qlbench ablate: {ablation.METHOD} on {args.function} ({first.arch}{init}, budget {first.budget.name}, "
         f"seeds {first.seeds}), variants {', '.join(plans)}",
@@ -77,9 +75,11 @@ def run(args) -> int:
 
 
 def run_suite(args, log) -> int:
-    shared = options.plan_kwargs(args)
+    protocol, execution, overrides = options.protocol_of(args), options.execution_of(args), options.overrides_of(args)
     with usage_errors():
-        plans = ablation.suite_plans(suite=args.suite, schedule=args.schedule, arch=args.arch, **shared)
+        plans = ablation.suite_plans(
+            suite=args.suite, schedule=args.schedule, overrides=overrides, protocol=protocol, execution=execution
+        )
     first = plans["variants"]
     for caveat in planning.caveats(first):
         log(f"qlbench ablate: warning: {caveat}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from qlbench import adapters, bench, engine
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
 from qlbench.records.store import Store, write_json, write_text
 
 COMPILE = {"auto": None, "on": True, "off": False}  # --compile -> Settings.make's compile
@@ -17,22 +17,21 @@ def register(subparsers) -> None:
         description="Speed, measured side by side in one process and reported as ratios.",
     )
     p.add_argument("--quick", action="store_true", help="few steps, E = 5 only (and 45 on CUDA), no compile")
-    p.add_argument(
-        "--compile",
-        default="auto",
-        help="also measure the torch.compile variants of the training step: auto (not with --quick), on, off",
-    )
     p.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated from: {', '.join(ARCHS)}")
-    p.add_argument("--methods", default=None, help="comma-separated (default: every registered method)")
-    options.add_training_options(p, "device", "threads")
+    options.add(p, "--methods", methods=dict(help="comma-separated (default: every registered method)"))
+    compile_ = dict(
+        help="also measure the torch.compile variants of the training step: auto (not with --quick), on, off"
+    )
+    options.add_training_options(p, "device", "threads", "compile", compile=compile_)
     p.add_argument(
         "--only",
         default=None,
         help=f"comma-separated measurement kinds to run (default: all): {', '.join(bench.KINDS)}; the paper-table "
         "estimate needs throughput (and capture, on CUDA)",
     )
-    p.add_argument("--out", type=path_arg, help="folder for bench.json and bench.md (default results/bench)")
-    options.add_output_options(p, "no-progress")
+    options.add_output_options(
+        p, out=dict(default=None, help="folder for bench.json and bench.md (default results/bench)")
+    )
     p.set_defaults(func=run)
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from qlbench import compare, protocols, text
-from qlbench.commands import UsageError, path_arg, usage_errors
+from qlbench.commands import UsageError, options, path_arg, usage_errors
 from qlbench.metrics import stats
 from qlbench.records import per_seed, results, store
 from qlbench.text import Column
@@ -24,11 +24,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--protocol", default=protocols.ZOO_V1.name, help=f"one of: {', '.join(protocols.PROTOCOLS)}")
     p.add_argument("--baselines", type=path_arg, help="a per-seed CSV of baselines (default: the committed one)")
-    p.add_argument(
-        "--metric",
-        default="test-at-best-train",
-        help=f"one of: {', '.join(stats.METRICS)} (default test-at-best-train)",
-    )
+    options.add(p, "--metric", metric=dict(help=f"one of: {', '.join(stats.METRICS)} (default test-at-best-train)"))
     p.add_argument("--leaderboard", action="store_true", help="print the baselines' leaderboard (Markdown)")
     p.set_defaults(func=run)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qlbench import diagnostics, text, zoo
+from qlbench import diagnostics, text
 from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS
 from qlbench.commands import UsageError, check_out, options, path_arg, usage_errors
 from qlbench.records import results, store
@@ -27,15 +27,22 @@ def register(subparsers) -> None:
         "and instruct-queryable on the same function.",
     )
     p.add_argument("folder", type=path_arg, metavar="RESULTS", help="a results folder (as given to run/sweep --out)")
-    p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
-    p.add_argument("--method", default="queryable", help=f"one of: {', '.join(diagnostics.ROUTED)} (default queryable)")
-    p.add_argument("--arch", help=f"one of: {', '.join(ARCHS)} (default: the only one with a matching record)")
-    p.add_argument("--budget", help="the cell's budget (default: the only one with a matching record)")
-    p.add_argument("--backbone-init", help=f"one of: {', '.join(INITS)} (default: the only one with a record)")
+    arch = dict(default=None, help=f"one of: {', '.join(ARCHS)} (default: the only one with a matching record)")
+    method = dict(help=f"one of: {', '.join(diagnostics.ROUTED)} (default queryable)")
+    options.add(p, "--method", "--function", "--arch", function=dict(required=True), arch=arch, method=method)
     p.add_argument("--seed", type=int, help="the seed whose route maps are drawn (default: the cell's first)")
     p.add_argument("--grid", type=int, default=101, help="grid points per axis of the route maps (default 101)")
-    p.add_argument("--out", type=path_arg, help="folder for the figures (default <RESULTS>/diagnose/...)")
-    options.add_training_options(p, "device")
+    options.add_training_options(
+        p,
+        "budget",
+        "backbone-init",
+        "device",
+        budget=dict(default=None, help="the cell's budget (default: the only one with a matching record)"),
+        backbone_init=dict(default=None, help=f"one of: {', '.join(INITS)} (default: the only one with a record)"),
+    )
+    options.add_output_options(
+        p, "out", out=dict(default=None, help="folder for the figures (default <RESULTS>/diagnose/...)")
+    )
     p.set_defaults(func=run)
 
 

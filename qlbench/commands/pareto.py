@@ -8,9 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from qlbench.backbones import ARCHS
 from qlbench.commands import UsageError, options, split_list, usage_errors
-from qlbench.experiments import multitask, pareto, pareto_stack, planning
+from qlbench.experiments import pareto, pareto_stack, planning
 from qlbench.records import runner
 from qlbench.records.store import stable_hash
 from qlbench.report import pareto as pareto_report
@@ -26,22 +25,19 @@ def register(subparsers) -> None:
         "with the non-dominated frontier.",
     )
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--function", metavar="NAME", help="a function of the zoo (qlbench functions lists them)")
-    target.add_argument("--suite", metavar="NAME", help="a multi-task suite (qlbench suites lists them)")
-    p.add_argument("--schedule", metavar="S", help=f"with --suite: {', '.join(multitask.SCHEDULES)} (default joint)")
-    p.add_argument(
-        "--methods",
+    options.add(target, "--function", "--suite")
+    methods = dict(
         default="queryable",
-        metavar="M1,M2",
         help=f"comma-separated, any of: {', '.join(pareto.GRID_AXES)} (default queryable); axes per method: "
         + "; ".join(f"{m}: {', '.join(a)}" for m, a in pareto.GRID_AXES.items()),
     )
+    options.add(p, "--schedule", "--methods", methods=methods)
     p.add_argument(
         "--grid",
         metavar="'r=4,8 M=8,16 k=1,2'",
         help="narrow the paper's grid; axes not named keep the paper's values",
     )
-    p.add_argument("--arch", default="deep-narrow", metavar="ARCH", help=f"one of: {', '.join(ARCHS)}")
+    options.add(p, "--arch")
     options.add_training_options(p)
     options.add_output_options(
         p,
@@ -63,15 +59,16 @@ def run(args) -> int:
     if args.schedule is not None and args.function:
         raise UsageError("--schedule applies to --suite only; valid with --function: leave it out")
     args.schedule = args.schedule or "joint"
-    common = dict(arch=args.arch, **options.plan_kwargs(args))
-    overrides = common.pop("overrides")
+    protocol, execution, overrides = options.protocol_of(args), options.execution_of(args), options.overrides_of(args)
     with usage_errors():
         planning.check_overrides(overrides, methods)  # each applies where a method has it, as a sweep's --hp
         grid = pareto.parse_grid(args.grid)
         target = dict(function=args.function) if args.function else dict(suite=args.suite, schedule=args.schedule)
         todo, skipped = [], {}  # every method's plans, validated before any work
         for m in dict.fromkeys(methods):
-            pairs, skipped[m] = pareto.plans(m, grid, **target, overrides=overrides, **common)
+            pairs, skipped[m] = pareto.plans(
+                m, grid, **target, overrides=overrides, protocol=protocol, execution=execution
+            )
             todo += [(m, pt, p) for pt, p in pairs]
     for caveat in planning.caveats(todo[0][2]):  # every point has the same dtype and eps
         log(f"qlbench pareto: warning: {caveat}")
@@ -96,7 +93,7 @@ def run(args) -> int:
         log("qlbench pareto: no point has a record yet (another process is training them); run again later")
         return 1
     frame = pareto.load(paths)
-    slug, title = labels(args, common, overrides, todo[0][2].budget.name)
+    slug, title = labels(args, protocol, overrides, todo[0][2].budget.name)
     ylabel = "average task test MSE after the last stage" if args.suite else "test MSE @ best-train epoch"
     out = pareto_report.write(frame, Path(args.out) / "pareto" / slug, title, ylabel)
     print(out["markdown"])
@@ -118,11 +115,12 @@ def batches(todo: list, stack: bool) -> list[tuple[str, list]]:
     return out
 
 
-def labels(args, common: dict, overrides: dict, budget: str) -> tuple[str, str]:
+def labels(args, protocol, overrides: dict, budget: str) -> tuple[str, str]:
     """(folder name, figure title) of a grid's table: the target, arch and budget, and every setting that is not
     the default (backbone init, dtype, eps, label noise, --hp), so that two grids never share a folder."""
     name = args.function or f"{args.suite} ({args.schedule})"
-    settings = {k: common[k] for k in ("backbone_init", "dtype", "eps", "noise") if common[k] != options.DEFAULTS[k]}
+    changed = options.non_default(protocol)
+    settings = {k: changed[k] for k in ("backbone_init", "dtype", "eps", "noise") if k in changed}
     words = {"backbone_init": "{} init", "dtype": "{}", "eps": "eps {:g}", "noise": "{} noise"}
     said = [words[k].format(v) for k, v in settings.items()]
     tags = [str(v) if k != "eps" else f"eps{v:g}" for k, v in settings.items()]

@@ -22,13 +22,17 @@ def register(subparsers) -> None:
         "every method, several seeds, paired with LoRA; records and report under OUT/real/. Needs `pip install "
         "'qlbench[hf]'`.",
     )
-    p.add_argument(
-        "--methods", default=",".join(real.METHODS), metavar="M1,M2", help=f"any of: {', '.join(real.METHODS)}"
+    methods = dict(default=",".join(real.METHODS), help=f"any of: {', '.join(real.METHODS)}")
+    options.add(
+        p,
+        "--methods",
+        "--epochs",
+        methods=methods,
+        epochs=dict(default=10, help="passes over the training set (default 10)"),
     )
-    p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds 0..N-1 (default 3)")
-    p.add_argument("--epochs", type=int, default=10, help="passes over the training set (default 10)")
     p.add_argument("--train-per-task", type=int, default=100, metavar="N", help="training sentences per task")
-    options.add_training_options(p, "threads", "device")
+    seeds = dict(default=3, help="seeds 0..N-1 (default 3)")
+    options.add_training_options(p, "seeds", "threads", "device", seeds=seeds)
     options.add_output_options(p)  # records and report under OUT/real/
     p.set_defaults(func=run)
 
@@ -38,7 +42,7 @@ def run(args) -> int:
     methods = split_list(args.methods, "--methods")
     if not methods or (bad := [m for m in methods if m not in real.METHODS]):
         raise UsageError(f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real.METHODS)}")
-    out = options.plan_kwargs(args)["out_dir"]  # --threads checked against the cores present
+    out = options.execution_of(args).out_dir  # --threads checked against the cores present
     if args.seeds is None or not 1 <= args.seeds <= 100:  # before range(seeds) is built
         raise UsageError(f"--seeds must be an integer from 1 to 100, got {args.seeds}")
     try:

@@ -24,12 +24,16 @@ def register(subparsers) -> None:
         "method, several seeds, paired with LoRA; records and table under OUT/real-lm/. Needs "
         "`pip install 'qlbench[hf]'`.",
     )
-    p.add_argument(
-        "--methods", default=",".join(real_lm.METHODS), metavar="M1,M2", help=f"any of: {', '.join(real_lm.METHODS)}"
+    methods = dict(default=",".join(real_lm.METHODS), help=f"any of: {', '.join(real_lm.METHODS)}")
+    options.add(
+        p,
+        "--methods",
+        "--epochs",
+        methods=methods,
+        epochs=dict(default=20, help="adaptation passes over the training set (default 20)"),
     )
-    p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds 0..N-1 (default 3)")
-    p.add_argument("--epochs", type=int, default=20, help="adaptation passes over the training set (default 20)")
-    options.add_training_options(p, "threads", "device")
+    seeds = dict(default=3, help="seeds 0..N-1 (default 3)")
+    options.add_training_options(p, "seeds", "threads", "device", seeds=seeds)
     options.add_output_options(p)  # records and table under OUT/real-lm/
     p.set_defaults(func=run)
 
@@ -41,7 +45,7 @@ def run(args) -> int:
         raise UsageError(
             f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real_lm.METHODS)}"
         )
-    out = options.plan_kwargs(args)["out_dir"]  # --threads checked against the cores present
+    out = options.execution_of(args).out_dir  # --threads checked against the cores present
     if args.seeds is None or not 1 <= args.seeds <= 100:
         raise UsageError(f"--seeds must be an integer from 1 to 100, got {args.seeds}")
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qlbench import inputs, text
 from qlbench.backbones import ARCHS
-from qlbench.commands import UsageError, check_out, path_arg, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
 from qlbench.metrics import stats, suite_stats
 from qlbench.records import per_seed, results, store
 
@@ -31,23 +31,27 @@ def register(subparsers) -> None:
         help="a results folder (as given to run/sweep --out), or a report's per-seed CSV (per-seed.csv.gz), which "
         "rebuilds that report's tables",
     )
-    p.add_argument("--arch", help="only this arch (default: every arch in the folder)")
-    p.add_argument("--budget", help="only this budget (default: every budget in the folder)")
-    p.add_argument(
-        "--backbone-init", help="only records of this backbone init (default: every init, each a slice of its own)"
+    options.add(p, "--arch", arch=dict(default=None, help="only this arch (default: every arch in the folder)"))
+    options.add_training_options(
+        p,
+        "budget",
+        "backbone-init",
+        budget=dict(default=None, help="only this budget (default: every budget in the folder)"),
+        backbone_init=dict(
+            default=None, help="only records of this backbone init (default: every init, each a slice of its own)"
+        ),
     )
-    p.add_argument(
-        "--metric",
-        default="test-at-best-train",
+    metric = dict(
         help=f"the test table's metric, one of: {', '.join(stats.METRICS)} (default test-at-best-train; the "
         "train table always shows best-train)",
     )
+    options.add(p, "--metric", metric=metric)
     p.add_argument("--format", default=",".join(text.FORMATS), help=f"comma-separated from: {', '.join(text.FORMATS)}")
-    p.add_argument(
-        "--out",
-        type=path_arg,
+    out = dict(
+        default=None,
         help="folder for the tables and figures (default <RESULTS>/report; for a per-seed CSV, the folder it is in)",
     )
+    options.add_output_options(p, "out", out=out)
     p.add_argument("--no-figures", action="store_true", help="tables only")
     p.set_defaults(func=run)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 import time
 
-from qlbench import adapters, engine, ray_executor, text, zoo
-from qlbench.backbones import ARCHS
+from qlbench import adapters, ray_executor, text, zoo
 from qlbench.commands import UsageError, options, split_list, usage_errors
 from qlbench.experiments import experiment, planning
 from qlbench.records import results, runner
@@ -25,7 +25,7 @@ def register(subparsers) -> None:
         "target with each method over several seeds (stacked), write one JSON "
         "record per method and print a mean ± std table.",
     )
-    p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
+    options.add(p, "--function", function=dict(required=True))
     p.add_argument(
         "--instruction",
         metavar="TEXT",
@@ -41,12 +41,7 @@ def register(subparsers) -> None:
         "stack of all functions x seeds. Finished cells are skipped, so a sweep "
         "resumes.",
     )
-    p.add_argument(
-        "--functions",
-        default="all",
-        metavar="F1,F2",
-        help=f"comma-separated, or all (default): {', '.join(zoo.names())}",
-    )
+    options.add(p, "--functions")
     add_experiment_options(p)
     p.add_argument(
         "--executor",
@@ -111,54 +106,10 @@ def check_executor(args) -> str:
 
 def add_experiment_options(p: argparse.ArgumentParser) -> None:
     methods_help = "; ".join(f"{n}: {m.summary}" for n, m in adapters.REGISTRY.items())
-    p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
-    p.add_argument(
-        "--methods",
-        metavar="M1,M2",
-        help=f"comma-separated (default: {','.join(adapters.DEFAULT_METHODS)}). {methods_help}",
-    )
-    p.add_argument(
-        "--methods-at-once",
-        type=at_once_value,
-        default="auto",
-        metavar="N|auto",
-        help="train up to N methods' stacks at once in this process, each in its own thread and, on CUDA, its own "
-        "stream, so that small stacks' kernels overlap on the GPU; the numbers do not change (default auto: every "
-        "method at once on CUDA for deep-narrow, else 1; N above 1 not with --compile on or --executor ray)",
-    )
-    p.add_argument(
-        "--snapshot-every",
-        type=snapshot_value,
-        default=engine.SNAPSHOT_EVERY_S,
-        metavar="SECONDS|off",
-        help="save each method stack's training state at an evaluation epoch at least this often (0: at every "
-        "evaluation; off: never), so that a run stopped mid-stage goes on from there when started again (default "
-        f"{engine.SNAPSHOT_EVERY_S:g}; more apart where a save is slow)",
-    )
+    methods = dict(help=f"comma-separated (default: {','.join(adapters.DEFAULT_METHODS)}). {methods_help}")
+    options.add(p, "--arch", "--methods", "--methods-at-once", "--snapshot-every", methods=methods)
     options.add_training_options(p)
     options.add_output_options(p)
-
-
-def snapshot_value(text: str) -> float | str | None:
-    """--snapshot-every's value: None for "off", else a number as written (its range is checked with the other
-    settings, experiment.plan); anything else is kept as written, so that check names it."""
-    if text == "off":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def at_once_value(text: str) -> int | str:
-    """--methods-at-once's value: "auto", or an integer as written (its range is checked with the other settings,
-    planning.check_at_once); anything else is kept as written, so that check names it."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        return text
 
 
 def run(args, functions: list[str]) -> int:
@@ -168,7 +119,9 @@ def run(args, functions: list[str]) -> int:
         raise UsageError("--methods is empty; give a comma-separated list, or leave it out for the default set")
     executor = check_executor(args)
     # on Ray the largest node's CPUs bound the threads (ray_executor.check)
-    shared = options.plan_kwargs(args, check_threads=executor == "local")
+    protocol = options.protocol_of(args)
+    execution = options.execution_of(args, check_threads=executor == "local")
+    overrides = options.overrides_of(args)
     instruction = getattr(args, "instruction", None)
     if instruction is not None:
         if not instruction.strip():
@@ -179,24 +132,20 @@ def run(args, functions: list[str]) -> int:
             raise UsageError("--instruction is not valid UTF-8 text; give the sentence in UTF-8") from None
         if args.methods is not None and "instruct-queryable" not in split_list(args.methods, "--methods"):
             raise UsageError("--instruction only changes instruct-queryable, which is not in --methods")
-        shared["overrides"]["instruction"] = instruction
-    kwargs = dict(
-        functions=functions,
-        arch=args.arch,
-        methods=split_list(args.methods, "--methods") if args.methods else None,
-        methods_at_once=args.methods_at_once,
-        snapshot_every_s=args.snapshot_every,
-        **shared,
-    )
+        overrides["instruction"] = instruction
+    methods = split_list(args.methods, "--methods") if args.methods else None
+    kwargs = dict(functions=functions, methods=methods, protocol=protocol, overrides=overrides)
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()  # the wall time printed includes starting (or reaching) Ray
     with contextlib.ExitStack() as stack:
         with usage_errors():
             # every choice is checked before Ray starts; the device is resolved by the cluster's GPUs once it runs
-            plan = experiment.plan(**kwargs, cuda=None if executor == "local" else True)
+            plan = experiment.plan(
+                **kwargs, execution=dataclasses.replace(execution, cuda=None if executor == "local" else True)
+            )
             if executor == "ray":
                 cluster = stack.enter_context(ray_executor.connect(args.ray_address))
-                plan = experiment.plan(**kwargs, cuda=cluster.gpus > 0)
+                plan = experiment.plan(**kwargs, execution=dataclasses.replace(execution, cuda=cluster.gpus > 0))
                 ray_executor.check(plan, cluster)
         for caveat in planning.caveats(plan):
             log(f"qlbench {args.command}: warning: {caveat}")

@@ -6,7 +6,7 @@ import sys
 import time
 
 from qlbench import suites
-from qlbench.backbones import ARCHS, DEFAULT_INIT
+from qlbench.backbones import DEFAULT_INIT
 from qlbench.commands import options, split_list, usage_errors
 from qlbench.experiments import multitask, planning
 from qlbench.metrics import suite_stats
@@ -21,17 +21,16 @@ def register(subparsers) -> None:
         "(joint: mixed minibatches; sequential: one task per stage, nothing reset), evaluate every task after every "
         "stage, write one record per method and print the final test MSE per task (mean ± std over seeds).",
     )
-    p.add_argument("--suite", required=True, metavar="NAME", help="a suite (qlbench suites lists them)")
-    p.add_argument("--schedule", default="joint", metavar="S", help=f"one of: {', '.join(multitask.SCHEDULES)}")
-    p.add_argument("--arch", default="deep-narrow", metavar="ARCH", help=f"one of: {', '.join(ARCHS)}")
-    p.add_argument(
-        "--methods",
-        metavar="M1,M2",
+    schedule = dict(default="joint", help=f"one of: {', '.join(multitask.SCHEDULES)} (default joint)")
+    methods = dict(
         help=f"comma-separated (default: {','.join(multitask.DEFAULT_ROWS)}); any registered method, or task-code "
         "(instruct-queryable with each task's sentence replaced by a seeded random vector: identity, no language), "
         "or a variant (multitask.VARIANTS); on a parametric suite also param-code and text-lora-params (fed a fixed "
         "projection of each task's parameters) and nearest-task (lora-per-task, each held-out task through its "
         "nearest training task's LoRA)",
+    )
+    options.add(
+        p, "--suite", "--schedule", "--arch", "--methods", suite=dict(required=True), schedule=schedule, methods=methods
     )
     options.add_training_options(p)
     options.add_output_options(p)
@@ -41,16 +40,11 @@ def register(subparsers) -> None:
 def run(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    shared = options.plan_kwargs(args)
+    protocol, execution, overrides = options.protocol_of(args), options.execution_of(args), options.overrides_of(args)
+    methods = split_list(args.methods, "--methods") if args.methods is not None else None  # '' is refused
     with usage_errors():
         p = multitask.plan(
-            suite=args.suite,
-            schedule=args.schedule,
-            arch=args.arch,
-            methods=split_list(args.methods, "--methods")
-            if args.methods is not None
-            else None,  # '' is refused, not the default
-            **shared,
+            args.suite, args.schedule, methods, protocol=protocol, execution=execution, overrides=overrides
         )
     for caveat in planning.caveats(p):
         log(f"qlbench suite: warning: {caveat}")
@@ -62,7 +56,7 @@ def run(args) -> int:
         f"({b.adapt.epochs} epochs per stage), seeds {p.seeds}, methods {', '.join(p.rows)}, device {p.device}",
         flush=True,
     )
-    paths = runner.run(p, progress=not args.no_progress, log=log)
+    paths = runner.run(p, progress=execution.progress, log=log)
     if not paths:
         log("qlbench suite: no row has a record yet (another process is training them); run again later")
         return 1

@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 
 from qlbench import diagnostics, engine, progress, text, zoo
-from qlbench.backbones import ARCHS, DEFAULT_INIT, INITS, check_init
+from qlbench.backbones import DEFAULT_INIT, INITS, check_init
 from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
 from qlbench.records import store
+from qlbench.settings import Protocol
 
 
 def register(subparsers) -> None:
@@ -22,19 +23,13 @@ def register(subparsers) -> None:
         description="Signal propagation: for each backbone init, the spread across inputs of every hidden layer's "
         "features at initialisation and after the budget's pretraining, as a table and a figure.",
     )
-    p.add_argument("--arch", default="deep-narrow", help=f"one of: {', '.join(ARCHS)} (default deep-narrow)")
-    p.add_argument("--function", required=True, metavar="NAME", help=f"one of: {', '.join(zoo.names())}")
-    p.add_argument(
-        "--backbone-init",
-        default=DEFAULT_INIT,
-        metavar="I1,I2",
-        help=f"comma-separated, from: {', '.join(INITS)} (default: {DEFAULT_INIT})",
-    )
+    options.add(p, "--arch", "--function", function=dict(required=True))
     p.add_argument("--no-pretrain", action="store_true", help="at initialisation only")
     p.add_argument(
         "--figure", type=path_arg, help="the figure (PNG; default <out>/signal/<arch>-<function>-<budget>.png)"
     )
-    options.add_training_options(p, "budget", "seeds", "device", "threads")
+    inits = dict(metavar="I1,I2", help=f"comma-separated, from: {', '.join(INITS)} (default: {DEFAULT_INIT})")
+    options.add_training_options(p, "budget", "seeds", "device", "threads", "backbone-init", backbone_init=inits)
     options.add_output_options(p)
     p.set_defaults(func=run)
 
@@ -47,7 +42,7 @@ def run(args) -> int:
         raise UsageError("--backbone-init is empty; give one or more of default, kaiming, orthogonal")
     if args.seeds is not None and args.seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
-    out = options.plan_kwargs(args)["out_dir"]
+    out = options.execution_of(args).out_dir
     with usage_errors():
         b = engine.budget(args.budget, args.arch)
         zoo.card(args.function)
@@ -62,11 +57,9 @@ def run(args) -> int:
         progress.bar(desc="pretrain", unit="step", disable=args.no_progress, leave=False) as bar,
     ):
         profile = diagnostics.signal_profile(
-            args.arch,
             args.function,
             inits,
-            args.budget,
-            seeds=seeds,
+            Protocol(arch=args.arch, budget=args.budget, seeds=seeds),
             store=store.Store(out),
             device=args.device,
             pretrained=not args.no_pretrain,

@@ -31,22 +31,20 @@ def register(subparsers) -> None:
         help="results folder holding records/<arch>/<function>/<method>/ (default: train a smoke "
         "cell into --out's folder, or a new temp folder)",
     )
-    p.add_argument(
-        "--function",
-        metavar="NAME",
-        help=f"the cell's function (default: the only one with a queryable record; "
-        f"{verify.DEFAULT_FUNCTION} when training)",
+    function = dict(
+        help=f"the cell's function (default: the only one with a queryable record; {verify.DEFAULT_FUNCTION} when "
+        "training)"
     )
-    p.add_argument(
-        "--arch",
+    arch = dict(
+        default=None,
         help=f"one of: {', '.join(ARCHS)} (default: the only one with a queryable record; deep-narrow when training)",
     )
-    p.add_argument("--budget", help="the cell's budget (default: the only one with a queryable record)")
-    p.add_argument(
-        "--method",
+    options.add(p, "--function", "--arch", function=function, arch=arch)
+    method = dict(
         default=verify.METHOD,
         help=f"the routed method to check, one of: {', '.join(verify.METHODS)} (default {verify.METHOD})",
     )
+    options.add(p, "--method", method=method)
     p.add_argument(
         "--peft",
         type=path_arg,
@@ -54,9 +52,10 @@ def register(subparsers) -> None:
         help="instead of a cell: a saved queryable_lora peft adapter (e.g. qlbench real's results/real/<hash>/"
         "adapters/queryable-seed0), checked on its base model over the real experiment's sentences (hf extra)",
     )
-    p.add_argument("--out", type=path_arg, metavar="PATH", help="JSON report (default <results>/verify.json)")
-    options.add_training_options(p, "device")
-    options.add_output_options(p, "no-progress")
+    budget = dict(default=None, help="the cell's budget (default: the only one with a queryable record)")
+    options.add_training_options(p, "budget", "device", budget=budget)
+    out = dict(default=None, metavar="PATH", help="JSON report (default <results>/verify.json)")
+    options.add_output_options(p, out=out)
     p.set_defaults(func=run)
 
 

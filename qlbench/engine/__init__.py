@@ -14,7 +14,7 @@ The package's modules, each one concern, imported in this order (none imports a 
 Callers use the names below (`engine.fit`, `engine.pretrain`, ...); the modules hold them.
 """
 
-from qlbench.engine.adapt import AdaptResult, adapt, build_model
+from qlbench.engine.adapt import Adaptation, AdaptResult, Runtime, adapt, build_model
 from qlbench.engine.budgets import BUDGETS, Budget, Phase, budget, steps
 from qlbench.engine.cache import Backbones, Pretrained, pretrain
 from qlbench.engine.loop import (
@@ -48,7 +48,8 @@ from qlbench.engine.snapshot import Snapshots
 from qlbench.engine.step import CapturedEvaluation, CapturedStep, Step
 
 __all__ = [
-    "AdaptResult", "adapt", "build_model", "BUDGETS", "Budget", "Phase", "budget", "steps", "Pretrained", "pretrain",
+    "Adaptation", "AdaptResult", "Runtime", "adapt", "build_model", "BUDGETS", "Budget", "Phase", "budget", "steps",
+    "Pretrained", "pretrain",
     "Backbones", "DIVERGENCE_FACTOR", "MIN_STACK", "Curves", "Member", "StackedData", "Stage", "evaluate", "fit",
     "make_step", "padded", "squared_errors", "COMPILE_BUDGETS", "auto_threads", "check_threads", "compile_by_default",
     "compiled", "concurrently", "flush_denormals", "num_threads", "resolve_device", "CAPTURE_SETTINGS", "use_capture",

@@ -46,31 +46,49 @@ def build_model(
     return model, data
 
 
+@dataclass(frozen=True)
+class Adaptation:
+    """What a stack is adapted with: the method and its config, the budget (its adapt phase and evaluation cadence),
+    the optimiser's epsilon (AdamW's, or SOAP's for full-soap) and the target labels' noise (zoo.NOISES)."""
+
+    method: str
+    config: object
+    budget: Budget
+    eps: float = adapters.EPS
+    noise: str = zoo.DEFAULT_NOISE
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how the step runs: the device, the dtype, and whether the step is compiled or captured in CUDA
+    graphs (engine.fit)."""
+
+    device: torch.device | str
+    dtype: torch.dtype = torch.float32
+    compile: bool = False
+    capture: bool = False
+
+
 @flush_denormals()
 def adapt(
     pretrained: Pretrained,
-    method_name: str,
-    config,
-    budget: Budget,
+    adaptation: Adaptation,
+    runtime: Runtime,
     *,
-    device,
-    dtype=torch.float32,
     progress: Callable[[int], None] | None = None,
-    compile: bool = False,
-    capture: bool = False,
     diagnostics: bool = True,
-    eps: float = adapters.EPS,
-    noise: str = zoo.DEFAULT_NOISE,
     prepare: Callable[[nn.Module], None] | None = None,
     snapshots: Snapshots | None = None,
 ) -> AdaptResult:
-    """Build `method` on a fresh copy of the pretrained stack and adapt every member to its target; with
-    `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `eps`: the optimiser's
-    epsilon (AdamW's, or SOAP's for full-soap); `noise`: the target labels' noise (zoo.NOISES); `compile`, `capture`:
-    how the training step runs (engine.fit); `prepare(model)`, if given, is called on the built stack before any
-    training (a stacked Pareto grid sets each member's k there, qlbench/experiments/pareto_stack.py); `snapshots`: the
-    training state saved as it goes, and a stopped run's restored (engine/snapshot.py). The wall time counts the
-    earlier processes' training up to the snapshot resumed from."""
+    """Build the adaptation's method on a fresh copy of the pretrained stack and adapt every member to its target;
+    with `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `prepare(model)`,
+    if given, is called on the built stack before any training (a stacked Pareto grid sets each member's k there,
+    qlbench/experiments/pareto_stack.py); `snapshots`: the training state saved as it goes, and a stopped run's
+    restored (engine/snapshot.py). The wall time counts the earlier processes' training up to the snapshot resumed
+    from."""
+    method_name, config, budget = adaptation.method, adaptation.config, adaptation.budget
+    eps, noise = adaptation.eps, adaptation.noise
+    device, dtype, compile, capture = runtime.device, runtime.dtype, runtime.compile, runtime.capture
     method = adapters.get(method_name)
     arch, members = pretrained.arch, pretrained.members
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from qlbench.backbones import DEFAULT_INIT, build_backbone
 from qlbench.engine.budgets import Phase
 from qlbench.engine.loop import Member, StackedData, Stage, fit, padded
 from qlbench.engine.runtime import flush_denormals
-from qlbench.records import results
+from qlbench.records import record
 from qlbench.records.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash
 from qlbench.seeding import generator
 
@@ -184,7 +184,7 @@ def pretrain(
                 state={k: v[j].detach().cpu().clone() for k, v in state.items()},
                 source_train_mse=curves.train_mse[j, -1].item(),
                 source_test_mse=curves.test_mse[j, -1].item(),
-                git=results.git_info(),  # which code trained it (the cache key does not say)
+                git=record.git_info(),  # which code trained it (the cache key does not say)
             )
             if paths[i] is not None:
                 save_torch(cached[i], paths[i])

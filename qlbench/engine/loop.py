@@ -178,13 +178,15 @@ def make_step(
 class Stage:
     """One stretch of training of a stack: its data, its phase (epochs, learning rate, batch size), each member's
     data-order generator, and the optimiser, built by `optimizer()` when the stage starts (each stage starts a fresh
-    one). Pretraining and a single-task adaptation are one stage; a sequential suite has one per task."""
+    one). Pretraining and a single-task adaptation are one stage; a sequential suite has one per task. `after()`, if
+    given, is called once the stage has trained (a suite evaluates every task there)."""
 
     data: StackedData
     phase: Phase
     optimizer: Callable[[], torch.optim.Optimizer]
     order: list[torch.Generator]
     eval_every: int
+    after: Callable[[], None] | None = None
 
 
 def fit(
@@ -195,17 +197,15 @@ def fit(
     progress: Callable[[int], None] | None = None,
     compile: bool = False,
     diagnose: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
-    after_stage: Callable[[int], None] | None = None,
     capture: bool = False,
     snapshots: Snapshots | None = None,
 ) -> list[Curves]:
     """The training loop of qlbench: train `model` through `stages` in order, one Curves per stage.
 
     Within a stage every member shuffles its own data with its order generator every epoch and trains on minibatches
-    of the stage's batch size (the last one smaller). `after_stage(k)`, if given, is called once stage k has trained
-    (a suite evaluates every task there). With `compile`, the forward is compiled once for all stages (and each
-    stage's optimiser update where that pays, engine/step.py `updates_compile`); with
-    `capture` (CUDA), each stage's step is recorded in a CUDA graph per batch shape and replayed (engine/step.py).
+    of the stage's batch size (the last one smaller), then calls the stage's `after()`. With `compile`, the forward is
+    compiled once for all stages (and each stage's optimiser update where that pays, engine/step.py `updates_compile`);
+    with `capture` (CUDA), each stage's step is recorded in a CUDA graph per batch shape and replayed (engine/step.py).
     `snapshots` (a fit of one stage): its training state is saved at evaluation epochs, and a snapshot of the same
     key left by a stopped run is restored before the first step (engine/snapshot.py).
 
@@ -228,12 +228,12 @@ def fit(
         raise ValueError(f"snapshots resume a fit of one stage, not of {len(stages)}")
     forward = compiled(model) if compile and stages else model
     curves = []
-    for k, stage in enumerate(stages):
+    for stage in stages:
         step = build_step(forward, stage.optimizer(), instruction, capture=capture, compile_update=compile)
         curves.append(_train(model, step, stage, instruction, progress, diagnose, snapshots))
         step.close()
-        if after_stage is not None:
-            after_stage(k)
+        if stage.after is not None:
+            stage.after()
     return curves
 
 

@@ -33,9 +33,10 @@ from pathlib import Path
 import pandas as pd
 
 from qlbench import engine, suites, text
-from qlbench.experiments import experiment, multitask
+from qlbench.experiments import adapted, experiment, multitask
 from qlbench.metrics import stats, suite_stats
 from qlbench.records import results
+from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, Execution, Protocol
 
 METHOD = "instruct-queryable"
 REFERENCE = "card"  # the variant every other is compared with
@@ -56,13 +57,19 @@ VARIANTS: dict[str, dict] = {  # the structural ones from multitask, which runs 
 }
 
 
-def plans(*, function: str, overrides: dict | None = None, **kwargs) -> dict[str, experiment.Plan]:
+def plans(
+    *,
+    function: str,
+    overrides: dict | None = None,
+    protocol: Protocol = DEFAULT_PROTOCOL,
+    execution: Execution = DEFAULT_EXECUTION,
+) -> dict[str, experiment.Plan]:
     """One validated plan per variant (ValueError on bad input, before any work). `overrides`: instruct-queryable
-    settings for every variant, none of which a variant sets (`check_overrides`); kwargs: experiment.plan's (arch,
-    budget, seeds, out_dir, device, compile, dtype, eps, ...)."""
+    settings for every variant, none of which a variant sets (`check_overrides`)."""
     overrides = check_overrides(overrides, VARIANTS.values())
+    settings = dict(protocol=protocol, execution=execution)
     return {
-        name: experiment.plan(functions=[function], methods=[METHOD], overrides=overrides | fixed, **kwargs)
+        name: experiment.plan([function], [METHOD], overrides=overrides | fixed, **settings)
         for name, fixed in VARIANTS.items()
     }
 
@@ -83,7 +90,7 @@ def check_overrides(overrides: dict | None, variants) -> dict:
 def evaluation_time(record: Path, repeats: int = 3) -> tuple[float, float]:
     """(seconds to evaluate the cell's whole target test set, all members, best of `repeats`; seconds per sample
     and member) for the trained model of a record, with the engine's thread setting for the stack."""
-    model, data, rec = experiment.load_adapted(record)
+    model, data, rec = adapted.load_adapted(record)
     model.eval()
     best = float("inf")
     with engine.num_threads(engine.auto_threads(rec["run_info"]["config"]["arch"], data.x_test.shape[0])):
@@ -162,19 +169,22 @@ SAME = suite_stats.CONTROL
 
 
 def suite_plans(
-    *, suite: str, schedule: str = "joint", overrides: dict | None = None, **kwargs
+    *,
+    suite: str,
+    schedule: str = "joint",
+    overrides: dict | None = None,
+    protocol: Protocol = DEFAULT_PROTOCOL,
+    execution: Execution = DEFAULT_EXECUTION,
 ) -> dict[str, multitask.SuitePlan]:
     """The suite ablation's two validated plans: the structural variants on `suite`, and instruct-queryable on its
-    same-instruction control (ValueError on bad input, before any work). `overrides` as `plans`'; kwargs:
-    multitask.plan's."""
+    same-instruction control (ValueError on bad input, before any work). `overrides` as `plans`'."""
     if suite.endswith(suites.CONTROL_SUFFIX):
         raise ValueError(f"ablate --suite takes a suite card, not a control: {suites.base_name(suite)!r}")
-    kwargs["overrides"] = check_overrides(overrides, [multitask.method_of(r)[1] for r in SUITE_ROWS])
+    overrides = check_overrides(overrides, [multitask.method_of(r)[1] for r in SUITE_ROWS])
+    settings = dict(overrides=overrides, protocol=protocol, execution=execution)
     return {
-        "variants": multitask.plan(suite=suite, schedule=schedule, methods=list(SUITE_ROWS), **kwargs),
-        SAME: multitask.plan(
-            suite=suite + suites.CONTROL_SUFFIX, schedule=schedule, methods=["instruct-queryable"], **kwargs
-        ),
+        "variants": multitask.plan(suite, schedule, list(SUITE_ROWS), **settings),
+        SAME: multitask.plan(suite + suites.CONTROL_SUFFIX, schedule, ["instruct-queryable"], **settings),
     }
 
 

@@ -21,30 +21,25 @@ import torch
 
 from qlbench import adapters, cost, engine, protocols, zoo
 from qlbench.adapters import member
-from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
+from qlbench.backbones import DEFAULT_INIT
+from qlbench.experiments import adapted
 from qlbench.experiments.planning import (
     DTYPES,
     cells_per_stack,
-    check_at_once,
     check_overrides,
-    check_settings,
-    check_snapshot_every,
     dry_build,
     resolve_at_once,
-    seed_count,
 )
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
-from qlbench.records import results, runner
+from qlbench.records import record, results, runner
 from qlbench.records.store import (
-    DamagedFile,
     Store,
     check_writable,
-    load_torch,
     save_torch,
-    set_aside,
     stable_hash,
     write_json,
 )
+from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, Execution, Protocol
 
 
 @dataclass(kw_only=True)
@@ -92,7 +87,7 @@ class Plan:
 
     def intact(self, record: Path, rec: dict, log) -> bool:
         """Whether the adapter weights a finished record relies on are there and readable (runner.finished)."""
-        return _model_intact(record, rec, log)
+        return adapted.model_intact(record, rec, log)
 
     def train(self, units: list[tuple[str, str]], progress: bool, log) -> None:
         """Train the given cells in this process (runner.run): every member pretrained once, then one stack per
@@ -137,9 +132,18 @@ class Plan:
             **kwargs,
         )
 
+    def adaptation(self, method: str) -> engine.Adaptation:
+        """What `method`'s stack is adapted with under this plan (engine.adapt)."""
+        return engine.Adaptation(method, self.configs[method], self.budget, self.eps, self.noise)
+
+    @property
+    def runtime(self) -> engine.Runtime:
+        """Where and how this plan's steps run (engine.adapt)."""
+        return engine.Runtime(self.device, DTYPES[self.dtype], self.compile, self.capture)
+
     @property
     def chosen(self) -> dict:
-        """The settings beyond the config that every record states, defaults included (results.settings)."""
+        """The settings beyond the config that every record states, defaults included (record.settings)."""
         return {
             "eps": self.eps,
             "backbone_init": self.backbone_init,
@@ -170,39 +174,19 @@ class Plan:
 
 
 def plan(
-    *,
     functions: list[str],
-    arch: str,
     methods: list[str] | None = None,
-    seeds: int | None = None,
-    budget: str = "quick",
-    device: str = "auto",
-    dtype: str = "float32",
-    out_dir: str | Path = "results",
+    *,
+    protocol: Protocol = DEFAULT_PROTOCOL,
+    execution: Execution = DEFAULT_EXECUTION,
     overrides: dict | None = None,
-    compile: str = "auto",
-    threads: int | None = None,
-    force: bool = False,
-    cuda: bool | None = None,
-    capture: str = "auto",
-    backbone_init: str = DEFAULT_INIT,
-    eps: float = adapters.EPS,
-    noise: str = zoo.DEFAULT_NOISE,
-    methods_at_once: int | str = 1,
-    snapshot_every_s: float | None = engine.SNAPSHOT_EVERY_S,
 ) -> Plan:
-    """Validate every choice (ValueError with the valid options on bad input) and resolve defaults. `cuda`: whether
-    the machines that train have CUDA, for `device` auto|cuda (None: this machine; see `engine.resolve_device`).
-    `methods_at_once`: how many methods' stacks train at once in this process (`engine.concurrently`), or "auto"
-    (`planning.resolve_at_once`: every method on CUDA for deep-narrow, else 1; the CLI's default); above 1 `compile`
-    auto does not compile (torch.compile's caches are the process's) and `compile` on is refused.
-    `snapshot_every_s`: seconds at least between a stack's snapshots while it trains (engine/snapshot.py; 0: at
-    every evaluation; None: no snapshots)."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
-    check_init(arch, backbone_init)
-    check_settings(eps=eps, dtype=dtype, threads=threads)
-    zoo.check_noise(noise)
+    """Validate every choice (ValueError with the valid options on bad input) and resolve defaults: the functions'
+    cells of each method (None: adapters.DEFAULT_METHODS), with hyper-parameter `overrides` for every method that
+    has the field. Execution's `methods_at_once` "auto" resolves through `planning.resolve_at_once` (every method on
+    CUDA for deep-narrow, else 1); above 1, `compile` auto does not compile (torch.compile's caches are the
+    process's)."""
+    arch = protocol.arch
     if not functions:
         raise ValueError(f"no function given; valid: {', '.join(zoo.names())}")
     for f in functions:
@@ -215,8 +199,7 @@ def plan(
     methods = [adapters.canonical(m) for m in methods]  # loads peft:<type> and package.module:NAME (one line if not)
     if len(set(methods)) != len(methods):
         raise ValueError(f"method listed twice in {','.join(methods)}")
-    b = engine.budget(budget, arch)
-    n_seeds = seed_count(b, seeds)
+    b, n_seeds, dtype = protocol.schedule, len(protocol.seed_list), protocol.dtype
     overrides = check_overrides(overrides, methods)
     configs = {}
     for m in methods:
@@ -225,10 +208,8 @@ def plan(
         except (TypeError, ValueError) as err:
             raise ValueError(f"{m}: {err}") from None
     sizes = dry_build(arch, configs)
-    if compile not in ("auto", "on", "off"):
-        raise ValueError(f"unknown compile setting {compile!r}; valid: auto, on, off")
-    check_at_once(methods_at_once, compile)
-    check_snapshot_every(snapshot_every_s)
+    device, cuda, compile, capture = execution.device, execution.cuda, execution.compile, execution.capture
+    out_dir, methods_at_once = execution.out_dir, execution.methods_at_once
     dev = engine.resolve_device(device, cuda)
     methods_at_once = resolve_at_once(methods_at_once, arch, dev, len(methods), compile, local=cuda is None)
     width = None
@@ -254,100 +235,15 @@ def plan(
         out_dir=Path(out_dir),
         compile=use_compile,
         capture=use_capture,
-        threads=threads,
-        force=force,
-        backbone_init=backbone_init,
-        eps=float(eps),
-        noise=noise,
+        threads=execution.threads,
+        force=execution.force,
+        backbone_init=protocol.backbone_init,
+        eps=protocol.eps,
+        noise=protocol.noise,
         stack_functions=width if width is not None and width < len(set(functions)) else None,
         methods_at_once=methods_at_once,
-        snapshot_every_s=snapshot_every_s,
+        snapshot_every_s=execution.snapshot_every_s,
     )
-
-
-def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:
-    """The trainable parameters of the given members (the adapter weights, peft-style; the frozen backbone is in
-    the pretraining cache)."""
-    return {n: p.detach()[rows].cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module, engine.StackedData, dict]:
-    """Rebuild a finished adapter cell from its record: pretrained stack (from the cache, retrained if missing),
-    the method built on it, and the saved final adapter weights. Returns (model, target data, record)."""
-    rec = results.read_record(record)
-    cfg = rec["run_info"]["config"]
-    store = Store.of_record(record)
-    if rec["train_info"]["status"] == "failed":
-        raise ValueError(f"{record} is a failed cell ({rec['train_info']['message']}): nothing to rebuild")
-    arch, function, method_name = cfg["arch"], cfg["function"], cfg["method"]
-    method = adapters.get(method_name)
-    config = method.config_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg["method_config"].items()})
-    b = cfg["budget"]
-    pretrain_phase = engine.Phase(**b["pretrain"])
-    members = [(function, s) for s in cfg["seeds"]]
-    dtype, dev = DTYPES[cfg["dtype"]], engine.resolve_device(device)
-    init, noise = cfg.get("backbone_init", DEFAULT_INIT), cfg.get("noise", zoo.LEGACY_NOISE)
-    pre = engine.pretrain(engine.Backbones(arch, pretrain_phase, dtype, init, noise), members, device=dev, store=store)
-    model, data = engine.build_model(pre, method_name, config, device=dev, dtype=dtype, noise=noise)
-    path = Store.model_of(record)
-    if not path.exists():
-        raise FileNotFoundError(f"no saved weights for {method_name} at {path}")
-    try:
-        saved = read_model(path, rec, map_location=dev)
-        params = dict(model.named_parameters())
-        if wrong := [n for n, v in saved["state"].items() if n not in params or params[n].shape != v.shape]:
-            raise DamagedFile(f"{path} is damaged ({wrong[0]} is not a weight of this shape in {method_name})")
-    except DamagedFile as err:
-        raise ValueError(f"{err}; {set_aside(path)}: `qlbench run` recomputes the cell") from None
-    with torch.no_grad():
-        for name, value in saved["state"].items():
-            params[name].copy_(value)
-    return model, data, rec
-
-
-def _model_intact(record: Path, rec: dict, log) -> bool:
-    """Whether the trained weights saved with a finished record (adapter methods) are there and readable; a damaged
-    file is reported and set aside, and the cell counts as unfinished (recomputed)."""
-    train, method = rec["train_info"], adapters.get(rec["run_info"]["config"]["method"])
-    if not method.trains or train["trainable_params"] >= train["total_params"]:
-        return True  # no weights are saved for reference rows and full fine-tuning
-    path = Store.model_of(record)
-    if not path.exists():
-        log(f"{path} is missing; the cell is recomputed")
-        return False
-    try:
-        read_model(path, rec)
-    except DamagedFile as err:
-        log(f"{err}; {set_aside(path)}, the cell is recomputed")
-        return False
-    return True
-
-
-def read_model(path: Path, rec: dict, map_location="cpu") -> dict:
-    """The adapter weights saved with a record, checked by content: DamagedFile (one line) unless the file holds
-    {config_hash, state} with the record's config hash, and a state of tensors, one row per seed of the record,
-    that add up to the record's trainable parameters per seed (a file of another cell or another config, an empty
-    dict, a cut or widened tensor)."""
-    saved = load_torch(path, map_location=map_location)
-    run, train = rec["run_info"], rec["train_info"]
-    seeds = len(run["seeds"])
-
-    def damaged(why: str) -> DamagedFile:
-        return DamagedFile(f"{path} is damaged ({why})")
-
-    if not isinstance(saved, dict) or not {"config_hash", "state"} <= saved.keys():
-        raise damaged("not an adapter file: no config_hash and state")
-    if saved["config_hash"] != run["config_hash"]:
-        raise damaged(f"it belongs to config {saved['config_hash']}, not to its record's {run['config_hash']}")
-    state = saved["state"]
-    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise damaged("its state is not a non-empty table of tensors")
-    if any(v.dim() == 0 or v.shape[0] != seeds for v in state.values()):
-        raise damaged(f"a tensor without one row per seed ({seeds})")
-    numel = sum(v[0].numel() for v in state.values())
-    if numel != train["trainable_params"]:
-        raise damaged(f"{numel} weights per seed, not the record's {train['trainable_params']} trainable parameters")
-    return saved
 
 
 def by_method(p: Plan, units: list[tuple[str, str]]) -> dict[str, list[str]]:
@@ -415,16 +311,8 @@ def write_failed(p: Plan, method: str, functions: list[str], message: str, wall_
     """A `failed` record (no measurement, the message) for each of the method's cells on `functions`: the table
     shows it as a row, the command reports it and exits 1, and the next run retries it (`_finished`)."""
     for f in functions:
-        rec = results.make_record(
-            config=p.cell_config(f, method),
-            seeds=p.seeds,
-            device=p.device,
-            compile=p.compile,
-            status="failed",
-            message=message,
-            wall_time_s=wall_time_s,
-            chosen=p.chosen,
-        )
+        run = record.RunInfo(p.cell_config(f, method), p.seeds, p.device, p.compile, p.chosen)
+        rec = record.make_record(run, record.TrainInfo("failed", message, wall_time_s))
         write_json(rec, p.record_path(f, method))
 
 
@@ -477,10 +365,7 @@ def adapt_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, 
     saved = snapshots(p, method, pre, log)
     if saved is not None and p.force:
         saved.clear()
-    work = lambda: engine.adapt(
-        pre, method, p.configs[method], p.budget, device=p.device, dtype=dtype, progress=progress,
-        compile=p.compile, capture=p.capture, eps=p.eps, noise=p.noise, snapshots=saved,
-    )  # fmt: skip
+    work = lambda: engine.adapt(pre, p.adaptation(method), p.runtime, progress=progress, snapshots=saved)
     failed = lambda message, wall_time_s: write_failed(p, method, functions, message, wall_time_s)
     return runner.attempt(method, work, failed, log)
 
@@ -514,7 +399,7 @@ def commit_cell(
                 "source_test_mse_after": res.source_test_mse_after[i],
                 "train_curve": c.train_mse[i].tolist(),
                 "test_curve": c.test_mse[i].tolist(),
-                **results.gradient_fields(c, i),
+                **record.gradient_fields(c, i),
             }
         )
     bad = [s["seed"] for s in per_seed if s["status"] == "diverged"]
@@ -527,11 +412,13 @@ def commit_cell(
         )
     config = p.cell_config(f, method)
     under = protocols.of_config(config)  # the benchmark protocol the cell was made under, if any (protocols.py)
-    rec = results.make_record(
-        config=config,
-        seeds=p.seeds,
-        device=p.device,
-        compile=p.compile,
+    chosen = (
+        p.chosen
+        | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()}
+        | member.recorded(res.model)
+        | ({"protocol": under} if under else {})
+    )
+    train = record.TrainInfo(
         status="diverged" if bad else "ok",
         message=message,
         wall_time_s=res.wall_time_s,
@@ -542,18 +429,15 @@ def commit_cell(
         grad_epochs=c.grad_epochs,
         per_seed=per_seed,
         cost=costs,
-        chosen=p.chosen
-        | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()}
-        | member.recorded(res.model)
-        | ({"protocol": under} if under else {}),
         resumed_epoch=c.resumed_epoch,
     )
+    rec = record.make_record(record.RunInfo(config, p.seeds, p.device, p.compile, chosen), train)
     if adapters.get(method).trains and res.trainable_params < res.total_params:  # adapter weights first:
         save_torch(
             {
                 "config_hash": rec["run_info"]["config_hash"],
                 "members": [res.members[i] for i in idx],
-                "state": trainable_state(res.model, idx),
+                "state": adapted.trainable_state(res.model, idx),
             },
             Store.model_of(p.record_path(f, method)),
         )

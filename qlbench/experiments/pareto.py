@@ -26,6 +26,7 @@ from qlbench import adapters, inputs
 from qlbench.experiments import experiment, multitask
 from qlbench.metrics import stats, suite_stats
 from qlbench.records import results
+from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, Execution, Protocol
 
 GRID_AXES = {  # method -> {axis: config field}; the queryable family shares one config (its layers')
     **{m: {"r": "r", "M": "n_atoms", "k": "top_k"} for m in adapters.of_family("queryable")},
@@ -79,14 +80,14 @@ def plans(
     suite: str | None = None,
     schedule: str = "joint",
     overrides: dict | None = None,
-    **kw,
+    protocol: Protocol = DEFAULT_PROTOCOL,
+    execution: Execution = DEFAULT_EXECUTION,
 ) -> tuple[list[tuple[Point, object]], list[str]]:
     """(point, plan) for every valid point: an `experiment.Plan` on `function`, or a `multitask.SuitePlan` on
     `suite` (one of the two), and the skipped points (`points`). `overrides`: hyper-parameters for every point,
     applied where the method's config has the field (as a sweep's --hp; planning.check_overrides checks them
-    against all the methods of a sweep), none of which a point sets (its axes and alpha: ValueError); kw: the
-    plan's other settings (dtype, eps, noise, compile, force, ...). Every plan is validated before any work
-    (ValueError)."""
+    against all the methods of a sweep), none of which a point sets (its axes and alpha: ValueError). Every plan is
+    validated before any work (ValueError)."""
     if (function is None) == (suite is None):
         raise ValueError("give exactly one of a function or a suite")
     valid, skipped = points(method, grid)
@@ -104,9 +105,9 @@ def plans(
     for pt in valid:
         settings = overrides | pt.overrides
         if function is not None:
-            p = experiment.plan(functions=[function], methods=[method], overrides=settings, **kw)
+            p = experiment.plan([function], [method], overrides=settings, protocol=protocol, execution=execution)
         else:
-            p = multitask.plan(suite=suite, schedule=schedule, methods=[method], overrides=settings, **kw)
+            p = multitask.plan(suite, schedule, [method], overrides=settings, protocol=protocol, execution=execution)
         out.append((pt, p))
     return out, skipped
 

@@ -99,9 +99,8 @@ class StackedPoints:
             label = f"adapt {method} k={','.join(str(self.ks[i]) for i in units)} x{len(members)}"
             with progress_bar(total=total, desc=label, unit="step", disable=not progress) as bar:
                 work = lambda: engine.adapt(
-                    pre, method, first.configs[method], first.budget, device=first.device, dtype=dtype,
-                    progress=bar.update, compile=first.compile, capture=first.capture, eps=first.eps,
-                    noise=first.noise, prepare=lambda model: member_top_k(model, ks),
+                    pre, first.adaptation(method), first.runtime, progress=bar.update,
+                    prepare=lambda model: member_top_k(model, ks),
                 )  # fmt: skip
                 failed = lambda message, wall_s: [
                     experiment.write_failed(self.plans[i], method, [function], message, wall_s) for i in units

@@ -38,11 +38,13 @@ def caveats(plan) -> list[str]:
     return out
 
 
-def check_settings(*, eps, dtype: str, threads) -> None:
-    """The optimiser's epsilon, the dtype and the thread count, as every plan validates them (ValueError)."""
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+def check_settings(*, eps=None, dtype: str | None = None, threads=None) -> None:
+    """The optimiser's epsilon, the dtype and the thread count (those given), as every plan validates them
+    (ValueError)."""
+    bad_eps = isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0)
+    if eps is not None and bad_eps:
         raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")

@@ -41,7 +41,7 @@ import torch.nn as nn
 from qlbench import engine, instructions
 from qlbench.adapters.base import check_positive_int
 from qlbench.adapters.lora_matched import nearest_rank
-from qlbench.records import results, runner, store
+from qlbench.records import record, runner, store
 
 # Each task: its instruction, the sentence slot it asks about, and that slot's words with their yes/no answers.
 ANIMALS = {"cat": 1, "dog": 1, "horse": 1, "whale": 1, "mouse": 1, "bat": 1,
@@ -434,7 +434,7 @@ class RealPlan(runner.MethodSeeds):
         return train_one(method, self.config, seed, tokenizer, e, progress, folder, self.device)
 
     def settings(self) -> dict:
-        return results.settings(device=self.device, compile=False, dtype="float32")
+        return record.settings(device=self.device, compile=False, dtype="float32")
 
 
 def plan(methods: list[str], config: RealConfig, out: Path, device: str = "cpu") -> RealPlan:

@@ -56,7 +56,7 @@ import torch.nn as nn
 from qlbench import engine, instructions, text
 from qlbench.adapters.base import check_positive_int
 from qlbench.metrics import stats
-from qlbench.records import results, runner, store
+from qlbench.records import record, results, runner, store
 
 PAD, BOS, SEP, EOS, FIRST = 0, 1, 2, 3, 4  # FIRST: the letter a; letters a..h are FIRST..FIRST+7
 LETTERS, LENGTH = 8, 5
@@ -351,7 +351,7 @@ class LMPlan(runner.MethodSeeds):
         return train_one(method, self.config, seed, shared, progress, self.device)
 
     def settings(self) -> dict:
-        return results.settings(device=self.device, compile=False, dtype="float32")
+        return record.settings(device=self.device, compile=False, dtype="float32")
 
 
 def plan(methods: list[str], config: LMConfig, out: Path, device: str = "cpu") -> LMPlan:

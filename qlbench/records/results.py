@@ -25,40 +25,19 @@ latency_s_per_sample {"1": {adapted, frozen}, "256": {adapted, frozen}}; missing
 
 from __future__ import annotations
 
-import datetime as dt
-import importlib.metadata
 import math
-import os
-import platform
 import re
-import subprocess
 import warnings
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
-import qlbench
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.records import schema
-from qlbench.records.store import DamagedFile, Store, finite, read_json, stable_hash
-
-SCHEMA = 1
-
-
-def git_info() -> dict:
-    """Commit and dirty flag of the qlbench checkout this code runs from (None outside a git checkout)."""
-    root = Path(qlbench.__file__).resolve().parent.parent
-    try:
-        run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10, check=True)
-        commit = run("rev-parse", "HEAD").stdout.strip()
-        dirty = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip())
-        return {"commit": commit, "dirty": dirty}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-
+from qlbench.records.record import SCHEMA  # noqa: F401  (results.SCHEMA: the version records are written at)
+from qlbench.records.store import DamagedFile, Store, read_json
 
 GIT_COLUMNS = ("commit", "dirty")  # the loaders' columns of a record's git info (`git_fields`)
 
@@ -106,119 +85,6 @@ def provenance(frame: pd.DataFrame) -> str:
         f"Provenance: {line}.\n\n**Warning: not one snapshot** (records from {' and '.join(w for w in why if w)}): "
         "this table's numbers may not all come from one version of the code; rerun its records from one clean commit."
     )
-
-
-VERSIONED = ("qlbench", "torch", "numpy", "scipy", "pandas", "peft", "transformers")  # libraries that make numbers
-
-
-def library_versions() -> dict:
-    """Python's and each VERSIONED library's installed version (None where it is not installed)."""
-    out = {"python": platform.python_version()}
-    for name in VERSIONED:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def settings(*, device, compile: bool, dtype: str, **chosen) -> dict:
-    """Every setting that can change a record's numbers, at default values too: the caller's `chosen` ones (the
-    optimiser's eps, the backbone init, the label noise ...), the device, compile, dtype, intra-op threads (a
-    reduction's order) and the library versions. Not hashed: the config hash keeps its keys, so every record
-    written before this field existed keeps a valid hash (run_info.settings is optional in schema.py)."""
-    return chosen | {
-        "device": str(device),
-        "compile": bool(compile),
-        "dtype": dtype,
-        "threads": torch.get_num_threads(),
-        "versions": library_versions(),
-    }
-
-
-def meta_info(device: torch.device) -> dict:
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        # None where this process has no CUDA (a Ray driver recording a failed GPU task)
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else None,
-        "threads": torch.get_num_threads(),
-    }
-
-
-def make_record(
-    *,
-    config: dict,
-    seeds: list[int],
-    device: torch.device,
-    compile: bool = False,
-    status: str,
-    message: str = "",
-    wall_time_s: float = 0.0,
-    stacked_members: int = 0,
-    trainable_params: int | None = None,
-    total_params: int | None = None,
-    eval_epochs: list[int] | None = None,
-    grad_epochs: list[int] | None = None,
-    per_seed: list[dict] | None = None,
-    cost: dict | None = None,
-    chosen: dict | None = None,
-    resumed_epoch: int | None = None,
-) -> dict:
-    """A record of one cell or suite row. `chosen`: the run's settings beyond its config and device (eps, backbone
-    init, noise), recorded with the rest in run_info.settings (`settings`); `resumed_epoch`: the epoch of the
-    snapshot its training went on from after a stopped run (engine/snapshot.py; train_info.resumed_from_epoch)."""
-    per_seed = [{k: (finite(v) if isinstance(v, float) else v) for k, v in s.items()} for s in per_seed or []]
-    for s in per_seed:
-        for k in ("train_curve", "test_curve", "grad_shared_norm"):
-            if k in s:
-                s[k] = [finite(float(v)) for v in s[k]]
-        if "grad_layer_norms" in s:
-            s["grad_layer_norms"] = [[finite(float(v)) for v in row] for row in s["grad_layer_norms"]]
-    return {
-        "schema": SCHEMA,
-        "run_info": {
-            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "qlbench_version": qlbench.__version__,
-            "git": git_info(),
-            "config": config,
-            "config_hash": stable_hash(config),
-            "budget": config["budget"]["name"],
-            "device": str(device),
-            "compile": compile,
-            "dtype": config["dtype"],
-            "seeds": seeds,
-            "settings": settings(device=device, compile=compile, dtype=config["dtype"], **(chosen or {})),
-        },
-        "train_info": {
-            "status": status,
-            "message": message,
-            "wall_time_s": wall_time_s,
-            "stacked_members": stacked_members,
-            "trainable_params": trainable_params,
-            "total_params": total_params,
-            "eval_epochs": eval_epochs or [],
-            **({"grad_epochs": grad_epochs} if grad_epochs else {}),
-            **({"cost": cost} if cost else {}),
-            **({"resumed_from_epoch": resumed_epoch} if resumed_epoch is not None else {}),
-            "per_seed": per_seed,
-        },
-        "meta_info": meta_info(device),
-    }
-
-
-def gradient_fields(curves, i: int) -> dict:
-    """Member i's gradient diagnostics from `engine.Curves` as per-seed record fields (none when not recorded)."""
-    out = {}
-    if curves.grad_layers is not None:
-        out["grad_layer_norms"] = curves.grad_layers[i].tolist()  # [epoch][layer]
-    if curves.grad_shared is not None:
-        out["grad_shared_norm"] = curves.grad_shared[i].tolist()  # [epoch]
-    return out
 
 
 def read_record(path: Path) -> dict:

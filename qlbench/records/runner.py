@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from qlbench.records import results
+from qlbench.records import record, results
 from qlbench.records.store import (
     DamagedFile,
     claim,
@@ -213,8 +213,8 @@ class MethodSeeds:
         raise NotImplementedError
 
     def settings(self) -> dict:
-        """Every setting beyond the config that can change a number (results.settings)."""
-        return results.settings(device="cpu", compile=False, dtype="float32")
+        """Every setting beyond the config that can change a number (record.settings)."""
+        return record.settings(device="cpu", compile=False, dtype="float32")
 
     def units(self) -> list[str]:
         return list(self.methods)
@@ -250,7 +250,7 @@ class MethodSeeds:
                 if seed not in done:
                     log(f"{m} seed {seed}")
                     done[seed] = self.train_seed(m, seed, shared, progress)
-                    record = {"method": m, "config": dataclasses.asdict(self.config) | {"seeds": sorted(done)},
-                              "config_hash": self.config.hash(), "per_seed": [done[s] for s in sorted(done)],
-                              "git": results.git_info(), "settings": self.settings()}  # fmt: skip
-                    write_json(record, path)
+                    rec = {"method": m, "config": dataclasses.asdict(self.config) | {"seeds": sorted(done)},
+                           "config_hash": self.config.hash(), "per_seed": [done[s] for s in sorted(done)],
+                           "git": record.git_info(), "settings": self.settings()}  # fmt: skip
+                    write_json(rec, path)

@@ -55,7 +55,7 @@ RUN_INFO = {
     "device": _str,
     "dtype": _str,
     "seeds": _list(_int),
-    "settings": (_dict, "optional"),  # every setting that can change a number (results.settings); newer records
+    "settings": (_dict, "optional"),  # every setting that can change a number (record.settings); newer records
 }
 CELL_CONFIG = {
     "function": _str,

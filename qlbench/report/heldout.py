@@ -67,7 +67,7 @@ NOTE_TRAIN_STD = (
     " Headline columns (interpolation, extrapolation, held-out and every test) standardise each held-out task's "
     "labels by its own mean and std over the box, as the trained tasks' are (an oracle a zero-shot method would not "
     "have); interpolation / extrapolation (train std): the same MSE with the held-out labels standardised instead by "
-    "the pooled mean and std of the training tasks' training labels (multitask.restandardise), not tested."
+    "the pooled mean and std of the training tasks' training labels (suite_tasks.restandardise), not tested."
 )
 NOTE_TRANSFER = (
     " vs params (split): instruct-queryable against param-code, text-lora against text-lora-params (the same row fed "

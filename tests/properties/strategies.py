@@ -14,7 +14,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from qlbench.adapters.routing import Route, route
+from qlbench.adapters.routing import Route, Router, Temperatures, route
 
 EPS = torch.finfo(torch.float64).eps
 
@@ -103,31 +103,18 @@ class RouterCase:
         """Completed blocks b - 1 (the code's block index)."""
         return 0 if self.summaries is None else self.summaries.shape[2]
 
-    def kwargs(self) -> dict:
-        return dict(
-            w=self.w,
-            Q_cur=self.Q_cur,
-            Q_dep=self.Q_dep,
-            Q_dep_q=self.Q_dep_q,
-            Q_dep_k=self.Q_dep_k,
-            keys=self.keys,
-            atoms=self.atoms,
-            top_k=self.top_k,
-            t_attn=self.t_attn,
-            t_dep=self.t_dep,
-            t_lang=self.t_lang,
-            tau_lang=self.tau_lang,
-            lambda_ctx=self.lambda_ctx,
-            instruction=self.instruction,
-            Q_ctx=self.Q_ctx,
-            R_ctx=self.R_ctx,
-            eps=self.eps,
-        )
-
     def route(self, **changes) -> Route:
         """qlbench's router (routing.route) on this case, with any field replaced."""
         c = replace(self, **changes) if changes else self
-        return route(c.s_entry, c.summaries, **c.kwargs())
+        router = Router(
+            w=c.w, Q_cur=c.Q_cur, Q_dep=c.Q_dep, Q_dep_q=c.Q_dep_q, Q_dep_k=c.Q_dep_k, keys=c.keys, atoms=c.atoms,
+            Q_ctx=c.Q_ctx, R_ctx=c.R_ctx,
+        )  # fmt: skip
+        temperatures = Temperatures(
+            top_k=c.top_k, t_attn=c.t_attn, t_dep=c.t_dep, t_lang=c.t_lang, tau_lang=c.tau_lang,
+            lambda_ctx=c.lambda_ctx, eps=c.eps,
+        )  # fmt: skip
+        return route(c.s_entry, c.summaries, router, temperatures, c.instruction)
 
 
 @st.composite

@@ -1,0 +1,91 @@
+"""The two settings objects every plan takes whole, each validated once when it is made (ValueError naming the valid
+choices):
+
+    Protocol   what changes the numbers: the arch, the budget, the seeds, the dtype, the optimiser's eps, the label
+               noise and the backbone's init. Two runs under equal protocols (and equal methods) give equal records.
+    Execution  what must not change them: the device, torch.compile, CUDA-graph capture, threads, stacks trained at
+               once, snapshots, the results folder, --force, progress, and where the training machines are.
+
+    protocol = Protocol(arch="deep-narrow", budget="smoke", seeds=2)
+    plan = experiment.plan(functions=["matyas"], methods=["lora"], protocol=protocol, execution=Execution(out_dir=d))
+
+The command line builds both from one declaration of each option (commands/options.py); their defaults are the
+command line's defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from qlbench import adapters, engine, zoo
+from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
+from qlbench.experiments.planning import check_at_once, check_settings, check_snapshot_every, seed_count
+
+SWITCHES = ("auto", "on", "off")  # --compile and --capture
+
+
+@dataclass(frozen=True, kw_only=True)
+class Protocol:
+    """What changes the numbers. `budget`: a name of engine.BUDGETS[arch]; `seeds`: 0..seeds-1 (None: the budget's);
+    `eps`: the adaptation optimiser's epsilon (a non-default value is part of a cell's config hash); `noise`:
+    zoo.NOISES; `backbone_init`: backbones.INITS."""
+
+    arch: str = "deep-narrow"
+    budget: str = "quick"
+    seeds: int | None = None
+    dtype: str = "float32"
+    eps: float = adapters.EPS
+    noise: str = zoo.DEFAULT_NOISE
+    backbone_init: str = DEFAULT_INIT
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; valid: {', '.join(ARCHS)}")
+        check_init(self.arch, self.backbone_init)
+        check_settings(eps=self.eps, dtype=self.dtype, threads=None)
+        zoo.check_noise(self.noise)
+        seed_count(self.schedule, self.seeds)
+        object.__setattr__(self, "eps", float(self.eps))
+
+    @property
+    def schedule(self) -> engine.Budget:
+        """The budget's epochs, learning rates and evaluation cadence for this arch."""
+        return engine.budget(self.budget, self.arch)
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(seed_count(self.schedule, self.seeds)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Execution:
+    """What must not change the numbers. `device`: auto (CUDA when present), cpu or cuda; `compile`, `capture`:
+    SWITCHES (engine/runtime.py decides auto); `threads`: intra-op threads (None: engine.auto_threads);
+    `methods_at_once`: methods' stacks trained at once, or "auto" (planning.resolve_at_once); `snapshot_every_s`:
+    seconds between a stack's snapshots (0: each evaluation; None: none); `force`: re-run finished records; `cuda`:
+    whether the machines that train have CUDA (None: this machine; a Ray cluster's plan says)."""
+
+    device: str = "auto"
+    compile: str = "auto"
+    capture: str = "auto"
+    threads: int | None = None
+    methods_at_once: int | str = 1
+    snapshot_every_s: float | None = engine.SNAPSHOT_EVERY_S
+    out_dir: Path = Path("results")
+    force: bool = False
+    progress: bool = True
+    cuda: bool | None = None
+
+    def __post_init__(self):
+        for name in ("compile", "capture"):
+            if getattr(self, name) not in SWITCHES:
+                raise ValueError(f"unknown {name} setting {getattr(self, name)!r}; valid: {', '.join(SWITCHES)}")
+        check_settings(threads=self.threads)
+        check_at_once(self.methods_at_once, self.compile)
+        check_snapshot_every(self.snapshot_every_s)
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+
+
+DEFAULT_PROTOCOL = Protocol()  # the command line's defaults, as a plan's default argument
+DEFAULT_EXECUTION = Execution()
