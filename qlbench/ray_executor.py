@@ -5,7 +5,7 @@ here, so `import qlbench` never needs it.
     driver                                   tasks (Ray workers, any node)
     runner.claimed: unfinished cells
     one pretraining task  ---------------->  engine.pretrain: train the missing backbones, cache them in the store
-    one task per unit of work  ----------->  reload the unit's members from the cache, experiment.run_method:
+    one task per unit of work  ----------->  reload the unit's members from the cache, experiment.train_method:
                                              adapt the stack, commit one record per cell (atomic writers)
     collect: a task that raised or whose worker died -> `failed` records for its cells (the next run retries them)
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from qlbench import adapters, engine, zoo
-from qlbench.experiments import experiment, planning
+from qlbench.experiments import experiment
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.records import runner
 
@@ -328,7 +328,6 @@ def _adapt_task(p: experiment.Plan, unit: Unit, threads: int, actor, key) -> tup
     """Adapt one unit from the cached backbones and commit its records; returns (host, log lines)."""
     p, messages, report = _task_plan(p), [], _Reporter(actor, key)
     members = [(f, s) for f in unit.functions for s in p.seeds]
-    dtype = planning.DTYPES[p.dtype]
     if p.pretrain_needed(members):
         raise FileNotFoundError(
             f"the pretrained backbones are not in {p.store.backbone_dir} on {socket.gethostname()}: the results "
@@ -337,6 +336,6 @@ def _adapt_task(p: experiment.Plan, unit: Unit, threads: int, actor, key) -> tup
     with engine.num_threads(threads):
         pre = p.pretrain(members)
         trains = adapters.get(unit.method).trains
-        experiment.run_method(p, unit.method, pre, dtype, report if trains else None, messages.append)
+        experiment.train_method(p, unit.method, pre, report if trains else None, messages.append)
     report.flush()
     return socket.gethostname(), messages

@@ -3,8 +3,8 @@ sweep gives records identical to the local executor's; a task that raises or who
 cells' records intact, is reported per cell with exit code 1, and a rerun completes only the missing cells.
 
 Faults are planted from here, not from the library: every Ray worker of this runtime starts with a setup hook that
-wraps `experiment.run_method` and fails a stack holding (method, function) when the file `<faults>/<method>-<function>`
-exists ("raise": the task raises; "exit": the worker process dies)."""
+wraps `experiment.train_method` and fails a stack holding (method, function) when the file
+`<faults>/<method>-<function>` exists ("raise": the task raises; "exit": the worker process dies)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def faults(tmp_path_factory):
 
         from qlbench.experiments import experiment
 
-        run_method = experiment.run_method
+        train_method = experiment.train_method
 
         def faulty(p, method, pre, *args, **kwargs):
             for function in dict.fromkeys(f for f, _ in pre.members):
@@ -48,9 +48,9 @@ def faults(tmp_path_factory):
                         if f.read() == "exit":
                             os._exit(1)
                     raise RuntimeError(f"planted failure in {method} on {function}")
-            return run_method(p, method, pre, *args, **kwargs)
+            return train_method(p, method, pre, *args, **kwargs)
 
-        experiment.run_method = faulty
+        experiment.train_method = faulty
 
     ray.init(
         num_cpus=2,

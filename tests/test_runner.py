@@ -138,6 +138,20 @@ def test_attempt_records_a_failure_and_goes_on_and_cost_is_an_extra():
     assert runner.cost("lora", lambda: {"bytes": 1}, said.append) == {"bytes": 1}
 
 
+def test_failures_recorded_says_whether_the_block_failed_and_lets_an_interrupt_through():
+    said, failed = [], []
+    with runner.failures_recorded("lora", lambda m, s: failed.append(m), said.append) as outcome:
+        raise ValueError("planted")
+    assert outcome.failed and failed == ["ValueError: planted"] and said == ["lora: failed: ValueError: planted"]
+    with runner.failures_recorded("lora", lambda m, s: failed.append(m), said.append) as outcome:
+        pass
+    assert not outcome.failed and len(failed) == 1
+    with pytest.raises(KeyboardInterrupt):  # a stopped run is stopped, not recorded as a failed unit
+        with runner.failures_recorded("lora", lambda m, s: failed.append(m), said.append):
+            raise KeyboardInterrupt
+    assert len(failed) == 1
+
+
 def test_ablate_tabulates_its_variants_when_the_reference_is_left_to_another_process(tmp_path, capsys, monkeypatch):
     """Only the card's variant is held elsewhere: the others train and are tabulated without a comparison."""
     from qlbench import cli

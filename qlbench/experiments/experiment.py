@@ -90,18 +90,31 @@ class Plan:
         return adapted.model_intact(record, rec, log)
 
     def train(self, units: list[tuple[str, str]], progress: bool, log) -> None:
-        """Train the given cells in this process (runner.run): every member pretrained once, then one stack per
-        method."""
+        """Train the given cells in this process (runner.run), in groups of functions that fit the memory (one group
+        unless the plan is wider): every member pretrained once (cached), then each method adapted on its stack of
+        the group's unfinished cells and its records written (`train_method`): one method after another, or
+        `methods_at_once` at a time (`engine.concurrently`: their costs, which time forwards and read the device's
+        memory peak, are measured first, one at a time, while nothing else runs)."""
         todo = by_method(self, units)
         functions = [f for f in self.functions if any(f in fs for fs in todo.values())]
         width = self.stack_functions or len(functions) or 1
-        for i in range(0, len(functions), width):  # one group unless the plan is wider than the memory
+        for i in range(0, len(functions), width):
             group = functions[i : i + width]
             if width < len(functions):
                 log(f"stack {i // width + 1} of {-(-len(functions) // width)}: {', '.join(group)} (memory)")
-            part = {m: [f for f in fs if f in group] for m, fs in todo.items()}
+            part = {m: [f for f in fs if f in group] for m, fs in todo.items() if any(f in group for f in fs)}
             with engine.num_threads(threads(self, len(group) * len(self.seeds))):
-                _run(self, part, group, DTYPES[self.dtype], progress, log)
+                pre = pretrained(self, [(f, s) for f in group for s in self.seeds], progress, log)
+                stack = lambda m, pre=pre, part=part: pre.select([(f, s) for f in part[m] for s in self.seeds])
+                trained = [m for m in part if adapters.get(m).trains]
+                total = engine.steps(self.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
+                with progress_bar(total=total, desc="adapt", unit="step", disable=not progress) as bar:
+                    if self.methods_at_once <= 1:
+                        for m in part:
+                            bar.set_description(f"adapt {m} x{len(part[m]) * len(self.seeds)}")
+                            train_method(self, m, stack(m), bar.update if m in trained else None, log)
+                    else:
+                        at_once(self, {m: stack for m in part}, bar, log)
 
     def record_path(self, function: str, method: str) -> Path:
         """Where the cell's record lives: keyed by budget and config hash, so other configs never collide."""
@@ -261,38 +274,22 @@ def record_paths(p: Plan) -> list[Path]:
     return [p.unit_path(u) for u in p.units()]
 
 
-def _run(p: Plan, todo: dict, functions: list[str], dtype, progress: bool, log) -> None:
-    """Pretrain every member once (cached), then adapt each method on its stack of unfinished cells: one method
-    after another, or `p.methods_at_once` at a time (`engine.concurrently`: each commits its records as it ends;
-    their costs, which time forwards and read the device's memory peak, are measured first, one at a time, while
-    nothing else runs)."""
-    if not functions:
-        return
-    pre = pretrained(p, [(f, s) for f in functions for s in p.seeds], progress, log)
-    methods = [m for m in p.methods if todo[m]]
-    trained = [m for m in methods if adapters.get(m).trains]
-    total = engine.steps(p.budget.adapt, zoo.TARGET_TRAIN) * len(trained)
-    stack = lambda m: pre.select([(f, s) for f in todo[m] for s in p.seeds])  # each method's, built when it starts
-    with progress_bar(total=total, desc="adapt", unit="step", disable=not progress) as bar:
-        if p.methods_at_once <= 1:
-            for m in methods:
-                bar.set_description(f"adapt {m} x{len(todo[m]) * len(p.seeds)}")
-                run_method(p, m, stack(m), dtype, bar.update if adapters.get(m).trains else None, log)
-            return
-        costs = {m: measure_cost(p, m, stack(m), dtype, log) for m in methods}
-        bar.set_description(f"adapt {len(methods)} methods, {min(p.methods_at_once, len(methods))} at once")
-        lock = threading.Lock()
+def at_once(p: Plan, stacks: dict, bar, log) -> None:
+    """Every method's stack (`stacks[m](m)` builds it) trained `p.methods_at_once` at a time (`engine.concurrently`),
+    each committing its records as it ends; their costs are measured first, one at a time, while nothing else
+    runs."""
+    costs = {m: measure_cost(p, m, stack(m), log) for m, stack in stacks.items()}
+    bar.set_description(f"adapt {len(stacks)} methods, {min(p.methods_at_once, len(stacks))} at once")
+    lock = threading.Lock()
 
-        def update(n: int) -> None:
-            with lock:
-                bar.update(n)
+    def update(n: int) -> None:
+        with lock:
+            bar.update(n)
 
-        def job(m: str) -> None:
-            sub = stack(m)
-            if (res := adapt_method(p, m, sub, dtype, update if adapters.get(m).trains else None, log)) is not None:
-                commit_method(p, m, sub, res, costs[m], log)
+    def job(m: str) -> None:
+        train_method(p, m, stacks[m](m), update if adapters.get(m).trains else None, log, costs[m])
 
-        engine.concurrently([lambda m=m: job(m) for m in methods], p.methods_at_once, p.device)
+    engine.concurrently([lambda m=m: job(m) for m in stacks], p.methods_at_once, p.device)
 
 
 def pretrained(p: Plan, members: list[engine.Member], progress: bool, log) -> engine.Pretrained:
@@ -316,24 +313,16 @@ def write_failed(p: Plan, method: str, functions: list[str], message: str, wall_
         write_json(rec, p.record_path(f, method))
 
 
-def measure_cost(p: Plan, method: str, pre: engine.Pretrained, dtype, log) -> dict | None:
+def measure_cost(p: Plan, method: str, pre: engine.Pretrained, log) -> dict | None:
     """The method's cost on this plan (qlbench/cost.py), measured once per stack and shared by its cells (the
     architecture, method and config fix it); None, said through `log`, if the measurement fails: the cell's
     results are not lost for it."""
     b = p.budget
     measure = lambda: cost.measure(
-        pre, method, p.configs[method], batch_size=b.adapt.batch_size, device=p.device, dtype=dtype,
+        pre, method, p.configs[method], batch_size=b.adapt.batch_size, device=p.device, dtype=DTYPES[p.dtype],
         repeats=cost.repeats_for(b.name),
     )  # fmt: skip
     return runner.cost(method, measure, log)
-
-
-def run_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> None:
-    """Adapt `method` on the stack `pre` (its members: functions x the plan's seeds) and commit one record per
-    function, its adapter weights first, its cost measured once it has trained; a failure is recorded as failed
-    cells. Both executors call this."""
-    if (res := adapt_method(p, method, pre, dtype, progress, log)) is not None:
-        commit_method(p, method, pre, res, measure_cost(p, method, pre, dtype, log), log)
 
 
 def snapshots(p: Plan, method: str, pre: engine.Pretrained, log) -> engine.Snapshots | None:
@@ -357,17 +346,24 @@ def snapshots(p: Plan, method: str, pre: engine.Pretrained, log) -> engine.Snaps
     return found
 
 
-def adapt_method(p: Plan, method: str, pre: engine.Pretrained, dtype, progress, log) -> engine.AdaptResult | None:
-    """`method` adapted on the stack `pre`, or None once its failure is recorded as failed cells (`runner.attempt`).
-    A trained method's stack snapshots as it goes and resumes a stopped run's snapshot (`snapshots`; with
-    `p.force`, a stopped run's is removed first: the stack starts from its first epoch)."""
+AFTER = "measured after training"  # train_method's cost: measured once the stack has trained
+
+
+def train_method(p: Plan, method: str, pre: engine.Pretrained, progress, log, cost=AFTER) -> None:
+    """Adapt `method` on the stack `pre` (its members: functions x the plan's seeds) and commit one record per
+    function, its adapter weights first, with `cost` (AFTER: measured once it has trained; `measure_cost`); a
+    failure is recorded as failed cells (`runner.failures_recorded`). A trained method's stack snapshots as it goes
+    and resumes a stopped run's snapshot (`snapshots`; with `p.force`, a stopped run's is removed first: the stack
+    starts from its first epoch). Both executors call this."""
     functions = list(dict.fromkeys(f for f, _ in pre.members))
     saved = snapshots(p, method, pre, log)
     if saved is not None and p.force:
         saved.clear()
-    work = lambda: engine.adapt(pre, p.adaptation(method), p.runtime, progress=progress, snapshots=saved)
     failed = lambda message, wall_time_s: write_failed(p, method, functions, message, wall_time_s)
-    return runner.attempt(method, work, failed, log)
+    with runner.failures_recorded(method, failed, log) as outcome:
+        res = engine.adapt(pre, p.adaptation(method), p.runtime, progress=progress, snapshots=saved)
+    if not outcome.failed:
+        commit_method(p, method, pre, res, measure_cost(p, method, pre, log) if cost is AFTER else cost, log)
 
 
 def commit_method(p: Plan, method: str, pre: engine.Pretrained, res: engine.AdaptResult, costs, log) -> None:

@@ -22,7 +22,6 @@ import torch.nn as nn
 
 from qlbench import adapters, engine, zoo
 from qlbench.experiments import experiment
-from qlbench.experiments.planning import DTYPES
 from qlbench.progress import bar as progress_bar
 from qlbench.records import runner
 
@@ -91,7 +90,6 @@ class StackedPoints:
         seeds = [(function, s) for s in first.seeds]
         members = [m for _ in units for m in seeds]  # point-major: point j's seeds are rows j S .. (j + 1) S - 1
         ks = tuple(self.ks[i] for i in units for _ in seeds)
-        dtype = DTYPES[first.dtype]
         with engine.num_threads(experiment.threads(first, len(members))):
             alone = experiment.pretrained(first, seeds, progress, log)  # the function's seeds, once
             pre = alone.select(members)
@@ -110,7 +108,7 @@ class StackedPoints:
             S = len(seeds)
             for j, i in enumerate(units):
                 p = self.plans[i]
-                costs = experiment.measure_cost(p, method, alone, dtype, log)  # with the point's own k
+                costs = experiment.measure_cost(p, method, alone, log)  # with the point's own k
                 experiment.commit_cell(p, method, function, res, list(range(j * S, (j + 1) * S)), pre, costs, log)
 
 

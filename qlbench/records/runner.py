@@ -143,18 +143,34 @@ def run(w: Workload, *, progress=True, log: Log = print) -> list[Path]:
     return [p for p in paths if p.exists()]
 
 
-def attempt(label: str, work: Callable[[], T], failed: Callable[[str, float], None], log: Log) -> T | None:
-    """Run one unit's training: its result, or, when it raises, None after saying `label: failed: Type: message` and
-    recording it through `failed(message, wall seconds)` (a failed record, shown as a row and retried by the next run),
-    so the other units go on."""
-    t0 = time.perf_counter()
+@dataclass
+class Outcome:
+    """What `failures_recorded` saw: whether the unit's training raised (and was recorded as failed)."""
+
+    failed: bool = False
+
+
+@contextlib.contextmanager
+def failures_recorded(label: str, failed: Callable[[str, float], None], log: Log) -> Iterator[Outcome]:
+    """Run one unit's training in the `with` block: when it raises, say `label: failed: Type: message`, record it
+    through `failed(message, wall seconds)` (a failed record, shown as a row and retried by the next run) and go on
+    (the Outcome says so), so the other units train. An interrupt (KeyboardInterrupt, SystemExit) is not caught."""
+    outcome, t0 = Outcome(), time.perf_counter()
     try:
-        return work()
+        yield outcome
     except Exception as err:  # record the failure and go on with the other units
         message = f"{type(err).__name__}: {err}"
         log(f"{label}: failed: {message}")
         failed(message, time.perf_counter() - t0)
-        return None
+        outcome.failed = True
+
+
+def attempt(label: str, work: Callable[[], T], failed: Callable[[str, float], None], log: Log) -> T | None:
+    """`work()`'s result, or None once its failure is recorded (`failures_recorded`)."""
+    result = None
+    with failures_recorded(label, failed, log):
+        result = work()
+    return result
 
 
 def cost(label: str, measure: Callable[[], T], log: Log) -> T | None:
