@@ -223,6 +223,8 @@ def settings(**kw) -> dict:
     execution=, the rest (functions, methods, overrides, ...) pass through (for tests that vary a few settings)."""
     from qlbench.settings import Execution, Protocol
 
+    if given := {"protocol", "execution"} & kw.keys():
+        raise TypeError(f"settings() takes the settings flat, not {' or '.join(sorted(given))}=")
     protocol, execution = ({f.name for f in dataclasses.fields(c)} for c in (Protocol, Execution))
     return {k: v for k, v in kw.items() if k not in protocol | execution} | dict(
         protocol=Protocol(**{k: v for k, v in kw.items() if k in protocol}),

@@ -22,14 +22,7 @@ FAST = dict(budget="smoke", seeds=2, backbone_init="kaiming", threads=1)
 
 
 def plan(tmp_path, suite="zoo-4", schedule="sequential", methods=("lora",), **kw):
-    return multitask.plan(
-        **settings(
-            suite=suite,
-            schedule=schedule,
-            methods=list(methods),
-            **settings(**FAST | kw, arch="deep-narrow", out_dir=tmp_path),
-        )
-    )
+    return multitask.plan(suite, schedule, list(methods), **settings(**FAST | kw, arch="deep-narrow", out_dir=tmp_path))
 
 
 def with_lr(p: multitask.SuitePlan, lr: float) -> multitask.SuitePlan:
