@@ -54,8 +54,14 @@ class Protocol:
         return engine.budget(self.budget, self.arch)
 
     @property
+    def n_seeds(self) -> int:
+        """How many seeds (0..n_seeds-1): `seeds`, or the budget's (checked before a plan builds anything of that
+        size: a plan refuses more than the memory holds)."""
+        return seed_count(self.schedule, self.seeds)
+
+    @property
     def seed_list(self) -> list[int]:
-        return list(range(seed_count(self.schedule, self.seeds)))
+        return list(range(self.n_seeds))
 
 
 @dataclass(frozen=True, kw_only=True)

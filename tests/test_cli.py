@@ -595,3 +595,47 @@ def test_a_run_whose_output_cannot_be_written_still_finishes(tmp_path, stream):
             out = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=full, timeout=600)
     assert out.returncode == 0, out.stderr
     assert len(list((tmp_path / "records/deep-narrow/matyas/lora").glob("*.json"))) == 1
+
+
+# options that name a file or folder: every command reads them through commands.path_arg (one parser per kind)
+PATH_OPTIONS = {"out", "folder", "results", "card", "baselines", "figure", "peft"}
+
+
+def hand_parsing(sources: dict[str, str]) -> list[str]:
+    """'module:line' wherever a command parses a parsed option's text itself: args.X.split(...) (or rsplit,
+    partition), int(args.X), float(args.X), rather than through the shared parsers (commands/__init__.py, inputs)."""
+    import ast
+
+    def from_args(node) -> bool:
+        while isinstance(node, ast.Attribute | ast.Subscript):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id == "args"
+
+    found = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            splits = isinstance(f, ast.Attribute) and f.attr in ("split", "rsplit", "partition", "rpartition")
+            casts = isinstance(f, ast.Name) and f.id in ("int", "float") and node.args and from_args(node.args[0])
+            if (splits and from_args(f.value)) or casts:
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_every_command_parses_paths_and_lists_through_the_shared_parsers():
+    from qlbench import commands
+
+    for name, parser in subparsers().items():
+        for action in parser._actions:
+            if action.dest in PATH_OPTIONS and action.nargs != 0:
+                assert action.type is commands.path_arg, (name, action.dest)
+    folder = Path(commands.__file__).parent
+    sources = {p.stem: p.read_text() for p in folder.glob("*.py") if p.name not in ("__init__.py", "options.py")}
+    assert hand_parsing(sources) == []
+
+
+def test_the_hand_parsing_check_finds_planted_parsing():
+    planted = "def run(args):\n    a = args.methods.split(',')\n    b = int(args.seed)\n    c = 'x,y'.split(',')\n"
+    assert hand_parsing({"planted": planted}) == ["planted:2", "planted:3"]

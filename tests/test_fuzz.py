@@ -1,7 +1,8 @@
 """Every command against generated input (hypothesis): options drawn from each command's own parser, values from a
 pool of hostile text (empty, blank, nan, inf, negative, huge, repeated list items, a grid axis twice, a device, a
 virtual file system, a file where a folder is read, non-ASCII, very long). The promise under test: bad input is one
-line on stderr with exit code 2, before any work, and nothing is a traceback.
+line on stderr with exit code 2, before any work, nothing is a traceback, and nothing is written outside --out (in
+the example's folder or the working directory; what a command writes elsewhere, a shared cache, is not seen here).
 
 Work is stopped where it would start: pretraining, training (`engine.pretrain`, every binding of `engine.fit`) and the
 benchmark's timed cases raise WouldWork, which counts as input accepted. Anything else an example raises is a bug.
@@ -80,6 +81,23 @@ def stopped(monkeypatch):
     monkeypatch.setattr(schedule, "run", _stop)
 
 
+def written(root) -> dict:
+    """Every file under `root` with its (size, modification time)."""
+    from pathlib import Path
+
+    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in Path(root).rglob("*") if f.is_file()}
+
+
+def inside(path: str, folder: str | None) -> bool:
+    """Whether `path` is `folder` or under it (`folder` as given on the command line)."""
+    import os.path
+
+    if not folder:
+        return False
+    folder = os.path.realpath(folder)
+    return os.path.realpath(path) == folder or os.path.realpath(path).startswith(folder + os.sep)
+
+
 # CI: a fixed seed (derandomize); `make fuzz` draws new examples (QLBENCH_FUZZ=random) and more of them. A case it
 # finds stays as an explicit example in tests/test_cli.py (the path names over 255 bytes came from here).
 RANDOM = os.environ.get("QLBENCH_FUZZ") == "random"
@@ -98,13 +116,22 @@ def test_generated_input_is_one_line_or_accepted_never_a_traceback(command, data
     argv = [a.format(**paths) if "{" in a and "}" in a else a for a in argv_for(command, data.draw)]
     if "--out" not in argv and any("--out" in a.option_strings for a in options(command)):
         argv += ["--out", str(where / "out")]
+    (where / "cwd").mkdir()
+    before = written(where)
     capsys.readouterr()
+    cwd = os.getcwd()
+    os.chdir(where / "cwd")  # a relative default (./results) would land here
     try:
         code = cli.main(argv)
     except WouldWork:
         code = None
+    finally:
+        os.chdir(cwd)
     out, err = capsys.readouterr()
     assert "Traceback" not in err, (argv, err)
+    out_dir = argv[argv.index("--out") + 1] if "--out" in argv else None
+    outside = [f for f, stamp in written(where).items() if before.get(f) != stamp and not inside(f, out_dir)]
+    assert outside == [], (argv, outside)  # nothing written outside --out (in the example's folder or the cwd)
     if code == 2:
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("qlbench"), (argv, err)

@@ -212,7 +212,7 @@ def plan(
     methods = [adapters.canonical(m) for m in methods]  # loads peft:<type> and package.module:NAME (one line if not)
     if len(set(methods)) != len(methods):
         raise ValueError(f"method listed twice in {','.join(methods)}")
-    b, n_seeds, dtype = protocol.schedule, len(protocol.seed_list), protocol.dtype
+    b, n_seeds, dtype = protocol.schedule, protocol.n_seeds, protocol.dtype
     overrides = check_overrides(overrides, methods)
     configs = {}
     for m in methods:

@@ -219,7 +219,7 @@ def plan(
         method_of(r)
     if len(set(chosen)) != len(chosen):
         raise ValueError(f"method listed twice in {','.join(chosen)}")
-    b, n_seeds = protocol.schedule, len(protocol.seed_list)
+    b, n_seeds = protocol.schedule, protocol.n_seeds
     reserved = {"tasks": f"the suite's task count ({len(s.tasks)})"}
     overrides = planning.check_overrides(overrides, [method_of(r)[0] for r in chosen], reserved)
     configs, sizes, routes = {}, {}, {}
