@@ -182,8 +182,8 @@ class StackedLayerNorm(nn.Module):
 # Devices whose attention is PyTorch's fused F.scaled_dot_product_attention at every length: the CPU, so its numbers
 # keep their bits. Elsewhere (CUDA, and the meta device that counts CUDA's kernels) sequences of up to SHORT_SEQUENCE
 # tokens take `short_attention`: on this backbone's sequences of two tokens the fused memory-efficient kernels, tiled
-# for 64 queries, take half the kernel time of a captured Transformer LoRA step at 45 members on an H200 (7.7 of
-# 15.2 ms; measured: docs/speed.md).
+# for 64 queries, take half the kernel time of a captured Transformer LoRA step at 45 members on a data-centre GPU
+# (7.7 of 15.2 ms; measured: docs/speed.md).
 FUSED_ATTENTION_DEVICES = ("cpu",)
 SHORT_SEQUENCE = 16
 

@@ -97,7 +97,7 @@ def capture_row(arch: str, method: str, E: int, s: Settings, device, rates: tupl
 
 # rounds per timed call of engine.concurrently in the at_once row, as multiples of the other rows' chunks: a run starts
 # its threads and streams once and trains on them for its whole length, while each timed call here starts them anew.
-# The H200's --quick rows (4 rounds a call) ran slower at once, where the quick run itself ran faster (docs/speed.md)
+# The GPU's --quick rows (4 rounds a call) ran slower at once, where the quick run itself ran faster (docs/speed.md)
 AT_ONCE_CHUNK = 10
 
 

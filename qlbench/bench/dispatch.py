@@ -7,7 +7,7 @@ where the two differ from the CPU's (`stacked.memberwise` pads on the CPU only),
 as one kernel (a few launch two on CUDA, e.g. a baddbmm's copy of its input): views and allocations are left out,
 as they launch none. The step is the engine's, its loss included; not counted: the optimiser's update (on CUDA one
 fused AdamW kernel, or full-soap's SOAP step). An estimate of torch.profiler's CUDA count (`capture.capture_row`): on
-an NVIDIA H200 the profiler counted 369 kernels for deep-narrow LoRA's whole step and 1,396 for Queryable LoRA's,
+a data-centre GPU the profiler counted 369 kernels for deep-narrow LoRA's whole step and 1,396 for Queryable LoRA's,
 where this count gives 332 and 1,473 for the same code (docs/speed.md).
 
 Each kernel is also counted with its FLOPs and the bytes it moves (`step_traffic`), from which `roofline_ms` gives

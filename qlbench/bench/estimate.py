@@ -102,10 +102,10 @@ def at_once(report: dict, arch: str, methods: dict[str, dict]) -> dict | None:
     at a time (`--methods-at-once`): their training steps, as the one-at-a-time estimate counts them (`train_s`
     without the warm-up), divided by the row's speed-up (a round at once against the same round one method after
     another, side by side in one run), so that the two totals differ by that ratio alone and not by how each
-    timing was taken (on an H200 the row's 40-step chunks held full-soap's eigenbases' refreshes, which the capture
-    rows' 4-step chunks mostly missed); their warm-ups (recordings, compilation) and evaluations counted one after
-    another (an upper bound: they overlap too), the other methods (the pretraining, which comes first) as they are.
-    None without such a row."""
+    timing was taken (on a data-centre GPU the row's 40-step chunks held full-soap's eigenbases' refreshes, which the
+    capture rows' 4-step chunks mostly missed); their warm-ups (recordings, compilation) and evaluations counted one
+    after another (an upper bound: they overlap too), the other methods (the pretraining, which comes first) as they
+    are. None without such a row."""
     rows = [r for r in report.get("at_once", []) if r["arch"] == arch]
     inside = [m for m in rows[-1]["methods"] if m in methods] if rows else []
     if len(inside) < 2:

@@ -150,8 +150,8 @@ def if_it_fits(label: str, rows: list, measure: Callable[[], dict], failing: tup
     full-soap's 45 Transformers with their SOAP states, on a smaller GPU), a line on stderr and no row: the estimate
     then scales that method from its narrower stack. `failing`: further errors that are likewise a line and no row,
     so that the rows after them are still measured and the estimate still made (the `at_once` rows train several
-    threads' stacks at once, recording CUDA graphs among them, where a RuntimeError once failed every method on an
-    H200: docs/speed.md)."""
+    threads' stacks at once, recording CUDA graphs among them, where a RuntimeError could fail every method on a
+    GPU: docs/speed.md)."""
     try:
         rows.append(measure())
         return

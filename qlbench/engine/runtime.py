@@ -232,8 +232,8 @@ GATE = Gate()  # the process's one: every recording and every job of `concurrent
 def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) -> list[T]:
     """Each job's result, in order, with up to `width` jobs running at once, each in its own thread and, on CUDA,
     on its own stream, so that the kernels of small stacks overlap on the device (a deep-narrow step at 45 members
-    is about 3 µs per kernel on an H200, on kernels far too small to fill it; docs/speed.md). width <= 1: one after
-    another in this thread.
+    is about 3 µs per kernel on a data-centre GPU, on kernels far too small to fill it; docs/speed.md). width <= 1: one
+    after another in this thread.
 
     The threads share this one's intra-op thread count (a process-wide setting, tests/test_concurrent.py). Each job
     waits for its stream before it ends, so a result's tensors are ready on any stream. A job's exception is raised

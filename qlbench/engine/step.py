@@ -3,7 +3,7 @@
 `Step` is the step: forward, each member's batch-mean loss, backward of their sum, the optimiser's update.
 `CapturedStep` is the same step on CUDA, recorded once per batch shape (forward, backward and the optimiser's
 update, `torch.cuda.graph`) and replayed: one launch per step instead of one per kernel (a deep-narrow LoRA step is
-about 370 kernels on an H200, Queryable LoRA's about 1,240; docs/speed.md). Both are called as step(xb, yb,
+about 370 kernels on a data-centre GPU, Queryable LoRA's about 1,240; docs/speed.md). Both are called as step(xb, yb,
 inspect, task) and return the members' losses (E,). `CapturedEvaluation` records a captured stage's evaluation of
 its train and test sets the same way, once per stage.
 
@@ -295,8 +295,8 @@ class CapturedEvaluation:
     every evaluation of the stage (the optimiser updates the parameters in place), so each replay reads their
     current values; the first EVALUATION_WARMUP evaluations run as they are (the first comes before any training
     step: it loads the forward's kernels), the next is recorded. Evaluation is eager on either device otherwise.
-    Why: eager, the paper budget's 501 evaluations per stage are 8% of the deep-narrow paper table's estimate on an
-    H200 (measured: docs/speed.md)."""
+    Why: eager, the paper budget's 501 evaluations per stage are 8% of the deep-narrow paper table's estimate on a
+    data-centre GPU (measured: docs/speed.md)."""
 
     def __init__(self, evaluate: Callable[[], torch.Tensor], device: torch.device):
         self.evaluate, self.calls, self.recording = evaluate, 0, None

@@ -51,9 +51,10 @@ def check_settings(*, eps=None, dtype: str | None = None, threads=None) -> None:
 
 
 # Where `--methods-at-once auto` trains every method's stack at once: on CUDA, the backbones whose captured steps are
-# bound by launching small kernels (on an H200, deep-narrow's nine trained methods at the paper's 45 members run x1.35
-# faster at once, its quick sweep and quick run take x0.74 and x0.61 of the time, records identical; measured:
-# docs/speed.md). The Transformer's steps keep the device busy (92 to 98%), so it trains one stack at a time.
+# bound by launching small kernels (on a data-centre GPU, deep-narrow's nine trained methods at the paper's 45
+# members run x1.35 faster at once, its quick sweep and quick run take x0.74 and x0.61 of the time, records
+# identical; measured: docs/speed.md). The Transformer's steps keep the device busy (92 to 98%), so it trains one
+# stack at a time.
 AT_ONCE_ARCHS = ("deep-narrow",)
 
 
