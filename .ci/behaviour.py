@@ -64,13 +64,23 @@ VOLATILE = re.compile(
     r"(created_at|commit|commits|dirty|wall_time_s|latency_s_per_sample|peak_train_bytes|platform|"
     r"backbone_commits|elapsed_s|seconds|time_s|us_per_step)$"
 )
-# report lines that carry timings or provenance
-TIMING = re.compile(r"(wall time|µs|s/step|latency|seconds|records from|commit|provenance|generated)", re.I)
+# report columns and lines that carry timings, dates or provenance (a Pareto front: its L is against latency)
+TIMING = re.compile(
+    r"(wall time|µs|s/step|latency|front|seconds|eval s|× frozen|s/member|created_at|records from|commit|provenance|"
+    r"generated)",
+    re.I,
+)
+# what a refactor may rename without changing behaviour: a module's path in a legend (qlbench/real.py moved to
+# qlbench/experiments/real.py)
+RENAMED = (("qlbench/experiments/", "qlbench/"), ("qlbench/records/", "qlbench/"), ("qlbench/metrics/", "qlbench/"))
+ORDERLESS = {"target_modules"}  # peft writes a set of module names: its order is the process's hash seed's
 
 
 def _mask(value, key: str = ""):
     if VOLATILE.search(key):
         return "<volatile>"
+    if key in ORDERLESS and isinstance(value, list):
+        return sorted(value)
     if isinstance(value, dict):
         return {k: _mask(v, k) for k, v in value.items()}
     if isinstance(value, list):
@@ -83,10 +93,15 @@ def _table_line(line: str) -> str:
     return "<timing>" if TIMING.search(line) else line
 
 
-def _text(path: Path) -> list[str]:
-    lines = path.read_text(errors="replace").splitlines()
+def _text(path: Path, root: Path) -> list[str]:
+    text = path.read_text(errors="replace").replace(str(root), "<root>")
+    for new, old in RENAMED:
+        text = text.replace(new, old)
+    lines = text.splitlines()
     timed: list[int] = []
     out = []
+    if path.suffix == ".csv":
+        return _csv(lines)
     for line in lines:
         cells = line.split("|")
         if len(cells) > 2 and any(TIMING.search(c) for c in cells):
@@ -103,6 +118,17 @@ def _text(path: Path) -> list[str]:
     return out
 
 
+def _csv(lines: list[str]) -> list[str]:
+    """CSV rows with the timing columns (by header) masked."""
+    import csv
+
+    rows = list(csv.reader(lines))
+    if not rows:
+        return []
+    timed = {i for i, h in enumerate(rows[0]) if TIMING.search(h)}
+    return [",".join("<timing>" if i in timed else c for i, c in enumerate(r)) for r in rows]
+
+
 def compare(a: Path, b: Path) -> int:
     diffs: list[str] = []
     files_a = {p.relative_to(a) for p in a.rglob("*") if p.is_file()}
@@ -115,7 +141,7 @@ def compare(a: Path, b: Path) -> int:
             if x != y:
                 diffs.append(f"record differs: {p}: {_first_difference(x, y)}")
         elif p.suffix in {".md", ".out", ".csv", ".txt"}:
-            x, y = _text(a / p), _text(b / p)
+            x, y = _text(a / p, a), _text(b / p, b)
             if x != y:
                 line = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
                 diffs.append(f"text differs: {p} line {line + 1}")
