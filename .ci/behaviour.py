@@ -70,8 +70,8 @@ TIMING = re.compile(
     r"generated)",
     re.I,
 )
-# what a refactor may rename without changing behaviour: a module's path in a legend (qlbench/real.py moved to
-# qlbench/experiments/real.py)
+# what a refactor may rename without changing behaviour: a module's path in a legend (real.py moved from qlbench/ to
+# qlbench/experiments/)
 RENAMED = (("qlbench/experiments/", "qlbench/"), ("qlbench/records/", "qlbench/"), ("qlbench/metrics/", "qlbench/"))
 ORDERLESS = {"target_modules"}  # peft writes a set of module names: its order is the process's hash seed's
 
