@@ -73,8 +73,8 @@ def stopped(monkeypatch):
     from qlbench import bench, engine
     from qlbench.bench import schedule
 
-    adapt, cache, loop = (importlib.import_module(f"qlbench.engine.{m}") for m in ("adapt", "cache", "loop"))
-    for module, name in ((engine, "fit"), (adapt, "fit"), (cache, "fit"), (loop, "fit"), (engine, "pretrain")):
+    cache, loop = (importlib.import_module(f"qlbench.engine.{m}") for m in ("cache", "loop"))
+    for module, name in ((engine, "fit"), (cache, "fit"), (loop, "fit"), (engine, "pretrain")):
         monkeypatch.setattr(module, name, _stop)
     monkeypatch.setattr(cache, "pretrain", _stop)
     monkeypatch.setattr(bench, "run", _stop)

@@ -63,7 +63,7 @@ def test_without_padding_a_lone_member_differs(monkeypatch):
     """Why MIN_STACK exists (measured on this project's CPUs): a one-member stack takes another matmul path for the
     one-output head, and its training drifts in the last bits. If this starts passing with padding off, the
     padding may be dropped (docs/speed.md)."""
-    monkeypatch.setattr(engine.loop, "MIN_STACK", 1)  # the one reader: engine.padded
+    monkeypatch.setattr(engine.stack, "MIN_STACK", 1)  # the one reader: engine.padded
     pretrained.cache_clear()  # the cached backbones were trained with padding
     alone, wide = trained([LONE], "lora")[LONE], trained(WIDE, "lora")[LONE]
     pretrained.cache_clear()

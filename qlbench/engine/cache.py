@@ -4,63 +4,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from qlbench import suites, zoo
 from qlbench.adapters.base import adamw
 from qlbench.backbones import DEFAULT_INIT, build_backbone
 from qlbench.engine.budgets import Phase
-from qlbench.engine.loop import Member, StackedData, Stage, fit, padded
+from qlbench.engine.loop import Stage, fit
 from qlbench.engine.runtime import flush_denormals
+from qlbench.engine.stack import Member, Pretrained, StackedData, padded
 from qlbench.records import record
 from qlbench.records.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash
 from qlbench.seeding import generator
-
-
-@dataclass
-class Pretrained:
-    """A stack of source-pretrained backbones: the stacked state and each member's source metrics."""
-
-    arch: str
-    members: list[Member]
-    state: dict[str, torch.Tensor]  # stacked state_dict, CPU
-    source_train_mse: list[float]
-    source_test_mse: list[float]
-    # the code each member's backbone was trained by ({commit, dirty}; None: a cache file written before it was
-    # recorded). The cache is keyed by settings, not by code, so a record states which code made its backbones.
-    git: list[dict | None] = field(default_factory=list)
-
-    def select(self, members: list[Member]) -> Pretrained:
-        """The sub-stack of the given members."""
-        idx = [self.members.index(m) for m in members]
-        return Pretrained(
-            self.arch,
-            list(members),
-            {k: v[idx] for k, v in self.state.items()},
-            [self.source_train_mse[i] for i in idx],
-            [self.source_test_mse[i] for i in idx],
-            [self.git[i] for i in idx] if self.git else [],
-        )
-
-    def commits(self) -> list[str]:
-        """The distinct commits that trained these backbones, "unknown" for a cache file without one and a
-        "+dirty" suffix for a dirty tree (records' run_info.settings.backbone_commits)."""
-        names = {
-            "unknown" if not g or not g.get("commit") else g["commit"] + ("+dirty" if g.get("dirty") else "")
-            for g in self.git or [None]
-        }
-        return sorted(names)
-
-    def model(self, *, device, dtype) -> nn.Module:
-        """A fresh copy of the pretrained stack (methods modify their backbone in place)."""
-        model = build_backbone(self.arch, self.members, device=device, dtype=dtype)
-        model.load_state_dict(self.state)
-        return model
-
 
 SOURCES = ("function", "suite")
 

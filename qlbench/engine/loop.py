@@ -1,7 +1,8 @@
-"""The training loop every stack runs: stacked data, the training step, `fit` over its stages, evaluation and curves.
+"""The training loop every stack runs, and a method's adaptation through it: the step built (eager, compiled or
+captured), `fit` over a stack's stages (pretraining, adaptation, suite stages and the real models all train through
+it), a stage's snapshots, and `adapt`: a method built on a fresh copy of a pretrained stack and trained on every
+member's target.
 
-A stack trains E members at once (seeds, or functions x seeds), each with its own data, data order, initialisation
-and metrics; their parameters are stacked on a leading dimension and one batched forward/backward serves them all.
 The per-member loss is the member's own batch mean and the stack minimises their sum, so each member receives
 exactly the gradient it would get alone (a stacked run equals E separate runs; tests/test_engine.py checks it).
 """
@@ -10,150 +11,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from qlbench import zoo
-from qlbench.engine.budgets import Phase
-from qlbench.engine.runtime import compiled
+from qlbench import adapters, gradients, zoo
+from qlbench.engine.budgets import Budget, Phase
+from qlbench.engine.runtime import compiled, flush_denormals
 from qlbench.engine.snapshot import Snapshots, trainable
+from qlbench.engine.stack import DIVERGENCE_FACTOR, Curves, Member, Pretrained, StackedData, evaluate, padded
 from qlbench.engine.step import CapturedEvaluation, Step
 from qlbench.engine.step import build as build_step
-
-Member = tuple[str, int]  # (function name, seed)
-
-# Stack independence. A member's numbers must not depend on what else is in its stack (a cell run alone, inside a
-# sweep, in another Ray group or after a resume). Measured on CPU (float32, both backbones, every stack width from 2
-# to 17, one and two threads): every per-member kernel gives the same bits at any width E >= 2, but at E = 1 a
-# batched matmul with one output column (the regression head) takes a matrix-vector path whose last bits differ, and
-# training amplifies them (a 1e-3 weight difference after one Transformer epoch). So no stack is narrower than
-# MIN_STACK: a single member trains beside a copy of itself, whose results are dropped (twice the work, only for a
-# one-member stack; docs/speed.md). tests/test_stack_independence.py checks every method.
-MIN_STACK = 2
-
-
-def padded(members: list[Member]) -> list[Member]:
-    """`members`, with copies of the first appended up to MIN_STACK (the copies' results are dropped)."""
-    return list(members) + [members[0]] * (MIN_STACK - len(members)) if members else list(members)
-
-
-# qlbench interpretation of the paper's "inf": a member diverged when an evaluated MSE is non-finite or grows past
-# this factor times the larger of its own epoch-0 train MSE (where every method starts) and the variance of its
-# training labels (what predicting the mean scores). Relative, not the paper's absolute 1e5: the zoo's labels are
-# in raw units whose MSE scales differ by orders of magnitude.
-DIVERGENCE_FACTOR = 100.0
-
-
-@dataclass
-class StackedData:
-    """Per-member datasets stacked on a leading dimension: x (E, N, 2), y (E, N); in a multi-task suite also each
-    sample's task index, task (E, N) long (None: one task)."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    task_train: torch.Tensor | None = None
-    task_test: torch.Tensor | None = None
-
-    @classmethod
-    def build(cls, members: list[Member], which: str, *, device, dtype, noise: str = zoo.DEFAULT_NOISE) -> StackedData:
-        """The members' "source" or "target" datasets, labels noised by the construction `noise` (zoo.NOISES)."""
-        splits = [getattr(zoo.task(f, noise), f"{which}_data")(seed, dtype=dtype, device=device) for f, seed in members]
-        return cls.stack(splits)
-
-    @classmethod
-    def stack(
-        cls, splits: list[zoo.Split], tasks: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    ) -> StackedData:
-        """One member per split; `tasks`: per member its (train, test) task indices (N,), or None."""
-        data = [torch.stack([getattr(s, k) for s in splits]) for k in ("x_train", "y_train", "x_test", "y_test")]
-        if tasks is not None:
-            data += [torch.stack([t[i] for t in tasks]).to(data[0].device) for i in (0, 1)]
-        return cls(*data)
-
-
-@dataclass
-class Curves:
-    """Per-member evaluation history: train and test MSE (E, n_evals) at `epochs`, NaN after divergence."""
-
-    epochs: list[int]
-    train_mse: torch.Tensor
-    test_mse: torch.Tensor
-    diverged_epoch: list[int | None]  # first evaluated epoch at which the member was non-finite
-    # gradient diagnostics (gradients.py), from the last step of each evaluated epoch > 0; NaN after divergence
-    grad_epochs: list[int] = field(default_factory=list)
-    grad_layers: torch.Tensor | None = None  # (E, n_grad_epochs, L) per-layer gradient norms
-    grad_shared: torch.Tensor | None = None  # (E, n_grad_epochs) the shared parameters' norm (None: none)
-    # a stage resumed from its snapshot (engine/snapshot.py): the epoch it was taken at, and the seconds the earlier
-    # processes had trained until then (None, 0.0: trained in one go)
-    resumed_epoch: int | None = None
-    earlier_s: float = 0.0
-
-    def first(self, n: int) -> Curves:
-        """The curves of the first n members (drops a padded stack's copies)."""
-        cut = lambda t: None if t is None else t[:n]
-        return Curves(
-            self.epochs,
-            self.train_mse[:n],
-            self.test_mse[:n],
-            self.diverged_epoch[:n],
-            self.grad_epochs,
-            cut(self.grad_layers),
-            cut(self.grad_shared),
-            self.resumed_epoch,
-            self.earlier_s,
-        )
-
-    def member_summary(self, e: int) -> dict:
-        """Best train MSE, best test MSE (test-selected, as the paper reports) and the test MSE at the
-        best-train epoch (selection that does not peek at the test set)."""
-        tr, te = self.train_mse[e], self.test_mse[e]
-        ok = torch.isfinite(tr) & torch.isfinite(te)
-        if not ok.any():
-            return dict(
-                best_train_mse=None,
-                best_train_epoch=None,
-                best_test_mse=None,
-                best_test_epoch=None,
-                test_at_best_train=None,
-            )
-        idx = torch.nonzero(ok).squeeze(1)
-        i_tr = idx[tr[idx].argmin()].item()
-        i_te = idx[te[idx].argmin()].item()
-        return dict(
-            best_train_mse=tr[i_tr].item(),
-            best_train_epoch=self.epochs[i_tr],
-            best_test_mse=te[i_te].item(),
-            best_test_epoch=self.epochs[i_te],
-            test_at_best_train=te[i_tr].item(),
-        )
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=None, chunk: int = 1024, task=None
-) -> torch.Tensor:
-    """Per-member MSE (E,) of model on x (E, N, 2), y (E, N), in chunks of samples to bound memory; `task` (E, N)
-    long: each sample's task in a suite (None: one task)."""
-    return squared_errors(model, x, y, instruction, chunk, task).mean(dim=1)
-
-
-@torch.no_grad()
-def squared_errors(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, instruction=None, chunk: int = 1024, task=None
-) -> torch.Tensor:
-    """Per-sample squared errors (E, N) of model on x (E, N, 2), y (E, N), in chunks of samples."""
-    cut = lambda t, i: None if t is None else t[:, i : i + chunk]
-    return torch.cat(
-        [
-            (model(x[:, i : i + chunk], instruction, task=cut(task, i)) - y[:, i : i + chunk]).pow(2)
-            for i in range(0, x.shape[1], chunk)
-        ],
-        dim=1,
-    )
+from qlbench.seeding import generator
 
 
 def make_step(
@@ -362,3 +232,113 @@ def _restore(snap: dict, model: nn.Module, optimizer, order, history: dict) -> t
     for key, value in snap["history"].items():
         history[key][:] = value
     return snap["epoch"], snap["elapsed_s"]
+
+
+@dataclass
+class AdaptResult:
+    """What one stacked adaptation produced, per member."""
+
+    members: list[Member]
+    curves: Curves
+    trainable_params: int
+    total_params: int
+    wall_time_s: float
+    model: nn.Module  # the adapted stack, final state (members first; a padded stack's copies after them)
+    source_test_mse_after: list[float]  # each member's source-task test MSE after adaptation, final state
+
+
+def build_model(
+    pretrained: Pretrained, method_name: str, config, *, device, dtype, noise: str = zoo.DEFAULT_NOISE
+) -> tuple[nn.Module, StackedData]:
+    """`method` built on a fresh copy of the pretrained stack (member e's new parameters seeded by its function
+    and seed, its instruction bound when the method routes on one), and the members' target data (labels noised
+    by `noise`, zoo.NOISES)."""
+    arch, members = pretrained.arch, pretrained.members
+    data = StackedData.build(members, "target", device=device, dtype=dtype, noise=noise)
+    init = [generator("init", method_name, arch, f, s) for f, s in members]
+    method = adapters.get(method_name)
+    model = method.build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
+    method.bind(model, members, config)
+    return model, data
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    """What a stack is adapted with: the method and its config, the budget (its adapt phase and evaluation cadence),
+    the optimiser's epsilon (AdamW's, or SOAP's for full-soap) and the target labels' noise (zoo.NOISES)."""
+
+    method: str
+    config: object
+    budget: Budget
+    eps: float = adapters.EPS
+    noise: str = zoo.DEFAULT_NOISE
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how the step runs: the device, the dtype, and whether the step is compiled or captured in CUDA
+    graphs (engine.fit)."""
+
+    device: torch.device | str
+    dtype: torch.dtype = torch.float32
+    compile: bool = False
+    capture: bool = False
+
+
+@flush_denormals()
+def adapt(
+    pretrained: Pretrained,
+    adaptation: Adaptation,
+    runtime: Runtime,
+    *,
+    progress: Callable[[int], None] | None = None,
+    diagnostics: bool = True,
+    prepare: Callable[[nn.Module], None] | None = None,
+    snapshots: Snapshots | None = None,
+) -> AdaptResult:
+    """Build the adaptation's method on a fresh copy of the pretrained stack and adapt every member to its target;
+    with `diagnostics`, record per-layer gradient norms at the evaluation cadence (gradients.py). `prepare(model)`,
+    if given, is called on the built stack before any training (a stacked Pareto grid sets each member's k there,
+    qlbench/experiments/pareto_stack.py); `snapshots`: the training state saved as it goes, and a stopped run's
+    restored (engine/snapshot.py). The wall time counts the earlier processes' training up to the snapshot resumed
+    from."""
+    method_name, config, budget = adaptation.method, adaptation.config, adaptation.budget
+    eps, noise = adaptation.eps, adaptation.noise
+    device, dtype, compile, capture = runtime.device, runtime.dtype, runtime.compile, runtime.capture
+    method = adapters.get(method_name)
+    arch, members = pretrained.arch, pretrained.members
+    t0 = time.perf_counter()
+    if len(padded(members)) > len(members):  # trained as a stack of at least MIN_STACK (select copies the state)
+        pretrained = pretrained.select(padded(members))
+    model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype, noise=noise)
+    if prepare is not None:
+        prepare(model)
+    if method.trains:
+        optimizer = lambda: method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay, eps)
+        order = [generator("order", "adapt", arch, f, s) for f, s in pretrained.members]
+        diagnose = None
+        if diagnostics:
+            groups = gradients.param_groups(model)
+            diagnose = lambda: gradients.grad_norms(groups)
+        stage = Stage(data, budget.adapt, optimizer, order, budget.eval_every)
+        (curves,) = fit(
+            model, [stage], progress=progress, compile=compile, capture=capture, diagnose=diagnose, snapshots=snapshots
+        )
+    else:
+        tr = evaluate(model, data.x_train, data.y_train).cpu()
+        te = evaluate(model, data.x_test, data.y_test).cpu()
+        finite = (torch.isfinite(tr) & torch.isfinite(te)).tolist()  # a non-finite score is a divergence, reported
+        curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None if ok else 0 for ok in finite])
+    wall_time_s = time.perf_counter() - t0 + curves.earlier_s
+    # how much of the source task the adaptation kept: the final model on the source test set (not timed)
+    source = StackedData.build(pretrained.members, "source", device=device, dtype=dtype, noise=noise)
+    source_after = evaluate(model, source.x_test, source.y_test).cpu()[: len(members)]
+    return AdaptResult(
+        members,
+        curves.first(len(members)),
+        adapters.trainable_parameter_count(model),
+        adapters.total_parameter_count(model),
+        wall_time_s,
+        model,
+        source_after.tolist(),
+    )
