@@ -17,7 +17,7 @@ import torch
 
 from qlbench import adapters, cli, engine
 from qlbench.adapters.base import adamw
-from qlbench.engine import loop
+from qlbench.engine import loop, snapshot
 from qlbench.experiments import experiment
 from qlbench.records import results, runner
 from qlbench.records.store import Store
@@ -315,3 +315,22 @@ def test_a_captured_stage_resumes_as_an_eager_one(pre, method, tmp_path, monkeyp
     resumed = captured(snapshots=snapshots)
     assert resumed.curves.resumed_epoch == 4
     assert_same_training(reference, resumed)
+
+
+@pytest.mark.parametrize(
+    "saved, why",
+    [
+        ({"format": snapshot.FORMAT, "key": "other"}, "a snapshot of another configuration"),  # swapped
+        ({"format": snapshot.FORMAT - 1, "key": "k"}, f"not a snapshot of format {snapshot.FORMAT}"),  # other version
+        ({"state": torch.zeros(2)}, f"not a snapshot of format {snapshot.FORMAT}"),  # another kind of torch file
+        ([1, 2, 3], f"not a snapshot of format {snapshot.FORMAT}"),
+    ],
+)
+def test_a_swapped_or_other_version_snapshot_is_reported_and_set_aside(tmp_path, saved, why):
+    """A snapshot file that another stack's (swapped in), another version's or another kind of file took the place of:
+    one line naming why, the file set aside, and the stage starts from its first epoch (load gives None)."""
+    path, said = tmp_path / "s.pt", []
+    torch.save(saved, path)
+    assert snapshot.Snapshots(path, "k", log=said.append).load("cpu") is None
+    assert len(said) == 1 and why in said[0] and "moved to" in said[0] and "first epoch" in said[0], said
+    assert not path.exists() and list(tmp_path.glob("s.pt.damaged-*"))
