@@ -14,6 +14,7 @@ pytest.importorskip("peft")
 from qlbench import cli  # noqa: E402
 from qlbench.experiments import real
 from qlbench.records import runner, store
+from qlbench.settings import Execution
 
 # General knowledge, written here apart from qlbench/experiments/real.py's tables: the yes answers.
 MAMMALS = {"cat", "dog", "horse", "whale", "mouse", "bat"}
@@ -171,24 +172,28 @@ def test_the_runner_completes_a_record_keeps_its_seeds_and_leaves_a_locked_metho
 
     monkeypatch.setattr(real, "train_one", fake)
     one, three = real.RealConfig(epochs=1, seeds=(0,)), real.RealConfig(epochs=1, seeds=(0, 1, 2))
-    runner.run(real.plan(["lora"], one, tmp_path))
-    runner.run(real.plan(["lora"], three, tmp_path))
+    runner.run(real.plan(["lora"], one, Execution(out_dir=tmp_path, device="cpu")))
+    runner.run(real.plan(["lora"], three, Execution(out_dir=tmp_path, device="cpu")))
     path = real.record_path(tmp_path, three, "lora")
     assert trained == [("lora", 0), ("lora", 1), ("lora", 2)]
     assert [s["seed"] for s in store.read_json(path)["per_seed"]] == [0, 1, 2]
-    runner.run(real.plan(["lora"], real.RealConfig(epochs=1, seeds=(3,)), tmp_path))  # another seed: added,
+    runner.run(
+        real.plan(["lora"], real.RealConfig(epochs=1, seeds=(3,)), Execution(out_dir=tmp_path, device="cpu"))
+    )  # another seed: added,
     assert trained[3:] == [("lora", 3)] and [s["seed"] for s in store.read_json(path)["per_seed"]] == [0, 1, 2, 3]
-    runner.run(real.plan(["lora"], one, tmp_path))  # and a run of seeds on record trains nothing
+    runner.run(
+        real.plan(["lora"], one, Execution(out_dir=tmp_path, device="cpu"))
+    )  # and a run of seeds on record trains nothing
     assert len(trained) == 4
 
     path.write_text('{"config_hash": "x"}')  # damaged: no per-seed list
     messages = []
-    runner.run(real.plan(["lora"], one, tmp_path), log=messages.append)
+    runner.run(real.plan(["lora"], one, Execution(out_dir=tmp_path, device="cpu")), log=messages.append)
     assert trained[4:] == [("lora", 0)]
     assert any("is damaged" in m and m.endswith("the method is recomputed") for m in messages)
     assert list(path.parent.glob("lora.json.damaged-*"))
 
     with store.claim([real.record_path(tmp_path, three, "queryable")]):  # another process trains it
         messages = []
-        runner.run(real.plan(["queryable"], three, tmp_path), log=messages.append)
+        runner.run(real.plan(["queryable"], three, Execution(out_dir=tmp_path, device="cpu")), log=messages.append)
     assert trained[5:] == [] and "1 method(s) are being trained by another process: left to it" in messages

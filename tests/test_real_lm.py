@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from qlbench.experiments import real_lm  # noqa: E402
 from qlbench.records import runner, store  # noqa: E402
+from qlbench.settings import Execution  # noqa: E402
 
 from helpers import one_line_error  # noqa: E402
 
@@ -104,7 +105,7 @@ def test_lora_matched_takes_the_rank_nearest_instruct_queryables_count():
 
 
 def test_a_tiny_run_writes_records_resumes_and_tabulates(tmp_path):
-    work = real_lm.plan(list(real_lm.METHODS), TINY, tmp_path)
+    work = real_lm.plan(list(real_lm.METHODS), TINY, Execution(out_dir=tmp_path, device="cpu"))
     logged = []
     paths = runner.run(work, progress=False, log=logged.append)
     assert [p.stem for p in paths] == list(real_lm.METHODS)
@@ -115,7 +116,11 @@ def test_a_tiny_run_writes_records_resumes_and_tabulates(tmp_path):
         assert 0 <= seed["exact_match"] <= 1 and seed["answer_ce"] > 0
         assert (seed["trainable_params"] == 0) is (rec["method"] == "base")
     logged.clear()
-    runner.run(real_lm.plan(list(real_lm.METHODS), TINY, tmp_path), progress=False, log=logged.append)
+    runner.run(
+        real_lm.plan(list(real_lm.METHODS), TINY, Execution(out_dir=tmp_path, device="cpu")),
+        progress=False,
+        log=logged.append,
+    )
     assert not any("seed" in m for m in logged)  # every record finished: nothing trains again
     table, legend = real_lm.table(paths)
     assert list(table["method"]) == list(real_lm.METHODS) and "instruction alone" in legend
@@ -129,7 +134,7 @@ def test_a_tiny_run_writes_records_resumes_and_tabulates(tmp_path):
 
 
 def test_a_damaged_record_is_set_aside_and_recomputed(tmp_path):
-    work = real_lm.plan(["lora"], TINY, tmp_path)
+    work = real_lm.plan(["lora"], TINY, Execution(out_dir=tmp_path, device="cpu"))
     path = work.unit_path("lora")
     path.parent.mkdir(parents=True)
     path.write_text('{"config_hash": "x", "per_seed": [{"seed": 0}]}')

@@ -42,7 +42,8 @@ def run(args) -> int:
     methods = split_list(args.methods, "--methods")
     if not methods or (bad := [m for m in methods if m not in real.METHODS]):
         raise UsageError(f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real.METHODS)}")
-    out = options.execution_of(args).out_dir  # --threads checked against the cores present
+    execution = options.execution_of(args)  # --threads checked against the cores present
+    out = execution.out_dir
     if args.seeds is None or not 1 <= args.seeds <= 100:  # before range(seeds) is built
         raise UsageError(f"--seeds must be an integer from 1 to 100, got {args.seeds}")
     try:
@@ -52,7 +53,7 @@ def run(args) -> int:
     with usage_errors():
         config = real.RealConfig(epochs=args.epochs, train_per_task=args.train_per_task, seeds=tuple(range(args.seeds)))
     with usage_errors():
-        real.plan(methods, config, out, args.device)  # the device checked before any work
+        real.plan(methods, config, execution)  # the device checked before any work
     check_out(out, "results folder")
     import torch
 
@@ -60,7 +61,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     todo = len(methods) * len(config.seeds) * real.steps(config)
     with bar(total=todo, desc="real", disable=args.no_progress) as progress:
-        paths = runner.run(real.plan(methods, config, out, args.device), progress=progress.update, log=log)
+        paths = runner.run(real.plan(methods, config, execution), progress=progress.update, log=log)
     folder = real.record_path(out, config, methods[0]).parent
     report = real_report.write(paths, folder)
     print(report["markdown"])

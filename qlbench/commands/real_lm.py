@@ -45,7 +45,8 @@ def run(args) -> int:
         raise UsageError(
             f"unknown method {', '.join(bad) if methods else '(none)'}; valid: {', '.join(real_lm.METHODS)}"
         )
-    out = options.execution_of(args).out_dir  # --threads checked against the cores present
+    execution = options.execution_of(args)  # --threads checked against the cores present
+    out = execution.out_dir
     if args.seeds is None or not 1 <= args.seeds <= 100:
         raise UsageError(f"--seeds must be an integer from 1 to 100, got {args.seeds}")
     try:
@@ -54,7 +55,7 @@ def run(args) -> int:
         raise UsageError(f"qlbench real-lm needs the hf extra (pip install 'qlbench[hf]'): {err}") from None
     with usage_errors():
         config = real_lm.LMConfig(epochs=args.epochs, seeds=tuple(range(args.seeds)))
-        work = real_lm.plan(methods, config, out, args.device)  # the device checked before any work
+        work = real_lm.plan(methods, config, execution)  # the device checked before any work
     check_out(out, "results folder")
     import torch
 

@@ -42,6 +42,7 @@ from qlbench import engine, instructions
 from qlbench.adapters.base import check_positive_int
 from qlbench.adapters.lora_matched import nearest_rank
 from qlbench.records import record, runner, store
+from qlbench.settings import DEFAULT_EXECUTION, Execution
 
 # Each task: its instruction, the sentence slot it asks about, and that slot's words with their yes/no answers.
 ANIMALS = {"cat": 1, "dog": 1, "horse": 1, "whale": 1, "mouse": 1, "bat": 1,
@@ -437,14 +438,15 @@ class RealPlan(runner.MethodSeeds):
         return record.settings(device=self.device, compile=False, dtype="float32")
 
 
-def plan(methods: list[str], config: RealConfig, out: Path, device: str = "cpu") -> RealPlan:
+def plan(methods: list[str], config: RealConfig, execution: Execution = DEFAULT_EXECUTION) -> RealPlan:
     """The experiment's workload (ValueError naming the valid methods). `runner.run(plan(...))` trains every (method,
     seed) not yet on record and writes one record per method (atomic; a record of another config never replaced: the
-    config's hash names the folder); a method another process is training is left to it. `device`: auto, cpu or
-    cuda (engine.resolve_device; ValueError otherwise)."""
+    config's hash names the folder); a method another process is training is left to it. `config` is what changes
+    its numbers; `execution` where it runs (its device: auto, cpu or cuda, engine.resolve_device; ValueError
+    otherwise) and writes (its out_dir)."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
     if len(set(methods)) != len(methods):
         raise ValueError(f"method listed twice in {','.join(methods)}")
-    return RealPlan(list(methods), config, Path(out), device=engine.resolve_device(device))
+    return RealPlan(list(methods), config, execution.out_dir, device=engine.resolve_device(execution.device))

@@ -57,6 +57,7 @@ from qlbench import engine, instructions, text
 from qlbench.adapters.base import check_positive_int
 from qlbench.metrics import stats
 from qlbench.records import record, results, runner, store
+from qlbench.settings import DEFAULT_EXECUTION, Execution
 
 PAD, BOS, SEP, EOS, FIRST = 0, 1, 2, 3, 4  # FIRST: the letter a; letters a..h are FIRST..FIRST+7
 LETTERS, LENGTH = 8, 5
@@ -354,15 +355,16 @@ class LMPlan(runner.MethodSeeds):
         return record.settings(device=self.device, compile=False, dtype="float32")
 
 
-def plan(methods: list[str], config: LMConfig, out: Path, device: str = "cpu") -> LMPlan:
-    """The experiment's workload (ValueError naming the valid methods or a method listed twice). `device`: auto, cpu
-    or cuda (engine.resolve_device; ValueError otherwise)."""
+def plan(methods: list[str], config: LMConfig, execution: Execution = DEFAULT_EXECUTION) -> LMPlan:
+    """The experiment's workload (ValueError naming the valid methods or a method listed twice): `config` is what
+    changes its numbers, `execution` where it runs (its device: auto, cpu or cuda, engine.resolve_device; ValueError
+    otherwise) and writes (its out_dir)."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; valid: {', '.join(METHODS)}")
     if len(set(methods)) != len(methods):
         raise ValueError(f"method listed twice in {','.join(methods)}")
-    return LMPlan(list(methods), config, Path(out), device=engine.resolve_device(device))
+    return LMPlan(list(methods), config, execution.out_dir, device=engine.resolve_device(execution.device))
 
 
 def provenance(paths: list[Path]) -> str:
