@@ -25,6 +25,10 @@ EVERY_RUN_METHOD = (
 )
 
 
+# the real-model runs at one seed and one epoch, two rows each
+TINY_REAL = ["--methods", "lora,instruct-queryable", "--seeds", "1", "--epochs", "1", "--threads", "1", "--no-progress"]
+
+
 def commands(out: Path) -> list[list[str]]:
     r = str(out / "results")
     return [
@@ -69,36 +73,8 @@ def commands(out: Path) -> list[list[str]]:
             "--out",
             str(out / "pareto"),
         ],
-        [
-            "real",
-            "--methods",
-            "lora,instruct-queryable",
-            "--seeds",
-            "1",
-            "--epochs",
-            "1",
-            "--train-per-task",
-            "16",
-            "--threads",
-            "1",
-            "--no-progress",
-            "--out",
-            str(out / "real"),
-        ],
-        [
-            "real-lm",
-            "--methods",
-            "lora,instruct-queryable",
-            "--seeds",
-            "1",
-            "--epochs",
-            "1",
-            "--threads",
-            "1",
-            "--no-progress",
-            "--out",
-            str(out / "real-lm"),
-        ],
+        ["real", *TINY_REAL, "--train-per-task", "16", "--out", str(out / "real")],
+        ["real-lm", *TINY_REAL, "--out", str(out / "real-lm")],
         ["report", r, "--format", "md,csv", "--no-figures", "--out", str(out / "report")],
         ["results", r],
     ]

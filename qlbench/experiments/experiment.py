@@ -114,7 +114,7 @@ class Plan:
                             bar.set_description(f"adapt {m} x{len(part[m]) * len(self.seeds)}")
                             train_method(self, m, stack(m), bar.update if m in trained else None, log)
                     else:
-                        at_once(self, {m: stack for m in part}, bar, log)
+                        at_once(self, list(part), stack, bar, log)
 
     def record_path(self, function: str, method: str) -> Path:
         """Where the cell's record lives: keyed by budget and config hash, so other configs never collide."""
@@ -274,12 +274,12 @@ def record_paths(p: Plan) -> list[Path]:
     return [p.unit_path(u) for u in p.units()]
 
 
-def at_once(p: Plan, stacks: dict, bar, log) -> None:
-    """Every method's stack (`stacks[m](m)` builds it) trained `p.methods_at_once` at a time (`engine.concurrently`),
+def at_once(p: Plan, methods: list[str], stack, bar, log) -> None:
+    """Every method's stack (`stack(m)` builds it) trained `p.methods_at_once` at a time (`engine.concurrently`),
     each committing its records as it ends; their costs are measured first, one at a time, while nothing else
     runs."""
-    costs = {m: measure_cost(p, m, stack(m), log) for m, stack in stacks.items()}
-    bar.set_description(f"adapt {len(stacks)} methods, {min(p.methods_at_once, len(stacks))} at once")
+    costs = {m: measure_cost(p, m, stack(m), log) for m in methods}
+    bar.set_description(f"adapt {len(methods)} methods, {min(p.methods_at_once, len(methods))} at once")
     lock = threading.Lock()
 
     def update(n: int) -> None:
@@ -287,9 +287,9 @@ def at_once(p: Plan, stacks: dict, bar, log) -> None:
             bar.update(n)
 
     def job(m: str) -> None:
-        train_method(p, m, stacks[m](m), update if adapters.get(m).trains else None, log, costs[m])
+        train_method(p, m, stack(m), update if adapters.get(m).trains else None, log, costs[m])
 
-    engine.concurrently([lambda m=m: job(m) for m in stacks], p.methods_at_once, p.device)
+    engine.concurrently([lambda m=m: job(m) for m in methods], p.methods_at_once, p.device)
 
 
 def pretrained(p: Plan, members: list[engine.Member], progress: bool, log) -> engine.Pretrained:
