@@ -17,24 +17,25 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from qlbench import adapters, cost, engine, protocols, zoo
 from qlbench.adapters import member
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.experiments import adapted
 from qlbench.experiments.planning import (
     DTYPES,
+    Resolved,
     cells_per_stack,
     check_overrides,
+    chosen,
     dry_build,
+    make_config,
+    resolve,
     resolve_at_once,
 )
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
 from qlbench.records import record, results, runner
 from qlbench.records.store import (
     Store,
-    check_writable,
     save_torch,
     stable_hash,
     write_json,
@@ -43,24 +44,14 @@ from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, Execution, Pro
 
 
 @dataclass(kw_only=True)
-class Plan:
-    """A validated experiment: everything resolved before any work starts, so bad input fails fast."""
+class Plan(Resolved):
+    """A validated experiment: everything resolved before any work starts, so bad input fails fast (the settings
+    every plan shares: planning.Resolved)."""
 
     functions: list[str]
-    arch: str
     methods: list[str]
-    seeds: list[int]
-    budget: engine.Budget
     configs: dict[str, object]  # method -> its validated config
-    device: torch.device
-    dtype: str
-    out_dir: Path
     compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
-    capture: bool = False  # record the training step in CUDA graphs (engine/step.py; CUDA only; not hashed)
-    threads: int | None = None  # intra-op threads; None: engine.auto_threads
-    force: bool = False  # re-run cells that already have a finished record of the same config
-    backbone_init: str = DEFAULT_INIT  # backbones.INITS; hashed only when not the default (see cell_config)
-    eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
     noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
     stack_functions: int | None = None  # functions per stack where all do not fit the memory (None: all; not hashed)
     methods_at_once: int = 1  # methods' stacks trained at once, each in its own thread and CUDA stream (not hashed)
@@ -206,54 +197,34 @@ def plan(
         zoo.card(f)  # raises with the valid names
     if len(set(functions)) != len(functions):
         raise ValueError(f"function listed twice in {','.join(functions)}")
-    methods = list(adapters.DEFAULT_METHODS if methods is None else methods)
-    if not methods:
-        raise ValueError(f"no method given; valid: {', '.join(adapters.names())}")
+    methods = chosen(methods, adapters.DEFAULT_METHODS, ", ".join(adapters.names()))
     methods = [adapters.canonical(m) for m in methods]  # loads peft:<type> and package.module:NAME (one line if not)
-    if len(set(methods)) != len(methods):
+    if len(set(methods)) != len(methods):  # two spellings of one method
         raise ValueError(f"method listed twice in {','.join(methods)}")
-    b, n_seeds, dtype = protocol.schedule, protocol.n_seeds, protocol.dtype
     overrides = check_overrides(overrides, methods)
-    configs = {}
-    for m in methods:
-        try:
-            configs[m] = adapters.get(m).make_config(**overrides)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{m}: {err}") from None
+    configs = {m: make_config(m, m, overrides) for m in methods}
     sizes = dry_build(arch, configs)
-    device, cuda, compile, capture = execution.device, execution.cuda, execution.compile, execution.capture
-    out_dir, methods_at_once = execution.out_dir, execution.methods_at_once
-    dev = engine.resolve_device(device, cuda)
-    methods_at_once = resolve_at_once(methods_at_once, arch, dev, len(methods), compile, local=cuda is None)
+    capture, compile, cuda = execution.capture, execution.compile, execution.cuda
+    if capture == "auto" and any(isinstance(adapters.get(m), adapters.MemberMethod) for m in methods):
+        capture = "off"  # code written for one member (peft's, a user's) is not vouched for inside a CUDA graph
+    shared = resolve(protocol, execution, capture=capture)
+    dev = shared["device"]
+    methods_at_once = resolve_at_once(execution.methods_at_once, arch, dev, len(methods), compile, local=cuda is None)
     width = None
     if cuda is None:  # trains on this machine (a Ray plan's workers are elsewhere): every stack at once must fit
         at_once = min(methods_at_once, len(methods))
-        width = cells_per_stack(sizes, n_seeds * at_once, len(set(functions)), dtype, dev)
-    check_writable(Path(out_dir))
+        width = cells_per_stack(sizes, protocol.n_seeds * at_once, len(functions), protocol.dtype, dev)
     use_compile = compile == "on" or (
-        compile == "auto" and methods_at_once == 1 and engine.compile_by_default(dev, b.name)
+        compile == "auto" and methods_at_once == 1 and engine.compile_by_default(dev, protocol.schedule.name)
     )
-    if capture == "auto" and any(isinstance(adapters.get(m), adapters.MemberMethod) for m in methods):
-        capture = "off"  # code written for one member (peft's, a user's) is not vouched for inside a CUDA graph
-    use_capture = engine.use_capture(capture, dev)
     return Plan(
-        functions=list(dict.fromkeys(functions)),
-        arch=arch,
+        **shared,
+        functions=list(functions),
         methods=methods,
-        seeds=list(range(n_seeds)),
-        budget=b,
         configs=configs,
-        device=dev,
-        dtype=dtype,
-        out_dir=Path(out_dir),
         compile=use_compile,
-        capture=use_capture,
-        threads=execution.threads,
-        force=execution.force,
-        backbone_init=protocol.backbone_init,
-        eps=protocol.eps,
         noise=protocol.noise,
-        stack_functions=width if width is not None and width < len(set(functions)) else None,
+        stack_functions=width if width is not None and width < len(functions) else None,
         methods_at_once=methods_at_once,
         snapshot_every_s=execution.snapshot_every_s,
     )

@@ -19,12 +19,11 @@ import torch
 from qlbench import adapters, cost, engine, parametric, suites, zoo
 from qlbench.adapters import member, queryable
 from qlbench.adapters.base import isolate_tasks
-from qlbench.backbones import DEFAULT_INIT
 from qlbench.experiments import planning, suite_tasks
 from qlbench.experiments.suite_tasks import PARAMETER_SOURCE
 from qlbench.progress import bar as progress_bar
 from qlbench.records import record, runner
-from qlbench.records.store import Store, check_writable, stable_hash, write_json
+from qlbench.records.store import Store, stable_hash, write_json
 from qlbench.seeding import generator
 from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, Execution, Protocol
 
@@ -84,24 +83,14 @@ def reads_instruction(config) -> bool:
 
 
 @dataclass(kw_only=True)
-class SuitePlan:
-    """A validated suite experiment: everything resolved before any work starts."""
+class SuitePlan(planning.Resolved):
+    """A validated suite experiment: everything resolved before any work starts (the settings every plan shares:
+    planning.Resolved)."""
 
     suite: suites.Suite
     schedule: str
-    arch: str
     rows: list[str]
-    seeds: list[int]
-    budget: engine.Budget
     configs: dict[str, object]  # row -> its method's validated config
-    device: torch.device
-    dtype: str
-    out_dir: Path
-    threads: int | None = None
-    force: bool = False
-    backbone_init: str = DEFAULT_INIT
-    eps: float = adapters.EPS
-    capture: bool = False  # record the training step in CUDA graphs (engine/step.py; CUDA only; not hashed)
     routes: dict[str, str] = dataclasses.field(default_factory=dict)  # row -> its held_out_route ("own" if absent)
 
     noun = "row"  # runner.Workload: a unit is a row
@@ -202,7 +191,7 @@ def plan(
     s = suites.get(suite)
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
-    arch, dtype, noise, compile = protocol.arch, protocol.dtype, protocol.noise, execution.compile
+    arch, noise, compile = protocol.arch, protocol.noise, execution.compile
     if compile not in SUITE_COMPILE:
         raise ValueError(f"compile {compile!r} is not available on a suite (its steps run eager); valid: auto, off")
     if execution.methods_at_once not in (1, "auto"):
@@ -212,14 +201,9 @@ def plan(
             f"label noise {noise!r} is not available on a suite (labels standardised per task, noise std "
             f"{zoo.NOISE_FRACTION:g} after that); valid: {zoo.DEFAULT_NOISE}"
         )
-    chosen = list(DEFAULT_ROWS if methods is None else methods)
-    if not chosen:
-        raise ValueError(f"no method given; valid: {', '.join(DEFAULT_ROWS)} (and the registry's methods)")
+    chosen = planning.chosen(methods, DEFAULT_ROWS, f"{', '.join(DEFAULT_ROWS)} (and the registry's methods)")
     for r in chosen:
         method_of(r)
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"method listed twice in {','.join(chosen)}")
-    b, n_seeds = protocol.schedule, protocol.n_seeds
     reserved = {"tasks": f"the suite's task count ({len(s.tasks)})"}
     overrides = planning.check_overrides(overrides, [method_of(r)[0] for r in chosen], reserved)
     configs, sizes, routes = {}, {}, {}
@@ -227,12 +211,8 @@ def plan(
         name, fixed = method_of(r)
         settings = overrides | fixed | {"tasks": len(s.tasks)}
         suite_source = settings.get("instruction_source") == PARAMETER_SOURCE  # the suite's, not the method's
-        try:
-            configs[r] = adapters.get(name).make_config(
-                **{k: v for k, v in settings.items() if not (suite_source and k == "instruction_source")}
-            )
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{r}: {err}") from None
+        own = {k: v for k, v in settings.items() if not (suite_source and k == "instruction_source")}
+        configs[r] = planning.make_config(r, name, own)
         if suite_source and hasattr(configs[r], "instruction_source"):  # past the method's checks (made for cards)
             configs[r].instruction_source = PARAMETER_SOURCE
         source = getattr(configs[r], "instruction_source", None)
@@ -250,26 +230,15 @@ def plan(
                 f"{', '.join(parametric.names())}"
             )
         sizes[r] = planning.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
-    dev = engine.resolve_device(execution.device)
-    planning.check_memory(sizes, n_seeds, dtype, dev, tasks=len(s.tasks))  # one member per seed, T tasks' data
-    use_capture = engine.use_capture(execution.capture, dev)
-    check_writable(execution.out_dir)
+    shared = planning.resolve(protocol, execution)
+    # one member per seed, T tasks' data
+    planning.check_memory(sizes, protocol.n_seeds, protocol.dtype, shared["device"], tasks=len(s.tasks))
     return SuitePlan(
+        **shared,
         suite=s,
         schedule=schedule,
-        arch=arch,
         rows=chosen,
-        seeds=list(range(n_seeds)),
-        budget=b,
         configs=configs,
-        device=dev,
-        dtype=dtype,
-        out_dir=execution.out_dir,
-        threads=execution.threads,
-        force=execution.force,
-        backbone_init=protocol.backbone_init,
-        eps=protocol.eps,
-        capture=use_capture,
         routes={r: route for r, route in routes.items() if route != "own"},
     )
 

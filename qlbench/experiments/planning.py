@@ -8,11 +8,13 @@ import copy
 import dataclasses
 import math
 import os
+from pathlib import Path
 
 import torch
 
 from qlbench import adapters, engine, stacked, zoo
-from qlbench.backbones import build_backbone
+from qlbench.backbones import DEFAULT_INIT, build_backbone
+from qlbench.records.store import check_writable
 from qlbench.seeding import generator
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -88,6 +90,64 @@ def resolve_at_once(methods_at_once, arch: str, device: torch.device, methods: i
         return methods_at_once
     together = local and device.type == "cuda" and arch in AT_ONCE_ARCHS and compile != "on"
     return methods if together else 1
+
+
+@dataclasses.dataclass(kw_only=True)
+class Resolved:
+    """What every plan (experiment.Plan, multitask.SuitePlan) resolves the same way from a Protocol and an
+    Execution before any work: `resolve` makes it."""
+
+    arch: str
+    seeds: list[int]
+    budget: engine.Budget
+    device: torch.device
+    dtype: str
+    out_dir: Path
+    capture: bool = False  # record the training step in CUDA graphs (engine/step.py; CUDA only; not hashed)
+    threads: int | None = None  # intra-op threads; None: engine.auto_threads
+    force: bool = False  # re-run units that already have a finished record of the same config
+    backbone_init: str = DEFAULT_INIT  # backbones.INITS; hashed only when not the default
+    eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
+
+
+def resolve(protocol, execution, *, capture: str | None = None) -> dict:
+    """The fields of Resolved from a settings.Protocol and a settings.Execution (settings.py imports this module's
+    checks, so not annotated here): the device resolved, the results folder checked writable (ValueError in one line),
+    capture resolved for that device from `capture` (default: the execution's)."""
+    device = engine.resolve_device(execution.device, execution.cuda)
+    check_writable(Path(execution.out_dir))
+    return dict(
+        arch=protocol.arch,
+        seeds=protocol.seed_list,
+        budget=protocol.schedule,
+        device=device,
+        dtype=protocol.dtype,
+        out_dir=Path(execution.out_dir),
+        capture=engine.use_capture(execution.capture if capture is None else capture, device),
+        threads=execution.threads,
+        force=execution.force,
+        backbone_init=protocol.backbone_init,
+        eps=protocol.eps,
+    )
+
+
+def chosen(given: list[str] | None, default: list[str], valid: str) -> list[str]:
+    """The methods (or rows) a plan trains: `given`, else `default`; ValueError when none is given or one is given
+    twice (`valid` names the choices)."""
+    names = list(default if given is None else given)
+    if not names:
+        raise ValueError(f"no method given; valid: {valid}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"method listed twice in {','.join(names)}")
+    return names
+
+
+def make_config(unit: str, method: str, settings: dict) -> object:
+    """`method`'s validated config from `settings`; ValueError naming the unit (a method or a suite's row)."""
+    try:
+        return adapters.get(method).make_config(**settings)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{unit}: {err}") from None
 
 
 def seed_count(budget: engine.Budget, seeds: int | None) -> int:
