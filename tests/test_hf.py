@@ -5,6 +5,7 @@ Skipped where the `hf` extra (peft, transformers) is not installed; CI installs 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 import sys
 
@@ -73,30 +74,65 @@ def hidden(model, **kw) -> torch.Tensor:
     return model(**kw).last_hidden_state
 
 
+@pytest.mark.parametrize("blocks", [1, 2, 3])
 @pytest.mark.parametrize("name", MODELS)
-def test_trainable_parameters_are_the_hand_count(name):
+def test_trainable_parameters_are_the_hand_count(name, blocks):
     """A (r x d_in), B (d_out x r) and eta (1) per adapted layer, plus the memory: atoms M r^2, keys M d_k, block
-    priors B d_k and the router's Q_cur, Q_dep, Q_dep_k (d_k r each) and Q_dep_q (d_k^2); nothing of the backbone."""
-    model, _ = wrapped(name)
-    r, M, d_k, blocks = 4, 8, 16, 2
+    priors B d_k, the router's Q_cur (d_k r), and what a block with earlier blocks uses: Q_dep (d_k r) from B = 2,
+    Q_dep_k (d_k r) and Q_dep_q (d_k^2) from B = 3 (below, the depth attention is over one block: constant);
+    nothing of the backbone."""
+    model, _ = wrapped(name, n_blocks=blocks)
+    r, M, d_k = 4, 8, 16
     shapes = {"bert": [(D, D)] * 2, "gpt2": [(D, 3 * D)], "llama": [(D, D)] * 2}[name]  # (d_in, d_out) per layer
     per_layer = sum(r * d_in + d_out * r + 1 for d_in, d_out in shapes)
-    memory = M * r * r + M * d_k + blocks * d_k + 3 * d_k * r + d_k * d_k
+    memory = M * r * r + M * d_k + blocks * d_k + d_k * r
+    memory += (d_k * r if blocks >= 2 else 0) + (d_k * r + d_k * d_k if blocks >= 3 else 0)
     trainable, _ = model.get_nb_trainable_parameters()
     assert trainable == LAYERS * per_layer + memory
     assert all("queryable_" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [dict(n_blocks=1), dict(n_blocks=2), dict(n_blocks=3), dict(n_blocks=4, instruct=True), dict(n_blocks=2, r=2)],
+    ids=["B1", "B2", "B3", "B4-instruct", "B2-r2"],
+)
 @pytest.mark.parametrize("name", MODELS)
-def test_forward_and_backward_reach_every_adapter_parameter(name):
-    """Three blocks: the third attends over two completed blocks (over one, the depth attention is constant)."""
-    model, fresh = wrapped(name, n_blocks=3)
-    y = hidden(model, **inputs())
+def test_every_trainable_parameter_gets_a_gradient(name, config):
+    """Walks every trainable parameter: each has a nonzero gradient, on configs from one block (no depth attention)
+    to four (attention over up to three earlier blocks), with and without the instruction channels."""
+    model, fresh = wrapped(name, **config)
+    kw = inputs()
+    if config.get("instruct"):
+        kw["instruction"] = torch.randn(3, 384, generator=torch.Generator().manual_seed(2))
+    y = hidden(model, **kw)
     assert y.shape == (3, 7, D) and torch.isfinite(y).all()
     assert not torch.allclose(y, hidden(fresh(), **inputs()))  # the update shows
     y.pow(2).mean().backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
     assert missing == []
+
+
+def test_a_router_without_depth_matrices_routes_as_attention_over_one_block():
+    """Oracle for the B = 2 tuner, which keeps no Q_dep_q and Q_dep_k: routing.route with them, over one earlier
+    block, gives the same route as without them (a softmax over one item is 1), to the bit."""
+    from qlbench.adapters import routing
+
+    g = torch.Generator().manual_seed(4)
+    E, N, r, d_k, M = 1, 5, 4, 16, 8
+    router = routing.Router(
+        w=torch.randn(E, d_k, generator=g), Q_cur=torch.randn(E, d_k, r, generator=g),
+        Q_dep=torch.randn(E, d_k, r, generator=g), Q_dep_q=torch.randn(E, d_k, d_k, generator=g),
+        Q_dep_k=torch.randn(E, d_k, r, generator=g), keys=torch.randn(E, M, d_k, generator=g),
+        atoms=torch.randn(E, M, r, r, generator=g), Q_ctx=None, R_ctx=None,
+    )  # fmt: skip
+    t = routing.Temperatures(top_k=2, t_attn=1.0, t_dep=1.0, t_lang=1.0, tau_lang=0.0, lambda_ctx=0.0, eps=1e-6)
+    s, one = torch.randn(E, N, r, generator=g), torch.randn(E, N, 1, r, generator=g)
+    full = routing.route(s, one, router, t)
+    bare = routing.route(s, one, dataclasses.replace(router, Q_dep_q=None, Q_dep_k=None), t)
+    assert torch.equal(full.S, bare.S) and torch.equal(full.q, bare.q)
+    with pytest.raises(ValueError, match="over one earlier block, not 2"):
+        routing.route(s, torch.cat([one, one], 2), dataclasses.replace(router, Q_dep_q=None, Q_dep_k=None), t)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -120,9 +156,13 @@ def test_blocks_follow_the_layer_order():
     assert layer_index("lm_head") is None
 
 
-def test_too_many_blocks_is_a_clear_error():
-    with pytest.raises(ValueError, match="n_blocks=5 exceeds the 4 layers"):
-        wrapped("bert", n_blocks=5)
+def test_more_blocks_than_adapted_layers_are_clamped_with_a_note():
+    with pytest.warns(UserWarning, match="n_blocks=5 is more than the 4 layer"):
+        model, _ = wrapped("bert", n_blocks=5)
+    assert model.peft_config["default"].n_blocks == 4
+    assert model.base_model.queryable_memory["default"].block_prior.shape == (4, 16)
+    blocks = {m.block["default"] for m in model.modules() if hasattr(m, "block") and "default" in m.block}
+    assert blocks == {0, 1, 2, 3}
 
 
 def test_padding_does_not_change_the_real_tokens():

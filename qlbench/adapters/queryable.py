@@ -187,7 +187,7 @@ class QueryableMemory(nn.Module):
 
 def route_with(memory, block: int, s_entry, summaries, instruction) -> Route:
     """Algorithm 2 for one block from `memory`'s parameters (each (E, ...)) and its config's sizes and temperatures:
-    qlbench's QueryableMemory, or the peft tuner's memory seen as a stack of one (qlbench.hf.model.MemoryView)."""
+    qlbench's QueryableMemory, or the peft tuner's memory seen as a stack of one (qlbench.hf.routing.MemoryView)."""
     c = memory.config
     router = Router(
         w=memory.block_prior[:, block],

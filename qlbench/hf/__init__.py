@@ -9,8 +9,10 @@ router of the paper's Algorithm 2) is qlbench's own `qlbench.adapters.routing.ro
 
 - config.py   QueryableLoraConfig (and InstructQueryableLoraConfig, the instruction channels on)
 - layer.py    the adapted linear: y = W0 x + b0 + s B (I + g S_b) A x
-- model.py    the tuner: the shared memory and router per adapter, blocks in the model's layer order, the
-              per-forward routing state, the instruction per adapter or per call
+- model.py    the tuner: blocks in the model's layer order, the forward's hooks (its instruction, mask, KV cache
+              and mixed-adapter rows), the adapter lifecycle
+- routing.py  each adapter's memory, the routing state one forward shares across its layers, the causal route
+              sums a KV cache keeps (RouteSums), the replay of that state in a checkpoint's recomputation
 - registry.py peft's registration (and the PeftType member it requires)
 """
 

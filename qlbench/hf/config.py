@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from peft.config import PeftConfig
@@ -42,6 +43,14 @@ class QueryableLoraConfig(PeftConfig):
     instruction_dim: int | None = field(default=None, metadata={"help": "d_c of e(c); None: no instruction channels"})
     atom_std: float = field(default=0.02, metadata={"help": "std of the atoms at initialisation"})
     rms_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon of the router"})
+    lora_dropout: float = field(
+        default=0.0, metadata={"help": "dropout on the layer's input before A, as LoRA's (the adapter path only)"}
+    )
+    use_rslora: bool = field(default=False, metadata={"help": "scale s = lora_alpha / sqrt(r), as LoRA's rsLoRA"})
+    init_weights: bool = field(
+        default=True,
+        metadata={"help": "True: B = 0, the base model at the start; False: B drawn too, a non-identity start"},
+    )
     causal: bool | None = field(
         default=None,
         metadata={
@@ -58,6 +67,10 @@ class QueryableLoraConfig(PeftConfig):
             raise ValueError(f"top_k must be an integer in [1, n_atoms={self.n_atoms}], got {self.top_k!r}")
         check_positive(self, "lora_alpha", "t_attn", "t_dep", "t_lang", "rms_eps")
         check_nonnegative(self, "tau_lang", "lambda_ctx", "atom_std")
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, int | float):
+            raise ValueError(f"lora_dropout must be a number in [0, 1), got {self.lora_dropout!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be a number in [0, 1), got {self.lora_dropout!r}")
         if (self.tau_lang or self.lambda_ctx) and self.instruction_dim is None:
             raise ValueError("tau_lang or lambda_ctx > 0 needs an instruction embedding: set instruction_dim")
         if self.target_modules is None:
@@ -69,7 +82,7 @@ class QueryableLoraConfig(PeftConfig):
 
     @property
     def scaling(self) -> float:
-        return self.lora_alpha / self.r
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
 
 @dataclass

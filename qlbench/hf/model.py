@@ -22,201 +22,15 @@ import contextlib
 import functools
 import re
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from transformers.cache_utils import Cache
 
-from qlbench.adapters.queryable import block_of, memory_shapes, route_with
-from qlbench.adapters.routing import Route
+from qlbench.adapters.queryable import block_of
 from qlbench.hf.layer import Linear, QueryableLoraLayer, features
-
-
-class QueryableMemory(nn.Module):
-    """One adapter's atoms C_m (M, r, r), keys k_m (M, d_k), block priors w_b (B, d_k) and router matrices, with
-    qlbench's initialisation (qlbench.adapters.queryable.QueryableMemory, drawn from torch's global generator)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.Q_ctx = self.R_ctx = None  # without instruction channels
-        for name, (shape, std) in memory_shapes(config).items():
-            setattr(self, name, nn.Parameter(torch.randn(*shape) * std))
-        self.config = config
-
-
-class MemoryView:
-    """A tuner memory as a one-member stack: every parameter (1, ...) as qlbench's QueryableMemory holds them, its
-    config, and `route` (qlbench.adapters.queryable.route_with)."""
-
-    NAMES = ("atoms", "keys", "block_prior", "Q_cur", "Q_dep", "Q_dep_q", "Q_dep_k", "Q_ctx", "R_ctx")
-
-    def __init__(self, memory: QueryableMemory):
-        for name in self.NAMES:
-            value = getattr(memory, name)
-            setattr(self, name, None if value is None else value.unsqueeze(0))
-        self.config = memory.config
-
-    def route(self, block: int, s_entry, summaries, instruction) -> Route:
-        """s_entry (1, N, r), summaries (1, N, P, r) or None, instruction (1, d_c), (1, N, d_c) or None."""
-        return route_with(self, block, s_entry, summaries, instruction)
-
-
-@dataclass
-class ForwardState:
-    """One forward's routing scratch, per adapter: each block's pooled rank states and its routed operator; with
-    causal routing, each layer's running sums over the tokens so far (what a KV-cached next forward continues)."""
-
-    states: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)  # adapter -> block -> [(N, r)]
-    operators: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # adapter -> block -> (b, [T,] r, r)
-    mask: torch.Tensor | None = None  # (batch, T) attention mask of this forward, if the model was given one
-    instruction: torch.Tensor | None = None  # (d_c,) or (batch, d_c) given to this forward
-    routers: dict[str, dict[int, int]] = field(default_factory=dict)  # adapter -> block -> id of the routing layer
-    # causal routing: (adapter, layer id) -> (sum of masked rank states (b, r), token weight (b, 1)) before this
-    # forward (a KV cache's tokens) and after it; `positions`: the token positions covered after it
-    carry_in: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    carry_out: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    positions: int = 0
-
-
-class Routing:
-    """What the adapted layers of a tuner share: the memories, each adapter's bound instruction, and the state of the
-    forward in progress. A plain object (not an nn.Module), so that no layer registers the memories again."""
-
-    def __init__(self, memories: nn.ModuleDict):
-        self.memories = memories
-        self.instructions: dict[str, torch.Tensor] = {}
-        self.state = ForwardState()
-        self.recomputing = False  # a checkpointed segment is being recomputed (backward): the forward is replayed
-        self.last: dict[str, dict] = {}  # adapter -> block -> Route of the last forward (inspection, tests)
-
-    def causal(self, adapter: str) -> bool:
-        return bool(self.memories[adapter].config.causal)
-
-    def pooled(self, s: torch.Tensor, adapter: str, layer: int) -> torch.Tensor:
-        """A rank state per sequence: s (batch, T, r) averaged over its tokens (the mask's padding skipped, when the
-        forward had a mask of the same shape), or s (batch, r) itself. With causal routing, one per token
-        (batch, T, r): the average over the tokens up to it, a KV cache's earlier tokens included (the running sums
-        this layer left after the previous forward of the generation)."""
-        if s.dim() == 2:
-            return s
-        mask = self.state.mask
-        if not self.causal(adapter):
-            if mask is None or mask.shape != s.shape[:2]:
-                return s.mean(1)
-            w = mask.to(s.dtype).unsqueeze(-1)  # (batch, T, 1)
-            return (s * w).sum(1) / w.sum(1).clamp_min(1.0)
-        T = s.shape[1]
-        fits = mask is not None and mask.dim() == 2 and mask.shape[0] == s.shape[0] and mask.shape[1] >= T
-        w = mask[:, -T:].to(s.dtype).unsqueeze(-1) if fits else torch.ones_like(s[..., :1])  # (batch, T, 1)
-        total, weight = (s * w).cumsum(1), w.cumsum(1)  # (batch, T, r), (batch, T, 1)
-        if (adapter, layer) in self.state.carry_in:
-            before, seen = self.state.carry_in[adapter, layer]
-            total, weight = total + before.unsqueeze(1), weight + seen.unsqueeze(1)
-        if not self.recomputing:
-            self.state.carry_out[adapter, layer] = total[:, -1], weight[:, -1]
-        return total / weight.clamp_min(1.0)
-
-    def reorder(self, rows: torch.Tensor) -> None:
-        """Reorder the running sums' rows as a beam search reorders its KV cache."""
-        carry = self.state.carry_out
-        for key, (total, weight) in carry.items():
-            carry[key] = total.index_select(0, rows.to(total.device)), weight.index_select(0, rows.to(weight.device))
-
-    def operator(self, adapter: str, block: int, s: torch.Tensor, layer: int) -> torch.Tensor:
-        """S_b (batch, r, r) for this adapter's block, routed by the first layer of the block to run in this forward
-        (from its rank state s and the summaries of the blocks before it); every layer's pooled state is recorded.
-        `layer` names the calling layer (its id): in a checkpoint's recomputation the layer that routed the block
-        routes it again, as it did in the forward, and nothing is recorded (the forward's state stands)."""
-        memory = self.memories[adapter]
-        state = self.state
-        pooled = self.pooled(s, adapter, layer).to(memory.atoms.dtype)  # (batch, [T,] r), the memory's dtype
-        shape = pooled.shape[:-1]  # (batch,), or (batch, T): a route per token
-        pooled = pooled.reshape(-1, pooled.shape[-1])  # (N, r), the rows routed
-        states = state.states.setdefault(adapter, {})
-        operators = state.operators.setdefault(adapter, {})
-        routers = state.routers.setdefault(adapter, {})
-        per = lambda S: S.reshape(*shape, *S.shape[-2:])  # (N, r, r) -> (batch, [T,] r, r)
-        if self.recomputing:
-            return (
-                per(self.route(adapter, block, pooled, shape[0]).S[0])
-                if routers.get(block) == layer
-                else operators[block]
-            )
-        if block not in operators:
-            r = self.route(adapter, block, pooled, shape[0])
-            operators[block], routers[block] = per(r.S[0]), layer  # (batch, [T,] r, r)
-            self.last.setdefault(adapter, {})[block] = r
-        states.setdefault(block, []).append(pooled)
-        return operators[block]
-
-    def route(self, adapter: str, block: int, pooled: torch.Tensor, batch: int) -> Route:
-        """The block's Route from the routing layer's pooled states (N, r) (N = batch, or batch x T tokens with
-        causal routing) and the summaries of the blocks before it (each the mean of its layers' pooled states)."""
-        states = self.state.states.get(adapter, {})
-        earlier = [b for b in range(block) if b in states]
-        summaries = (
-            torch.stack([torch.stack(states[b]).mean(0) for b in earlier], dim=1).unsqueeze(0) if earlier else None
-        )  # (1, N, P, r)
-        instruction = self.instruction(adapter, pooled, batch)
-        return MemoryView(self.memories[adapter]).route(block, pooled.unsqueeze(0), summaries, instruction)
-
-    def instruction(self, adapter: str, pooled: torch.Tensor, batch: int) -> torch.Tensor | None:
-        """(1, d_c) or (1, N, d_c): the forward's instruction, else the adapter's bound one, else None (an error
-        when the adapter's instruction channels are on); a (batch, d_c) one repeated for each row's tokens."""
-        c = self.memories[adapter].config
-        e = self.state.instruction if self.state.instruction is not None else self.instructions.get(adapter)
-        if e is None:
-            if c.tau_lang or c.lambda_ctx:
-                raise ValueError(
-                    f"adapter {adapter!r} routes on an instruction: pass instruction=e (a ({c.instruction_dim},) or "
-                    f"(batch, {c.instruction_dim}) tensor) to the forward, or call set_instruction"
-                )
-            return None
-        e = e.to(device=pooled.device, dtype=pooled.dtype)
-        if e.shape[-1] != c.instruction_dim or e.dim() > 2 or (e.dim() == 2 and e.shape[0] != batch):
-            raise ValueError(
-                f"instruction of shape {tuple(e.shape)}: adapter {adapter!r} wants ({c.instruction_dim},) or "
-                f"({batch}, {c.instruction_dim})"
-            )
-        if e.dim() == 2 and pooled.shape[0] != batch:  # a route per token: each token its row's instruction
-            e = e.repeat_interleave(pooled.shape[0] // batch, 0)
-        return e.unsqueeze(0)
-
-
-class Recompute:
-    """The context a checkpointed segment is recomputed in (torch.utils.checkpoint's `context_fn`): the routing
-    state of the forward that ran the segment (captured when it ran, so forwards may run before their backwards),
-    with `recomputing` set. Composed with a `context_fn` the caller gave."""
-
-    def __init__(self, routing: Routing, inner: contextlib.AbstractContextManager):
-        self.routing, self.state, self.inner = routing, routing.state, inner
-
-    def __enter__(self):
-        self.saved = self.routing.state, self.routing.recomputing
-        self.routing.state, self.routing.recomputing = self.state, True
-        return self.inner.__enter__()
-
-    def __exit__(self, *exc):
-        self.routing.state, self.routing.recomputing = self.saved
-        return self.inner.__exit__(*exc)
-
-
-def routed_checkpoint(routing: Routing, checkpoint: functools.partial) -> functools.partial:
-    """transformers' checkpoint function (a partial of torch's `checkpoint`), made non-reentrant and replaying the
-    routing state of its forward in the recomputation."""
-    keywords = dict(checkpoint.keywords)
-    user = keywords.get("context_fn")
-
-    def context_fn():
-        forward, recompute = user() if user is not None else (contextlib.nullcontext(), contextlib.nullcontext())
-        return forward, Recompute(routing, recompute)
-
-    keywords.update(use_reentrant=False, context_fn=context_fn)
-    wrapped = functools.partial(checkpoint.func, *checkpoint.args, **keywords)
-    wrapped.queryable_routing, wrapped.queryable_original = routing, checkpoint
-    return wrapped
-
+from qlbench.hf.routing import ForwardState, QueryableMemory, Routing, as_instruction, route_sums, routed_checkpoint
 
 CACHE_KEYWORDS = ("cache", "past_key_values")  # transformers 5's name for a KV cache, and the older one
 
@@ -259,6 +73,7 @@ class QueryableLoraModel(BaseTuner):
             self.routing = Routing(self.queryable_memory)
         if getattr(self, "_hook", None) is None:
             self._hook = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
+            self._end_hook = model.register_forward_hook(self._end_forward, with_kwargs=True)
         if adapter_name not in self.queryable_memory:
             self.queryable_memory[adapter_name] = QueryableMemory(config)
 
@@ -308,73 +123,125 @@ class QueryableLoraModel(BaseTuner):
 
     @contextlib.contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):
-        """peft runs PeftModel.forward and .generate inside this context. A `generate(..., instruction=e)` call
-        would reach transformers' generate, which refuses keywords its model's forward does not name: for the
-        context's duration the model's `generate` takes `instruction=` out and every forward of the generation
-        routes on it (a (batch, d_c) one repeated for beams and returned sequences)."""
-        if kwargs.get("instruction") is None:
-            yield
-            return
+        """peft runs PeftModel.forward and .generate inside this context.
+        - `adapter_names=` (a mixed-adapter batch, as peft's LoRA takes it: each row's adapter, "__base__" for none;
+          repeated for beam search's beams): every adapter named runs on the whole batch and adds its update to its
+          own rows only, so each row routes and continues its cache as with its adapter alone. Inference only.
+        - `instruction=`: a `generate(..., instruction=e)` call would reach transformers' generate, which refuses
+          keywords its model's forward does not name: for the context's duration the model's `generate` takes it
+          out and every forward of the generation routes on it (a (batch, d_c) one repeated for beams and returned
+          sequences)."""
+        rows = kwargs.get("adapter_names")
+        if rows is not None:
+            rows = self._mixed_rows(rows, kwargs.get("num_beams"))
+        instruction = kwargs.get("instruction")
         model = self.model
+        if instruction is not None:
 
-        def generate(*a, instruction=None, **kw):
-            self._generate_instruction = instruction
-            try:
-                return type(model).generate(model, *a, **kw)
-            finally:
-                self._generate_instruction = None
+            def generate(*a, instruction=None, **kw):
+                self._generate_instruction = as_instruction(instruction)
+                try:
+                    return type(model).generate(model, *a, **kw)
+                finally:
+                    self._generate_instruction = None
 
-        model.generate = generate
+            model.generate = generate
+        self.routing.rows = rows
         try:
             yield
         finally:
-            del model.generate
+            self.routing.rows = None
+            if instruction is not None:
+                del model.generate
+
+    def _mixed_rows(self, rows, num_beams) -> list[str]:
+        """The adapter of each row of a mixed batch (ValueError in one line: in training, a name that is no
+        adapter, not a list of names)."""
+        if isinstance(rows, str) or not all(isinstance(r, str) for r in rows):
+            raise ValueError(f"adapter_names must be a list of adapter names, one per row, got {rows!r}")
+        if self.training:
+            raise ValueError("queryable_lora: adapter_names= (a mixed-adapter batch) is for inference; call .eval()")
+        if unknown := sorted(set(rows) - set(self.queryable_memory) - {"__base__"}):
+            raise ValueError(
+                f"adapter_names: no adapter named {', '.join(unknown)}; valid: "
+                f"{', '.join([*self.queryable_memory, '__base__'])}"
+            )
+        beams = num_beams if isinstance(num_beams, int) and num_beams > 1 else 1
+        return [r for r in rows for _ in range(beams)]
 
     def _begin_forward(self, module, args, kwargs):
         """Before every forward of the wrapped model: a fresh routing state, this call's instruction (taken out of
         the keywords, else the running generate call's) and attention mask; with causal routing and a KV cache of
-        earlier tokens, the running sums the previous forward left (`_continue_cache`)."""
-        instruction = kwargs.pop("instruction", None)
-        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+        earlier tokens, the running sums that cache keeps (`_continue_cache`)."""
+        instruction = as_instruction(kwargs.pop("instruction", None))
+        given = (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None)
+        ids = next((v for v in given if v is not None), None)  # (batch, T) ids or (batch, T, d) embeddings
         if instruction is None and getattr(self, "_generate_instruction", None) is not None:
             instruction = self._generate_instruction
             if instruction.dim() == 2 and ids is not None and ids.shape[0] % instruction.shape[0] == 0:
                 instruction = instruction.repeat_interleave(ids.shape[0] // instruction.shape[0], 0)
-        previous = self.routing.state
+        if self.routing.rows is not None and ids is not None and len(self.routing.rows) != ids.shape[0]:
+            raise ValueError(f"adapter_names names {len(self.routing.rows)} rows, but this forward has {ids.shape[0]}")
         state = ForwardState(mask=kwargs.get("attention_mask"), instruction=instruction)
-        state.positions = ids.shape[1] if ids is not None and ids.dim() >= 2 else 0
         self.routing.state = state
         cache = next((kwargs[k] for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
-        self._continue_cache(cache, previous, state)
+        self._continue_cache(cache, state, None if ids is None else ids.shape[0])
         if module.training and torch.is_grad_enabled():
             self._route_checkpointing(module)
         return args, kwargs
 
-    def _continue_cache(self, cache, previous: ForwardState, state: ForwardState) -> None:
-        """Causal routing over a KV cache: a forward that continues a cache of L tokens continues the running sums of
-        the forward that ended at L tokens (the previous one; ValueError otherwise: the cache was not made by this
-        model's forwards in order). The cache's `reorder_cache` (beam search) reorders the sums with it."""
+    def _continue_cache(self, cache, state: ForwardState, batch: int | None) -> None:
+        """Causal routing over a KV cache of L tokens: the running sums at its L-th token, from the sums the cache
+        keeps (RouteSums), whatever ran in between; ValueError in one line for a cache that cannot be continued
+        (not a transformers Cache, made without this model's forwards, other rows)."""
         if cache is None or not any(self.routing.causal(a) for a in self.queryable_memory):
             return
-        if hasattr(cache, "reorder_cache") and not getattr(cache, "queryable_reorders", False):
-            original, routing = cache.reorder_cache, self.routing
-
-            def reorder_cache(beam_idx):
-                original(beam_idx)
-                routing.reorder(beam_idx)
-
-            cache.reorder_cache, cache.queryable_reorders = reorder_cache, True
-        cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        if not isinstance(cache, Cache):
+            raise ValueError(
+                f"queryable_lora (causal routing) continues a transformers Cache, which keeps the route sums; "
+                f"got a {type(cache).__name__}"
+            )
+        cached = cache.get_seq_length()
         if not cached:
             return
-        if previous.positions != cached:
+        sums = getattr(cache, "queryable_sums", None)
+        if not sums:
             raise ValueError(
-                f"queryable_lora (causal routing): this forward continues a KV cache of {cached} tokens, but the "
-                f"adapter's running route summary covers {previous.positions}; run the earlier tokens through this "
-                "model first (a cache made elsewhere, or forwards out of order, cannot be continued)"
+                f"queryable_lora (causal routing): this forward continues a KV cache of {cached} tokens that holds "
+                "no route sums; make the cache with this model's forwards (use_cache=True)"
             )
-        state.carry_in = previous.carry_out
-        state.positions += cached
+        for key, (total, weight) in sums.items():
+            if total.shape[1] < cached:
+                raise ValueError(
+                    f"queryable_lora (causal routing): the KV cache holds {cached} tokens but route sums of "
+                    f"{total.shape[1]}: it was extended without this model's forwards"
+                )
+            if batch is not None and total.shape[0] != batch:
+                raise ValueError(
+                    f"queryable_lora (causal routing): the KV cache holds {total.shape[0]} rows, this forward {batch}"
+                )
+            state.carry_in[key] = total[:, cached - 1], weight[:, cached - 1]
+        state.cached = cached
+
+    def _end_forward(self, module, args, kwargs, output):
+        """After every forward: the causal running sums kept by the KV cache it returns (RouteSums: those of the
+        cache it continued up to its length, then this forward's), and the routing state dropped (`Routing.end`)."""
+        state = self.routing.state
+        if state.sums:
+            values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else ()
+            cache = next((v for v in values if isinstance(v, Cache)), None)
+            if cache is not None:
+                kept = getattr(cache, "queryable_sums", {}) if state.cached else {}
+                sums = {}
+                for key, (total, weight) in state.sums.items():
+                    if state.cached:
+                        t0, w0 = kept[key]
+                        total = torch.cat([t0[:, : state.cached], total], 1)
+                        weight = torch.cat([w0[:, : state.cached], weight], 1)
+                    sums[key] = total, weight
+                route_sums(cache).queryable_sums = sums
+        self.routing.end()
+        return output
 
     def _route_checkpointing(self, model: nn.Module) -> None:
         """Every transformers checkpoint function in the model (`_gradient_checkpointing_func`, set by
@@ -411,10 +278,17 @@ class QueryableLoraModel(BaseTuner):
         order = sorted({i for i in indices if i is not None})
         rank = [order.index(i) if i is not None else len(order) for i in indices]  # unnumbered modules: last
         n_layers = len(order) + (None in indices)
-        if config.n_blocks > n_layers:
-            raise ValueError(f"n_blocks={config.n_blocks} exceeds the {n_layers} layers holding adapted modules")
-        for (_, layer), k in zip(layers, rank):
+        if config.n_blocks > n_layers:  # qlbench interpretation: clamped (peft's tuners adapt any model), with a note
+            warnings.warn(
+                f"queryable_lora: n_blocks={config.n_blocks} is more than the {n_layers} layer(s) holding adapted "
+                f"modules; using n_blocks={n_layers}",
+                stacklevel=2,
+            )
+            config.n_blocks = n_layers
+            self.queryable_memory[adapter_name] = QueryableMemory(config)  # drawn again at the blocks that exist
+        for (name, layer), k in zip(layers, rank):
             layer.block[adapter_name] = block_of(k, n_layers, config.n_blocks)
+            layer.routing_key[adapter_name] = name
             layer.routing = self.routing
         weight = layers[0][1].get_base_layer().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
@@ -438,7 +312,7 @@ class QueryableLoraModel(BaseTuner):
         if e is None:
             self.routing.instructions.pop(name, None)
         else:
-            self.routing.instructions[name] = e.detach()
+            self.routing.instructions[name] = as_instruction(e).detach()
 
     def _unload_and_optionally_merge(self, merge: bool = True, *args, **kwargs):
         """`unload()`: the base model as it was (the adapted layers replaced by their base layers, the forward
@@ -452,7 +326,8 @@ class QueryableLoraModel(BaseTuner):
         model = super()._unload_and_optionally_merge(*args, merge=False, **kwargs)
         if getattr(self, "_hook", None) is not None:
             self._hook.remove()
-            self._hook = None
+            self._end_hook.remove()
+            self._hook = self._end_hook = None
         for m in model.modules():
             f = m.__dict__.get("_gradient_checkpointing_func")
             if getattr(f, "queryable_routing", None) is self.routing:

@@ -15,7 +15,7 @@ import torch
 
 from qlbench.adapters.queryable import QueryableConfig, RoutingState
 from qlbench.hf.layer import Linear
-from qlbench.hf.model import MemoryView
+from qlbench.hf.routing import MemoryView
 from qlbench.theory.bounds import Bound
 from qlbench.theory.checks import check_model
 from qlbench.theory.tracing import LayerCall, Trace
@@ -91,7 +91,7 @@ def trace(model, x: torch.Tensor, instruction: torch.Tensor | None = None, call:
     finally:
         for h in hooks:
             h.remove()
-    states = {b: [p.unsqueeze(0) for p in ps] for b, ps in routing.state.states[adapter].items()}
+    states = {b: [p.unsqueeze(0) for p in ps] for b, ps in routing.last_states[adapter].items()}
     state = RoutingState(states=states, routes=dict(sorted(routing.last[adapter].items())))
     memory = MemoryView(tuner.queryable_memory[adapter])
     memory.config = _config(memory.config)  # qlbench's QueryableConfig, as the checks read it

@@ -152,14 +152,28 @@ MUTANTS = [
         q0 = q0 + lambda_ctx * (instruction @ Q_ctx.transpose(1, 2))  # + (E, 1 or N, d_k)
     u = beta = None
     q = q0
-    if summaries is not None:
+    if summaries is not None and Q_dep_q is None:  # one earlier block (the peft tuner at B = 2 has no Q_dep_q, Q_dep_k)
+        if summaries.shape[2] != 1:
+            raise ValueError(
+                f"a router without Q_dep_q and Q_dep_k attends over one earlier block, not {summaries.shape[2]}"
+            )
+        u, beta = summaries[:, :, 0], summaries.new_ones(summaries.shape[:3])  # a softmax over one item is 1
+    elif summaries is not None:
         u, beta = depth_summary(q0, summaries, Q_dep_q, Q_dep_k, t_dep, eps)
+    if summaries is not None:
         q = q0 + u @ Q_dep.transpose(1, 2)  # (E, N, d_k)
 """,
         """    u = beta = None
     q = q0
-    if summaries is not None:
+    if summaries is not None and Q_dep_q is None:  # one earlier block (the peft tuner at B = 2 has no Q_dep_q, Q_dep_k)
+        if summaries.shape[2] != 1:
+            raise ValueError(
+                f"a router without Q_dep_q and Q_dep_k attends over one earlier block, not {summaries.shape[2]}"
+            )
+        u, beta = summaries[:, :, 0], summaries.new_ones(summaries.shape[:3])  # a softmax over one item is 1
+    elif summaries is not None:
         u, beta = depth_summary(q0, summaries, Q_dep_q, Q_dep_k, t_dep, eps)
+    if summaries is not None:
         q = q0 + u @ Q_dep.transpose(1, 2)  # (E, N, d_k)
     if lambda_ctx:
         q = q + lambda_ctx * (instruction @ Q_ctx.transpose(1, 2))  # + (E, 1 or N, d_k)
