@@ -2,6 +2,7 @@
 #   make run      the main job: dropwave on the deep-narrow backbone, every method, `quick` budget
 #   make test     the default test suite (what CI runs, after make lint)
 #   make test-faults  the slower fault cases, the random-damage test and the fuzz test (CI runs them after make test)
+#   make test-peft-matrix  peft's own generic tests on Queryable LoRA beside LoRA (CI runs it after test-faults)
 #   make fuzz         the fuzz test over every command with new random examples (tests/test_fuzz.py)
 #   make test-cuda    the CUDA tests, on a machine with a GPU (skipped with the reason elsewhere)
 #   make gpu-check    on a machine with one GPU and PyTorch (no venv: the system's Python, missing wheels in .whl/):
@@ -34,7 +35,7 @@ BIN := $(VENV)/bin
 # torch first and pinned: a bare `torch` requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup setup-dev run test test-slow test-faults fuzz test-cuda gpu-check lint format figures bench results-snapshot baselines-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
+.PHONY: setup setup-dev run test test-slow test-faults test-peft-matrix fuzz test-cuda gpu-check lint format figures bench results-snapshot baselines-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
 	suites-snapshot suites-report language-snapshot language-report mechanism-snapshot check-clean clean
 
 $(BIN)/python:
@@ -75,6 +76,12 @@ format: setup-dev
 # them after the default suite
 test-slow: setup-dev
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m slow
+
+# peft's own generic custom-model tests on Queryable LoRA beside LoRA (tests/test_peft_matrix.py): the installed peft's
+# sdist comes from PyPI, and its tests import diffusers and datasets, installed here only
+test-peft-matrix: setup-dev
+	$(BIN)/python -m pip install -q diffusers datasets
+	$(BIN)/python -m pytest -q -m peft_matrix
 
 # the CUDA tests (tests/test_cuda.py): skipped, with the reason, on a machine without a GPU (CI)
 test-cuda: setup-dev

@@ -1089,3 +1089,34 @@ def test_an_at_once_row_that_fails_is_a_line_and_the_run_goes_on(monkeypatch, ca
         "qlbench bench: deep-narrow 2 methods, 2 at once E=45 failed: RuntimeError: CUDA error: operation not "
         "permitted when stream is capturing"
     ]
+
+
+def test_the_peft_tuner_rows_time_a_training_step_and_generation_beside_lora():
+    """`bench --only hf`: for each call (a training step, greedy generation with the KV cache) a row per method,
+    LoRA's ratio 1 and the others' positive; the generation really decodes (tokens past the prompt)."""
+    pytest.importorskip("peft")
+    from qlbench.bench import models, workloads
+
+    s = bench.Settings({"deep-narrow": 2}, 1, (2,), 1, 1, True)
+    rows = workloads.hf_rows(s, torch.device("cpu"))
+    assert {(r["call"], r["method"]) for r in rows} == {
+        (c, m) for c in ("training step", "generate (KV cache)") for m in ("lora", "queryable", "instruct-queryable")
+    }
+    assert all(r["ms_per_step"] > 0 and r["vs_lora"] > 0 for r in rows)
+    assert all(r["vs_lora"] == 1.0 for r in rows if r["method"] == "lora")
+    import transformers
+
+    from qlbench.experiments import real_lm
+
+    calls = []
+    generate = models.hf_generate("queryable", torch.device("cpu"))
+
+    def counting(self, *a, **kw):
+        out = transformers.GenerationMixin.generate(self, *a, **kw)
+        calls.append(out.shape)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.LlamaForCausalLM, "generate", counting)
+        generate()
+    assert calls == [torch.Size([32, real_lm.LENGTH + 2 + real_lm.LENGTH + 1])]

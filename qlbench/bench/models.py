@@ -173,3 +173,23 @@ def hf_step(method: str, device):
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def hf_generate(method: str, device):
+    """Greedy decoding with the KV cache on the causal-LM experiment's decoder with `method`'s peft adapter, as
+    real-lm scores its answers: the 32 prompts BOS x SEP (7 tokens) of `hf_step`'s batch, 6 new tokens (the answer
+    and EOS), no grad."""
+    from qlbench import instructions
+    from qlbench.experiments import real_lm
+
+    prompts = real_lm.sequences("reverse", 32, 0, "train")[:, : real_lm.LENGTH + 2].to(device)  # (32, 7)
+    model = real_lm.adapted(method, real_lm.decoder(0), real_lm.LMConfig()).to(device).eval()
+    e = instructions.embed(list(real_lm.INSTRUCTIONS[:1])).to(device).expand(len(prompts), -1)  # (32, 384)
+    kw = {"instruction": e} if method == "instruct-queryable" else {}
+    tokens = dict(max_new_tokens=real_lm.LENGTH + 1, min_new_tokens=real_lm.LENGTH + 1, do_sample=False)
+
+    def generate() -> None:
+        with torch.no_grad():
+            model.generate(input_ids=prompts, pad_token_id=real_lm.PAD, use_cache=True, **tokens, **kw)
+
+    return generate

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from qlbench import adapters, engine, suites
-from qlbench.bench.models import batches, hf_step, stacked_model
+from qlbench.bench.models import batches, hf_generate, hf_step, stacked_model
 from qlbench.bench.timing import BATCH, Settings, alternate, chunk, median_ratio, sync
 from qlbench.bench.training import stack_row
 from qlbench.engine import snapshot
@@ -22,34 +22,43 @@ from qlbench.experiments import multitask, pareto_stack, suite_tasks
 
 def hf_rows(s: Settings, device) -> list[dict]:
     """The peft tuner (qlbench.hf) against peft's LoRA on the same model: the causal-LM experiment's decoder
-    (qlbench/experiments/real_lm.py, 2 layers, width 64) with each adapter on q_proj and v_proj, one training step
-    (`models.hf_step`) on a batch of 32 sequences of 13 tokens, alternating; ms per step and the ratio to LoRA's.
-    None without the hf extra, or without the instruction encoder (its sentence is not in the packaged table; the
-    rows are then skipped with a line on stderr, as the other measurements do not need it)."""
+    (qlbench/experiments/real_lm.py, 2 layers, width 64) with each adapter on q_proj and v_proj; one training step
+    (`models.hf_step`) on a batch of 32 sequences of 13 tokens, and greedy generation with the KV cache of 6 tokens
+    from 32 prompts of 7 (`models.hf_generate`), each alternating over the methods; ms per call and the ratio to
+    LoRA's. None without the hf extra, or without the instruction encoder (its sentence is not in the packaged table;
+    the rows are then skipped with a line on stderr, as the other measurements do not need it)."""
     try:
         import peft  # noqa: F401
     except ImportError:
         return []
     from qlbench.instructions import EncoderUnavailable
 
+    methods = ("lora", "queryable", "instruct-queryable")
     try:
-        steps = {m: hf_step(m, device) for m in ("lora", "queryable", "instruct-queryable")}
+        calls = {
+            "training step": {m: hf_step(m, device) for m in methods},
+            "generate (KV cache)": {m: hf_generate(m, device) for m in methods},
+        }
     except EncoderUnavailable as err:
         print(f"qlbench bench: the peft tuner rows are skipped: {err}", file=sys.stderr)
         return []
-    for step in steps.values():
-        step(), step()  # warm-up
-    n = max(2, s.steps["deep-narrow"] // 2)
-    r = alternate({m: (lambda fn=fn: [fn() for _ in range(n)], n) for m, fn in steps.items()}, s.rounds, device)
-    return [
-        dict(
-            model="tiny decoder (real-lm)",
-            method=m,
-            ms_per_step=1e3 / statistics.median(v),
-            vs_lora=median_ratio(r["lora"], v),
-        )  # fmt: skip
-        for m, v in r.items()
-    ]
+    rows = []
+    for what, fns in calls.items():
+        for fn in fns.values():
+            fn(), fn()  # warm-up
+        n = max(2, s.steps["deep-narrow"] // 2)
+        r = alternate({m: (lambda fn=fn, n=n: [fn() for _ in range(n)], n) for m, fn in fns.items()}, s.rounds, device)
+        rows += [
+            dict(
+                model="tiny decoder (real-lm)",
+                call=what,
+                method=m,
+                ms_per_step=1e3 / statistics.median(v),
+                vs_lora=median_ratio(r["lora"], v),
+            )  # fmt: skip
+            for m, v in r.items()
+        ]
+    return rows
 
 
 def snapshot_row(arch: str, method: str, E: int, s: Settings, device) -> dict:

@@ -54,6 +54,7 @@ class QueryableLoraModel(BaseTuner):
     """Queryable LoRA over a transformers model (or any nn.Module with nn.Linear layers); see the module docstring."""
 
     prefix: str = "queryable_"
+    uses_shared_state = True  # the memory lives on the tuner: peft refuses inject_adapter_in_model, which drops it
     tuner_layer_cls = QueryableLoraLayer
     target_module_mapping = {}  # no defaults: target_modules is required
 
