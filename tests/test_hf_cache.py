@@ -123,6 +123,36 @@ def test_a_deep_copied_prompt_cache_continues_each_way(kind, method):
     assert close(b, logits(model, both, use_cache=False)[:, 5:])
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_static_cache_generates_the_dynamic_caches_tokens(kind, method):
+    model, x = wrapped(kind, method), ids()
+    want = model.generate(input_ids=x, **GREEDY)
+    assert torch.equal(model.generate(input_ids=x, cache_implementation="static", **GREEDY), want)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_sliding_window_cache_continues_as_the_full_forward(method):
+    """Mistral with a 4-token window: the cache keeps 4 tokens' keys and values, the route sums cover every token
+    (the route is not windowed), and the continuation equals the full forward."""
+    torch.manual_seed(0)
+    c = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=VOCAB, sliding_window=4)  # fmt: skip
+    model = peft.get_peft_model(transformers.MistralForCausalLM(c), adapter_config(method, ["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if any(k in n for k in ("queryable_B", "queryable_memory", "lora_B")):
+                p.normal_(0, 0.3)
+    model.eval()
+    x = ids()
+    full = logits(model, x, use_cache=False)
+    with torch.no_grad():
+        past = model(input_ids=x[:, :6], use_cache=True).past_key_values
+        assert "Sliding" in type(past.layers[0]).__name__
+        step = model(input_ids=x[:, 6:], past_key_values=past).logits
+    assert close(step, full[:, 6:])
+
+
 def test_a_cache_made_elsewhere_or_of_other_rows_is_refused_in_one_line():
     model, plain = wrapped("llama", "queryable"), base("llama")[0].eval()
     x = ids()
