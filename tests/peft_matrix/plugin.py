@@ -1,5 +1,5 @@
-"""A pytest plugin that adds Queryable LoRA to peft's own generic custom-model tests (tests/test_custom_models.py
-of peft's sdist, run unmodified): `pytest -p plugin <peft sdist>/tests/test_custom_models.py`.
+"""A pytest plugin that adds Queryable LoRA to peft's own generic custom-model tests (test_custom_models.py in the
+tests folder of peft's sdist, run unmodified): `pytest -p plugin <that folder>/test_custom_models.py`.
 
 peft's TestPeftCustomModel parametrizes every test over the module-level list TEST_CASES (name, model, config class,
 config kwargs). The plugin extends that list, in place, when pytest has imported the module and before it expands
