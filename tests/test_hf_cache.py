@@ -230,14 +230,17 @@ def test_a_mixed_batch_gives_each_row_its_adapter_alone(kind, method):
     assert not close(alone["default"][1], alone["b2"][1], tol=1e-3)  # the adapters differ
 
 
+@pytest.mark.parametrize("beams", [1, 3])
 @pytest.mark.parametrize("method", METHODS)
-def test_generate_with_a_mixed_batch_gives_each_row_its_adapter_alone(method):
+def test_generate_with_a_mixed_batch_gives_each_row_its_adapter_alone(method, beams):
+    """Greedy and beam search (each row's adapter repeated for its beams, the cache and route sums reordered)."""
     model, x = wrapped("llama", method, adapters=("default", "b2")), ids(batch=2, tokens=5)
-    mixed = model.generate(input_ids=x, adapter_names=["default", "b2"], **GREEDY)
+    kw = GREEDY | {"num_beams": beams, "max_new_tokens": 5}
+    mixed = model.generate(input_ids=x, adapter_names=["default", "b2"], **kw)
     rows = []
     for i, name in enumerate(("default", "b2")):
         model.set_adapter(name)
-        rows.append(model.generate(input_ids=x[i : i + 1], **GREEDY))
+        rows.append(model.generate(input_ids=x[i : i + 1], **kw))
     assert torch.equal(mixed, torch.cat(rows))
 
 
