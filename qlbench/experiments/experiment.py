@@ -207,13 +207,13 @@ def plan(
     capture, compile, cuda = execution.capture, execution.compile, execution.cuda
     if capture == "auto" and any(isinstance(adapters.get(m), adapters.MemberMethod) for m in methods):
         capture = "off"  # code written for one member (peft's, a user's) is not vouched for inside a CUDA graph
-    shared = resolve(protocol, execution, capture=capture)
-    dev = shared["device"]
+    dev = engine.resolve_device(execution.device, cuda)
     methods_at_once = resolve_at_once(execution.methods_at_once, arch, dev, len(methods), compile, local=cuda is None)
     width = None
     if cuda is None:  # trains on this machine (a Ray plan's workers are elsewhere): every stack at once must fit
         at_once = min(methods_at_once, len(methods))
         width = cells_per_stack(sizes, protocol.n_seeds * at_once, len(functions), protocol.dtype, dev)
+    shared = resolve(protocol, execution, dev, capture=capture)
     use_compile = compile == "on" or (
         compile == "auto" and methods_at_once == 1 and engine.compile_by_default(dev, protocol.schedule.name)
     )

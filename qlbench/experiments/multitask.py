@@ -230,9 +230,9 @@ def plan(
                 f"{', '.join(parametric.names())}"
             )
         sizes[r] = planning.dry_build(arch, {name: configs[r]})[name]  # variants share their method's name
-    shared = planning.resolve(protocol, execution)
-    # one member per seed, T tasks' data
-    planning.check_memory(sizes, protocol.n_seeds, protocol.dtype, shared["device"], tasks=len(s.tasks))
+    dev = engine.resolve_device(execution.device, execution.cuda)
+    planning.check_memory(sizes, protocol.n_seeds, protocol.dtype, dev, tasks=len(s.tasks))  # a member per seed
+    shared = planning.resolve(protocol, execution, dev)
     return SuitePlan(
         **shared,
         suite=s,

@@ -110,11 +110,11 @@ class Resolved:
     eps: float = adapters.EPS  # the adaptation optimiser's epsilon; hashed only when not the default
 
 
-def resolve(protocol, execution, *, capture: str | None = None) -> dict:
+def resolve(protocol, execution, device: torch.device, *, capture: str | None = None) -> dict:
     """The fields of Resolved from a settings.Protocol and a settings.Execution (settings.py imports this module's
-    checks, so not annotated here): the device resolved, the results folder checked writable (ValueError in one line),
-    capture resolved for that device from `capture` (default: the execution's)."""
-    device = engine.resolve_device(execution.device, execution.cuda)
+    checks, so not annotated here) on `device` (`engine.resolve_device`; resolved first, for the memory checks that
+    come before the seeds are listed): the results folder checked writable (ValueError in one line), capture
+    resolved for the device from `capture` (default: the execution's)."""
     check_writable(Path(execution.out_dir))
     return dict(
         arch=protocol.arch,
