@@ -1,9 +1,10 @@
-"""The peft tuner: shared memory and router per adapter, blocks in the model's layer order, per-forward state.
+"""The peft tuner: shared memory and router per adapter, blocks in the model's layer order, the forward's hooks.
 
 What peft's API does not express, and how this tuner does it (docs/hf.md):
 - *State carried across layers.* peft's layers are independent modules; Queryable LoRA's block b routes from its
   entry rank state and from summaries of the blocks before it. The tuner keeps a per-forward `Routing` state that
-  every adapted layer of an adapter shares, reset by a forward pre-hook on the wrapped model before each forward.
+  every adapted layer of an adapter shares (routing.py), started by a forward pre-hook on the wrapped model and
+  dropped by a forward hook, which hands causal routing's running sums to the KV cache the forward returns.
 - *The instruction per call.* That pre-hook also takes an `instruction=` keyword (a (d_c,) or (batch, d_c) tensor)
   out of the model's keywords before the model sees it, and the attention mask, whose padding the token average of
   a rank state skips. `set_instruction` binds one per adapter.
