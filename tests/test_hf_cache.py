@@ -51,18 +51,23 @@ def adapter_config(method: str, targets, **kw):
     return peft.LoraConfig(target_modules=targets, r=4, task_type="CAUSAL_LM", **kw)
 
 
-def wrapped(kind: str, method: str, adapters: tuple[str, ...] = ("default",)):
-    """`kind`'s tiny LM with `method`'s adapters, each with its B (and Queryable LoRA's memory) drawn non-zero."""
-    model, targets = base(kind)
-    model = peft.get_peft_model(model, adapter_config(method, targets))
-    for name in adapters[1:]:
-        model.add_adapter(name, adapter_config(method, targets))
+def drawn(model):
+    """`model` in eval mode with every adapter's B (and Queryable LoRA's memory) drawn non-zero, seeded."""
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if any(k in n for k in ("queryable_B", "queryable_memory", "lora_B")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return model.eval()
+
+
+def wrapped(kind: str, method: str, adapters: tuple[str, ...] = ("default",)):
+    """`kind`'s tiny LM with `method`'s adapters, each doing something (`drawn`)."""
+    model, targets = base(kind)
+    model = peft.get_peft_model(model, adapter_config(method, targets))
+    for name in adapters[1:]:
+        model.add_adapter(name, adapter_config(method, targets))
+    return drawn(model)
 
 
 def ids(batch: int = 2, tokens: int = 9, seed: int = 1) -> torch.Tensor:
@@ -138,12 +143,7 @@ def test_a_sliding_window_cache_continues_as_the_full_forward(method):
     torch.manual_seed(0)
     c = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=VOCAB, sliding_window=4)  # fmt: skip
-    model = peft.get_peft_model(transformers.MistralForCausalLM(c), adapter_config(method, ["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if any(k in n for k in ("queryable_B", "queryable_memory", "lora_B")):
-                p.normal_(0, 0.3)
-    model.eval()
+    model = drawn(peft.get_peft_model(transformers.MistralForCausalLM(c), adapter_config(method, ["q_proj", "v_proj"])))
     x = ids()
     full = logits(model, x, use_cache=False)
     with torch.no_grad():

@@ -197,10 +197,9 @@ def plan(
         zoo.card(f)  # raises with the valid names
     if len(set(functions)) != len(functions):
         raise ValueError(f"function listed twice in {','.join(functions)}")
-    methods = chosen(methods, adapters.DEFAULT_METHODS, ", ".join(adapters.names()))
-    methods = [adapters.canonical(m) for m in methods]  # loads peft:<type> and package.module:NAME (one line if not)
-    if len(set(methods)) != len(methods):  # two spellings of one method
-        raise ValueError(f"method listed twice in {','.join(methods)}")
+    given = adapters.DEFAULT_METHODS if methods is None else methods
+    # canonical names first (loads peft:<type> and package.module:NAME, one line if not): two spellings are one method
+    methods = chosen([adapters.canonical(m) for m in given], [], ", ".join(adapters.names()))
     overrides = check_overrides(overrides, methods)
     configs = {m: make_config(m, m, overrides) for m in methods}
     sizes = dry_build(arch, configs)

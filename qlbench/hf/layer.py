@@ -95,7 +95,7 @@ class Linear(nn.Module, QueryableLoraLayer):
             t = s + g * Ss
             update = (self.scaling[name] * (t @ B.T)).to(result.dtype)  # (batch, [T,] d_out)
             if rows is not None:  # on its own rows only (the others' are computed and dropped)
-                own = torch.tensor([a == name for a in rows], device=update.device)
+                own = self.routing.rows_of(name, update.device)  # (batch,)
                 update = torch.where(own.view(-1, *[1] * (update.dim() - 1)), update, 0)
             result = result + update
         return result

@@ -74,6 +74,7 @@ class ForwardState:
     carry_in: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     sums: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     cached: int = 0
+    own_rows: dict[str, torch.Tensor] = field(default_factory=dict)  # mixed batch: adapter -> (batch,) its rows
 
 
 class Routing:
@@ -148,6 +149,12 @@ class Routing:
             self.last.setdefault(adapter, {})[block] = r
         states.setdefault(block, []).append(pooled)
         return operators[block]
+
+    def rows_of(self, adapter: str, device: torch.device) -> torch.Tensor:
+        """(batch,) bool: the rows of a mixed batch that `adapter` serves (`rows`), made once per forward."""
+        if adapter not in self.state.own_rows:
+            self.state.own_rows[adapter] = torch.tensor([a == adapter for a in self.rows], device=device)
+        return self.state.own_rows[adapter]
 
     def end(self) -> None:
         """After a forward: nothing of it is kept but detached copies of its routes and pooled states (`last`,
