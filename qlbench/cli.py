@@ -33,6 +33,7 @@ from qlbench.commands import run_suite as suite_command
 from qlbench.commands import signal as signal_command
 from qlbench.commands import suites as suites_command
 from qlbench.commands import verify as verify_command
+from qlbench.inputs import Refused
 
 # run registers run and sweep
 COMMANDS = (
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdout is not None:  # None where stdout is closed (`>&-`): the records are the output
             sys.stdout.flush()  # a reader that left (`| head`) fails here, in the handlers below, not in Python's exit
         return code
-    except UsageError as err:
+    except (UsageError, Refused) as err:
         print(f"qlbench {args.command}: error: {err}" if args else f"qlbench: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

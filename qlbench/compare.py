@@ -58,7 +58,8 @@ def check_records(folder: Path, protocol: protocols.Protocol, on_damaged=None) -
     if not found:
         raise ValueError(f"no records in {folder}")
     for path, rec in found:
-        if diff := protocol.differences(rec["run_info"]["config"]):
+        cards = (rec["run_info"].get("settings") or {}).get("cards")
+        if diff := protocol.differences(rec["run_info"]["config"], cards):
             rel = Path(path).relative_to(folder) if Path(path).is_relative_to(folder) else path
             raise ValueError(f"{rel} was not made under {protocol.name}: {'; '.join(diff)}")
     return [p for p, _ in found]

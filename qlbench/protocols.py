@@ -3,7 +3,9 @@ method run elsewhere can be compared with them (`qlbench compare`, docs/results/
 
 A protocol fixes everything that changes the numbers apart from the method: the backbone and its init, the budget
 (epochs, learning rates, batch size, evaluation cadence), the functions, the seeds, the dtype, the optimiser's eps and
-the label noise. A record is under a protocol when its config says so, field by field (`differences`); its seeds may
+the label noise; and the version of each function's card (`cards`, zoo.card_digest), since a card holds the data's
+coefficients. A record is under a protocol when its config says so, field by field, and the cards it records are the
+protocol's (`differences`; a record written before records held their cards is taken on its config); its seeds may
 be a subset of the protocol's (pairs are made by function and seed).
 """
 
@@ -27,16 +29,19 @@ class Protocol:
     dtype: str = "float32"
     eps: float = adapters.EPS
     noise: str = zoo.DEFAULT_NOISE
+    cards: tuple[tuple[str, str], ...] = ()  # (function, zoo.card_digest) of the cards its baselines were made from
 
     def budget_fields(self) -> dict:
         """The budget's epochs, learning rates, batch size and cadence, as a record's config holds them (less the
         seed count, which the protocol's seeds give)."""
         return {k: v for k, v in dataclasses.asdict(engine_budget(self.budget, self.arch)).items() if k != "seeds"}
 
-    def differences(self, config: dict) -> list[str]:
-        """What in a record's config (run_info.config) differs from the protocol, one phrase each; [] when the
-        record is under it."""
+    def differences(self, config: dict, cards: dict[str, str] | None = None) -> list[str]:
+        """What in a record's config (run_info.config) and the card versions it was made from (run_info.settings.
+        cards; None: not recorded) differs from the protocol, one phrase each; [] when the record is under it."""
         out = []
+        if changed := [f for f, d in self.cards if f in (cards or {}) and cards[f] != d]:
+            out.append(f"another version of card {', '.join(changed)} than the protocol's")
         want = {"arch": self.arch, "dtype": self.dtype}
         out += [f"{k} {config.get(k)!r} (protocol: {v!r})" for k, v in want.items() if config.get(k) != v]
         init = config.get("backbone_init", "default")  # a default-init config has no key
@@ -65,6 +70,17 @@ ZOO_V1 = Protocol(
     backbone_init="kaiming",
     functions=tuple(zoo.names()),
     seeds=tuple(range(10)),
+    cards=(
+        ("ackley", "adfbe182bb86427f"),
+        ("dropwave", "942f12dec268207d"),
+        ("langermann", "d5e6564af012207f"),
+        ("levy", "32eac97a67feb63f"),
+        ("matyas", "69fecdc98454fee3"),
+        ("michalewicz", "cdb7d3ef8ab510f2"),
+        ("rastrigin", "b6df603b03f8e74a"),
+        ("sin-cos", "5fc69d5e5da26d06"),
+        ("styblinski-tang", "21e435d57ba6c7d0"),
+    ),
 )
 PROTOCOLS = {p.name: p for p in (ZOO_V1,)}
 
@@ -77,6 +93,6 @@ def get(name: str) -> Protocol:
         raise ValueError(f"unknown protocol {name!r}; valid: {', '.join(PROTOCOLS)}") from None
 
 
-def of_config(config: dict) -> str | None:
-    """The name of the protocol a record's config is under, or None."""
-    return next((p.name for p in PROTOCOLS.values() if not p.differences(config)), None)
+def of_config(config: dict, cards: dict[str, str] | None = None) -> str | None:
+    """The name of the protocol a record's config and card versions are under, or None."""
+    return next((p.name for p in PROTOCOLS.values() if not p.differences(config, cards)), None)

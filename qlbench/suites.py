@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from qlbench import parametric, zoo
+from qlbench.records.store import stable_hash
 from qlbench.seeding import generator
 
 if sys.version_info >= (3, 11):
@@ -378,6 +379,15 @@ def card_config(suite: Suite) -> dict:
             if task[key] == default:
                 del task[key]
     return d
+
+
+def cards(name: str) -> dict[str, str]:
+    """The versions of the cards the suite `name`'s data is made from, as records and backbone files hold them
+    (zoo.card_digest): its own card's (as card_config holds it) under "suite <name>", and each function card its
+    source and tasks use under the function's name."""
+    suite = get(name)
+    used = sorted({t.function for t in (suite.source, *suite.tasks)})
+    return {f"suite {name}": stable_hash(card_config(suite))} | {f: zoo.card_digest(f) for f in used}
 
 
 @functools.cache

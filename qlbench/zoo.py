@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from qlbench.records.store import stable_hash
 from qlbench.seeding import generator
 
 if sys.version_info >= (3, 11):
@@ -186,20 +187,38 @@ def _parse(name: str, text: str) -> Card:
     )
 
 
+# The parts of a card that the data and the instructions are made from (card_digest); the name, formula, optimum and
+# references describe the function and change no number of a run.
+DATA_FIELDS = ("family", "instruction", "adversarial_instruction", "domain", "coefficients", "target")
+
+
+@functools.cache
+def _texts() -> dict[str, str]:
+    # Package data, not a repo path: the same code reads the cards from a wheel or an editable install.
+    return {
+        p.name.removesuffix(".toml"): p.read_text(encoding="utf-8")
+        for p in files("qlbench.functions").iterdir()
+        if p.name.endswith(".toml")
+    }
+
+
 @functools.cache
 def _cards() -> dict[str, Card]:
-    # Package data, not a repo path: the same code reads the cards from a wheel or an editable install.
-    cards = {}
-    for p in files("qlbench.functions").iterdir():
-        if p.name.endswith(".toml"):
-            name = p.name.removesuffix(".toml")
-            cards[name] = _parse(name, p.read_text(encoding="utf-8"))
-    return cards
+    return {name: _parse(name, text) for name, text in _texts().items()}
 
 
 def names() -> list[str]:
     """Names of all cards in the zoo, sorted."""
     return sorted(_cards())
+
+
+def card_digest(name: str) -> str:
+    """16 hex digits naming the version of the card `name` that data is made from: the stable hash of its
+    DATA_FIELDS as parsed (comments, layout and the descriptive fields do not count). Records and backbone files
+    hold it, so a card edited in place is found out (runner.finished, engine.pretrain, protocols)."""
+    card(name)  # ValueError listing the valid names
+    table = tomllib.loads(_texts()[name])
+    return stable_hash({k: table.get(k) for k in DATA_FIELDS})
 
 
 def card(name: str) -> Card:

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qlbench import cli, suites
+from qlbench import cli, inputs, suites, zoo
 from qlbench.experiments import ablation, multitask
 from qlbench.metrics import continual, suite_stats
 from qlbench.records import results, runner
@@ -40,6 +40,16 @@ def zoo4(tmp_path_factory):
     p = plan(tmp_path_factory.mktemp("zoo4"), methods=("lora", "lora-per-task", "instruct-queryable", "task-code"))
     runner.run(p, progress=False, log=lambda m: None)
     return p
+
+
+def test_a_suite_record_holds_its_cards_and_one_made_from_an_edited_card_is_refused(zoo4, monkeypatch):
+    rec = results.read_record(zoo4.record_path("lora"))
+    assert rec["run_info"]["settings"]["cards"] == suites.cards("zoo-4")
+    texts = dict(zoo._texts())
+    texts["matyas"] = texts["matyas"].replace('instruction = "', 'instruction = "Edited: ')
+    monkeypatch.setattr(zoo, "_texts", lambda: texts)
+    with pytest.raises(inputs.Refused, match="was made from another version of card matyas than the installed one"):
+        runner.run(zoo4, progress=False, log=lambda m: None)
 
 
 def test_a_stage_trains_only_its_own_task(zoo4):

@@ -34,6 +34,9 @@ class Toy:
     def unit_config(self, unit):
         return self.config | {"unit": unit}
 
+    def unit_cards(self, unit):
+        return {}  # made from no card
+
     def read(self, path):
         try:
             rec = json.loads(path.read_text())

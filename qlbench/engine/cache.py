@@ -58,6 +58,12 @@ class Backbones:
         key = dict(arch=self.arch, phase=asdict(self.phase), dtype=str(self.dtype))
         return [stable_hash(dict(arch=self.arch, function=f, seed=s) | key | extra) for f, s in members]
 
+    def cards(self, member: Member) -> dict[str, str]:
+        """The versions of the cards a member's source data is made from (zoo.card_digest, suites.cards): its file
+        holds them, and a file made from another version is retrained (`_read_backbone`)."""
+        name = member[0]
+        return suites.cards(name) if self.source == "suite" else {name: zoo.card_digest(name)}
+
     def needed(self, members: list[Member], store: Store | None) -> bool:
         """Whether `pretrain` will train anything (some member is not in the cache)."""
         return any(p is None or not p.exists() for p in self.paths(members, store))
@@ -79,17 +85,20 @@ def _member_shapes(arch: str) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape[1:]) for k, v in meta.items()}
 
 
-def _read_backbone(path: Path, arch: str, key: str) -> dict:
+def _read_backbone(path: Path, arch: str, key: str, cards: dict[str, str]) -> dict:
     """A cached member, checked by content: DamagedFile (one line) unless it holds this member's cache key (a file
-    without one, written before files held it, is retrained once), a state with exactly the backbone's weight names
-    and per-member shapes (from a shapes-only build on the meta device), finite weights, and its two source MSEs as
-    numbers."""
+    without one, written before files held it, is retrained once), was made from the cards as they are now (`cards`;
+    a file without them, written before files held them, is not checked), holds a state with exactly the backbone's
+    weight names and per-member shapes (from a shapes-only build on the meta device), finite weights, and its two
+    source MSEs as numbers."""
     saved = load_torch(path)
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise DamagedFile(f"{path} is damaged (not a backbone file: no state)")
     if saved.get("key") != key:
         what = "no member key: written by an older qlbench" if "key" not in saved else "another member's weights"
         raise DamagedFile(f"{path} is damaged ({what})")
+    if changed := record.card_changes(saved.get("cards"), cards):
+        raise DamagedFile(f"{path} is out of date (pretrained on another version of {changed})")
     want = _member_shapes(arch)
     got = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in saved["state"].items()}
     if wrong := sorted(set(want) ^ set(got)) or [k for k in want if got[k] != want[k]]:
@@ -123,7 +132,7 @@ def pretrain(
     for i, path in enumerate(paths):
         if path is not None and path.exists():
             try:
-                cached[i] = _read_backbone(path, arch, keys[i])
+                cached[i] = _read_backbone(path, arch, keys[i], spec.cards(members[i]))
             except DamagedFile as err:
                 log(f"{err}; {set_aside(path)}, retraining that backbone")
     todo = [i for i in range(len(members)) if i not in cached]
@@ -139,6 +148,7 @@ def pretrain(
         for j, i in enumerate(todo):
             cached[i] = dict(
                 key=keys[i],
+                cards=spec.cards(members[i]),
                 state={k: v[j].detach().cpu().clone() for k, v in state.items()},
                 source_train_mse=curves.train_mse[j, -1].item(),
                 source_test_mse=curves.test_mse[j, -1].item(),

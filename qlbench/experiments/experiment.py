@@ -74,6 +74,10 @@ class Plan(Resolved):
     def unit_config(self, unit: tuple[str, str]) -> dict:
         return self.cell_config(unit[1], unit[0])
 
+    def unit_cards(self, unit: tuple[str, str]) -> dict[str, str]:
+        """The version of the function's card the cell's data is made from (zoo.card_digest; runner.Workload)."""
+        return {unit[1]: zoo.card_digest(unit[1])}
+
     read = staticmethod(runner.read_result)  # a record of the schema (results.read_record)
 
     def intact(self, record: Path, rec: dict, log) -> bool:
@@ -278,7 +282,8 @@ def write_failed(p: Plan, method: str, functions: list[str], message: str, wall_
     """A `failed` record (no measurement, the message) for each of the method's cells on `functions`: the table
     shows it as a row, the command reports it and exits 1, and the next run retries it (`_finished`)."""
     for f in functions:
-        run = record.RunInfo(p.cell_config(f, method), p.seeds, p.device, p.compile, p.chosen)
+        chosen = p.chosen | {"cards": p.unit_cards((method, f))}
+        run = record.RunInfo(p.cell_config(f, method), p.seeds, p.device, p.compile, chosen)
         rec = record.make_record(run, record.TrainInfo("failed", message, wall_time_s))
         write_json(rec, p.record_path(f, method))
 
@@ -377,9 +382,11 @@ def commit_cell(
             f"{engine.DIVERGENCE_FACTOR:g}x the epoch-0 train MSE); {rest}"
         )
     config = p.cell_config(f, method)
-    under = protocols.of_config(config)  # the benchmark protocol the cell was made under, if any (protocols.py)
+    cards = p.unit_cards((method, f))
+    under = protocols.of_config(config, cards)  # the benchmark protocol the cell was made under, if any (protocols.py)
     chosen = (
         p.chosen
+        | {"cards": cards}
         | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()}
         | member.recorded(res.model)
         | ({"protocol": under} if under else {})

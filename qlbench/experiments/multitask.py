@@ -108,6 +108,10 @@ class SuitePlan(planning.Resolved):
     def unit_config(self, row: str) -> dict:
         return self.cell_config(row)
 
+    def unit_cards(self, row: str) -> dict[str, str]:
+        """The versions of the cards the suite's data is made from (suites.cards; runner.Workload)."""
+        return suites.cards(self.suite.name)
+
     read = staticmethod(runner.read_result)  # a record of the schema (results.read_record)
 
     def intact(self, record: Path, rec: dict, log) -> bool:
@@ -406,6 +410,7 @@ def run_row(p: SuitePlan, row: str, pre: engine.Pretrained, progress, log) -> No
     # suites: eager steps, labels standardised per task with their own noise (suites.py), no --noise option
     chosen = {"eps": p.eps, "backbone_init": p.backbone_init, "noise": "suite-standardised", "capture": p.capture}
     chosen["backbone_commits"] = pre.commits()  # which code trained the backbones (engine.Pretrained.git)
+    chosen["cards"] = p.unit_cards(row)
     run = lambda: record.RunInfo(config, p.seeds, p.device, chosen=chosen)
     failed = lambda message, wall_time_s: write_json(
         record.make_record(run(), record.TrainInfo("failed", message, wall_time_s)), p.record_path(row)

@@ -75,6 +75,9 @@ class StackedPoints:
     def unit_config(self, i: int) -> dict:
         return self.plans[i].unit_config(self._cell(i))
 
+    def unit_cards(self, i: int) -> dict[str, str]:
+        return self.plans[i].unit_cards(self._cell(i))
+
     read = staticmethod(runner.read_result)
 
     def intact(self, record: Path, rec: dict, log) -> bool:

@@ -62,6 +62,16 @@ def settings(*, device, compile: bool, dtype: str, **chosen) -> dict:
     }
 
 
+def card_changes(recorded, now: dict[str, str]) -> str:
+    """Which cards a file's recorded versions (`recorded`, {name: digest}; None for a file written before files held
+    them) say differ from `now`, as a phrase ("card ackley", "cards ackley, suite zoo-4"); "" when none do."""
+    if not isinstance(recorded, dict):
+        return ""
+    changed = sorted(n for n in now if n in recorded and recorded[n] != now[n])
+    changed += sorted(n for n in recorded if n not in now)
+    return f"card{'s' if len(changed) > 1 else ''} {', '.join(changed)}" if changed else ""
+
+
 def meta_info(device: torch.device) -> dict:
     return {
         "python": platform.python_version(),

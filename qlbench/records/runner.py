@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from qlbench.inputs import Refused
 from qlbench.records import record, results
 from qlbench.records.store import (
     DamagedFile,
@@ -72,6 +73,9 @@ class Workload(Protocol):
     def unit_config(self, unit) -> dict:  # the config a reusable record of the unit must hold (by hash)
         ...
 
+    def unit_cards(self, unit) -> dict[str, str]:  # the versions of the cards its data is made from ({} for none;
+        ...  # zoo.card_digest, suites.cards): a record of them holds them in run_info.settings.cards
+
     def read(self, path: Path) -> Found:  # the unit's record, checked (store.DamagedFile otherwise)
         ...
 
@@ -85,7 +89,9 @@ class Workload(Protocol):
 def finished(w: Workload, unit, log: Log) -> bool:
     """Whether the unit has a finished record of its exact config whose files are intact. A damaged record is
     reported, set aside and counts as unfinished; a failed one is retried (it holds no results), an incomplete one
-    completed."""
+    completed. A finished record made from another version of a card than the installed one (its
+    run_info.settings.cards; records written before records held them are not checked) is refused: inputs.Refused,
+    one line, before any training; `--force` retrains it."""
     path = w.unit_path(unit)
     if not path.exists():
         return False
@@ -96,6 +102,12 @@ def finished(w: Workload, unit, log: Log) -> bool:
         return False
     if found.config_hash != stable_hash(w.unit_config(unit)) or found.status in ("failed", "incomplete"):
         return False
+    recorded = ((found.rec.get("run_info") or {}).get("settings") or {}).get("cards")
+    if changed := record.card_changes(recorded, w.unit_cards(unit)):
+        raise Refused(
+            f"{path} was made from another version of {changed} than the installed one: restore the card, run "
+            "again with --force to retrain (the record is replaced), or give another --out"
+        )
     return w.intact(path, found.rec, log)
 
 
@@ -240,6 +252,9 @@ class MethodSeeds:
 
     def unit_config(self, method: str) -> dict:
         return self.config.key()
+
+    def unit_cards(self, method: str) -> dict[str, str]:
+        return {}  # made from no card
 
     def read(self, path: Path) -> Found:
         """The record's config hash and state: "ok" once it holds every seed of the config, else "incomplete"."""
