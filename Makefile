@@ -187,7 +187,7 @@ pareto-snapshot: check-clean setup
 real-snapshot: check-clean setup-dev
 	$(BIN)/qlbench real --seeds 3 --threads 1 --out real-results --no-progress
 	rm -rf docs/results/real && mkdir -p docs/results/real/records
-	folder=$$($(BIN)/python -c "from qlbench import real; \
+	folder=$$($(BIN)/python -c "from qlbench.experiments import real; \
 	  print(real.record_path('real-results', real.RealConfig(), '').parent)") && \
 	  cp $$folder/real.md $$folder/real.csv $$folder/real.png docs/results/real/ && \
 	  cp $$folder/*.json docs/results/real/records/
@@ -195,7 +195,7 @@ real-snapshot: check-clean setup-dev
 real-lm-snapshot: check-clean setup-dev
 	$(BIN)/qlbench real-lm --seeds 10 --threads 1 --out real-results --no-progress
 	rm -rf docs/results/real-lm && mkdir -p docs/results/real-lm/records
-	folder=$$($(BIN)/python -c "from qlbench import real_lm; \
+	folder=$$($(BIN)/python -c "from qlbench.experiments import real_lm; \
 	  print(real_lm.record_path('real-results', real_lm.LMConfig(seeds=tuple(range(10))), '').parent)") && \
 	  cp $$folder/real-lm.md docs/results/real-lm/ && cp $$folder/*.json docs/results/real-lm/records/
 
