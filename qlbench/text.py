@@ -21,6 +21,10 @@ import pandas as pd
 
 FORMATS = ("md", "latex", "csv")  # the table formats `qlbench report` writes
 PM = {"md": " ± ", "latex": r" $\pm$ "}  # mean ± std, per output format
+# Significant digits of a float in a CSV table. A table's numbers are computed from its records (means, p-values,
+# bootstrap intervals); their last bits follow the machine's floating-point paths (SIMD width, libm), so 17 digits
+# would differ between two machines that read the same records. Ten digits are far more than any table shows.
+CSV_DIGITS = 10
 
 # ---------------------------------------------------------------------------------------------------------------
 # Numbers
@@ -113,6 +117,14 @@ def frame(rows: Iterable[dict], columns: list[Column]) -> pd.DataFrame:
 def table(rows: Iterable[dict], columns: list[Column]) -> str:
     """The rows as a Markdown pipe table, one column per spec."""
     return markdown(frame(rows, columns))
+
+
+def csv(table: pd.DataFrame) -> str:
+    """A DataFrame as CSV text (no index), every float at CSV_DIGITS significant digits, in float and mixed
+    columns alike (inf and NaN as pandas writes them: "inf", empty)."""
+    rounded = lambda v: float(f"{v:.{CSV_DIGITS}g}") if isinstance(v, float) and math.isfinite(v) else v
+    mixed = {c: table[c].map(rounded) for c in table.columns if table[c].dtype == object}
+    return table.assign(**mixed).to_csv(index=False, float_format=f"%.{CSV_DIGITS}g")
 
 
 def markdown(table: pd.DataFrame) -> str:

@@ -230,3 +230,35 @@ def settings(**kw) -> dict:
         protocol=Protocol(**{k: v for k, v in kw.items() if k in protocol}),
         execution=Execution(**{k: v for k, v in kw.items() if k in execution}),
     )
+
+
+def table_differences(made: str, committed: str, suffix: str) -> list[str]:
+    """Where a rebuilt table's text differs from the committed one's, one phrase each ([] when they agree). Markdown
+    and LaTeX compare byte for byte (they show a few digits); a CSV compares cell by cell, its numbers to the digits
+    that it states (text.CSV_DIGITS significant digits: a relative difference below 1e-9, and inf and NaN alike), so
+    that a table that one machine wrote is rebuilt on another whose floating-point paths differ in the last bits."""
+    if suffix != ".csv":
+        return [] if made == committed else ["text differs"]
+    import io
+    import math
+
+    import pandas as pd
+
+    read = lambda s: pd.read_csv(io.StringIO(s), dtype=str, keep_default_na=False)
+    a, b = read(made), read(committed)
+    if list(a.columns) != list(b.columns) or a.shape != b.shape:
+        return [f"columns or shape differ: {list(a.columns)} {a.shape} vs {list(b.columns)} {b.shape}"]
+    out = []
+    for col in a.columns:
+        for i, (x, y) in enumerate(zip(a[col], b[col])):
+            if x == y:
+                continue
+            try:
+                fx, fy = float(x), float(y)
+            except ValueError:
+                out.append(f"row {i} {col}: {x!r} vs {y!r}")
+                continue
+            same = (math.isnan(fx) and math.isnan(fy)) or math.isclose(fx, fy, rel_tol=1e-9, abs_tol=1e-300)
+            if not same:
+                out.append(f"row {i} {col}: {x} vs {y}")
+    return out

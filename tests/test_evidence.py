@@ -14,9 +14,12 @@ import pytest
 from scipy import stats as sps
 from test_stats import make_frame
 
+from qlbench import text
 from qlbench.metrics import stats
 from qlbench.records import per_seed, results
 from qlbench.report import tables, write_report
+
+from helpers import table_differences
 
 # ----------------------------------------------------------------------------------------------------------------
 # The Holm family holds the comparisons between trained methods
@@ -203,16 +206,41 @@ def test_there_are_committed_reports_with_per_seed_records():
     assert {"zoo", "mechanism"} <= names  # README's tables and docs/why.md's come from these
 
 
+def test_a_rebuilt_table_agrees_to_the_digits_it_states_and_no_further():
+    """Two machines' floating-point paths differ in the last bits: a CSV's numbers agree to text.CSV_DIGITS
+    significant digits, not to 17. Planted: a number off in its 4th digit, a word changed, a row dropped, and
+    Markdown that differs anywhere are all found."""
+    committed = "method,p,ratio,outcome\nlora,0.14422424754244628,inf,tie\ndora,,1.5,win\n"
+    assert table_differences(committed.replace("628", "625"), committed, ".csv") == []  # 17th digit: agrees
+    assert table_differences(committed.replace("0.1442", "0.1443"), committed, ".csv") == [
+        "row 0 p: 0.14432424754244628 vs 0.14422424754244628"
+    ]
+    assert table_differences(committed.replace("win", "tie"), committed, ".csv") == ["row 1 outcome: 'tie' vs 'win'"]
+    assert table_differences(committed.replace(",inf,", ",1e308,"), committed, ".csv") != []
+    assert table_differences(committed.replace("dora,,", "dora,0.5,"), committed, ".csv") != []  # NaN is not a number
+    assert table_differences("\n".join(committed.splitlines()[:2]), committed, ".csv") != []
+    assert table_differences("| p |\n| 0.145 |\n", "| p |\n| 0.144 |\n", ".md") == ["text differs"]
+    df = pd.DataFrame({"p": [0.14422424754244628, math.inf], "mixed": ["x", 1 / 3]})
+    assert text.csv(df) == "p,mixed\n0.1442242475,x\ninf,0.3333333333\n"  # floats in mixed columns rounded too
+
+
 @pytest.mark.parametrize("csv", COMMITTED, ids=lambda p: p.parent.relative_to(RESULTS).as_posix())
 def test_a_committed_report_is_rebuilt_from_its_per_seed_csv(csv, tmp_path):
     """Every table of the report (means, ±, marks, paired statistics, win/tie/loss, the test across functions, costs)
-    from the per-seed CSV beside it: the same bytes as committed, and no committed table that the CSV does not make."""
+    from the per-seed CSV beside it: the same as committed (Markdown byte for byte, CSV numbers to the digits they
+    state: `table_differences`), and no committed table that the CSV does not make."""
     write_report(per_seed.load(csv), None, tmp_path, formats=("md", "csv"), figures=False)
     made = {p.relative_to(tmp_path).as_posix(): p for p in tmp_path.rglob("*") if p.is_file()}
     committed = {p.relative_to(csv.parent).as_posix(): p for p in csv.parent.rglob("*") if p.is_file()}
     assert sorted(committed) == sorted(made)
-    differ = [name for name in made if made[name].read_bytes() != committed[name].read_bytes()]
-    assert differ == [], f"{csv.parent}: tables differ from their records: {differ[:5]}"
+
+    def differences(a: Path, b: Path) -> list[str]:
+        if a.suffix not in (".md", ".csv", ".tex"):  # the per-seed CSV itself (gzip), written from the same rows
+            return [] if a.read_bytes() == b.read_bytes() else ["bytes differ"]
+        return table_differences(a.read_text(), b.read_text(), a.suffix)
+
+    differ = {n: d for n in made if (d := differences(made[n], committed[n]))}
+    assert differ == {}, f"{csv.parent}: tables differ from their records: {list(differ.items())[:5]}"
 
 
 HEX = re.compile(r"\b[0-9a-f]{7,40}\b")
@@ -321,8 +349,12 @@ def test_a_committed_suite_report_is_rebuilt_from_its_records(name, tmp_path, ca
     committed = {p.relative_to(committed_dir).as_posix(): p for p in committed_dir.rglob("*") if p.is_file()}
     committed = {n: p for n, p in committed.items() if not n.endswith(".png")}
     assert sorted(made) == sorted(committed)
-    differ = [n for n in made if without_figures(made[n].read_text()) != without_figures(committed[n].read_text())]
-    assert differ == [], f"{name}: tables differ from their records: {differ[:5]}"
+    differ = {
+        n: d
+        for n in made
+        if (d := table_differences(*(without_figures(p.read_text()) for p in (made[n], committed[n])), made[n].suffix))
+    }
+    assert differ == {}, f"{name}: tables differ from their records: {list(differ.items())[:5]}"
     assert not list((RESULTS / SUITE_REPORTS[name]).rglob("*.pt"))  # records only, no weights
 
 
@@ -394,7 +426,8 @@ def test_the_real_model_tables_are_rebuilt_from_their_records(tmp_path):
     assert records, "docs/results/real has no records"
     real_report.write(records, tmp_path)
     for name in ("real.md", "real.csv"):
-        assert (tmp_path / name).read_text() == (RESULTS / "real" / name).read_text(), name
+        made, committed = (tmp_path / name).read_text(), (RESULTS / "real" / name).read_text()
+        assert table_differences(made, committed, Path(name).suffix) == [], name
     records = sorted((RESULTS / "real-lm" / "records").glob("*.json"))
     assert records, "docs/results/real-lm has no records"
     assert real_lm.markdown(records) == (RESULTS / "real-lm" / "real-lm.md").read_text()

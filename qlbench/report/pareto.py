@@ -59,6 +59,6 @@ def write(frame: pd.DataFrame, folder: Path, title: str, ylabel: str) -> dict:
     files = [folder / "pareto.md", folder / "pareto.csv"]
     store.write_text(md, files[0])
     columns = ["record", *(c for c in results.GIT_COLUMNS if c in frame)]  # provenance is in the Markdown
-    store.write_text(frame.drop(columns=columns).to_csv(index=False), files[1])
+    store.write_text(text.csv(frame.drop(columns=columns)), files[1])
     _save_figure(files, pareto_figure(frame, title, ylabel), folder / "pareto")
     return {"markdown": md, "folder": folder, "files": files}

@@ -124,6 +124,6 @@ def write(paths: list[Path], folder: Path, on_damaged=None) -> dict:
     md = f"### On a real model: all-MiniLM-L6-v2\n\n{text.markdown(table(f))}\n\n{legend(comparisons(f))}\n\n{prov}\n"
     files = [folder / "real.md", folder / "real.csv"]
     store.write_text(md, files[0])
-    store.write_text(f.drop(columns=["record", *results.GIT_COLUMNS]).to_csv(index=False), files[1])
+    store.write_text(text.csv(f.drop(columns=["record", *results.GIT_COLUMNS])), files[1])
     _save_figure(files, figure(f), folder / "real")
     return {"markdown": md, "files": files, "provenance": prov}

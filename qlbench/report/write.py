@@ -89,7 +89,7 @@ def _write_table(files: list, stem: Path, formats, *, md: str, latex, csv: pd.Da
     out = {
         "md": lambda: f"{md}\n\n{provenance}\n",
         "latex": lambda: latex() if callable(latex) else latex,
-        "csv": lambda: csv.to_csv(index=False),
+        "csv": lambda: text.csv(csv),
     }
     for fmt in formats:
         path = stem.with_suffix(".tex" if fmt == "latex" else f".{fmt}")
@@ -109,7 +109,7 @@ def _save_table(files: list, folder: Path, md: str, frame: pd.DataFrame, formats
         store.write_text(md + "\n", folder / "table.md")
         files.append(folder / "table.md")
     if "csv" in formats:
-        store.write_text(frame.to_csv(index=False), folder / "table.csv")
+        store.write_text(text.csv(frame), folder / "table.csv")
         files.append(folder / "table.csv")
 
 
