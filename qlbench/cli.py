@@ -22,6 +22,7 @@ from qlbench.commands import bench as bench_command
 from qlbench.commands import compare as compare_command
 from qlbench.commands import diagnose as diagnose_command
 from qlbench.commands import functions as functions_command
+from qlbench.commands import items as items_command
 from qlbench.commands import methods as methods_command
 from qlbench.commands import pareto as pareto_command
 from qlbench.commands import real as real_command
@@ -45,6 +46,7 @@ COMMANDS = (
     results_command,
     report_command,
     compare_command,
+    items_command,
     ablate_command,
     pareto_command,
     real_command,
@@ -78,7 +80,7 @@ FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is excee
 
 # what a table's characters become where the output's encoding lacks them (PYTHONIOENCODING=ascii, a C locale)
 ASCII = {"×": "x", "±": "+/-", "µ": "u", "†": "+", "‡": "++", "≤": "<=", "≥": ">=", "–": "-", "—": "-", "…": "..."}
-ASCII |= {"→": "->", "←": "<-", "≈": "~", "²": "^2", "√": "sqrt", "·": ".", "θ": "theta", "λ": "lambda"}
+ASCII |= {"→": "->", "←": "<-", "≈": "~", "²": "^2", "√": "sqrt", "·": ".", "θ": "theta", "λ": "lambda", "š": "s"}
 
 
 def _ascii(err: UnicodeError) -> tuple[str, int]:

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from qlbench import adapters, inputs, protocols, text
-from qlbench.metrics import stats
+from qlbench.metrics import board, stats, validity
 from qlbench.records import per_seed, results
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -137,69 +137,62 @@ def against(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-
 
 
 def leaderboard(base: pd.DataFrame, metric: str = "test-at-best-train") -> pd.DataFrame:
-    """One row per trained method of the baselines: mean rank over functions (by mean MSE among the trained
-    methods, on the seeds they all have), wins / ties / losses against LoRA per function (stats.compare: Holm over
-    every function and method), the geometric-mean ratio to LoRA across functions with its interval and outcome
-    (stats.across_functions), trainable parameters, seeds. Sorted by mean rank."""
-    column = stats.metric_column(metric)
-    table = _scores(base, column)
-    methods = trained(base)
-    # (functions, methods) on the seeds every method has: one of 5 seeds is ranked on the same seeds as one of 10
-    means = table[methods].dropna().groupby(level="function").mean()
-    rank = means.rank(axis=1, method="average").mean()
-    wtl = stats.win_tie_loss(stats.compare(base, metric)).set_index("method")
-    across = stats.across_functions(base, metric).set_index("method")
-    rows = []
-    for m in methods:
-        g = base[base["method"] == m]
-        is_lora = m == adapters.BASELINE
-        rows.append(
-            {
-                "method": m,
-                "mean_rank": rank[m],
-                "wins": None if is_lora else wtl.loc[m, "wins"],
-                "ties": None if is_lora else wtl.loc[m, "ties"],
-                "losses": None if is_lora else wtl.loc[m, "losses"],
-                "gm_ratio": 1.0 if is_lora else across.loc[m, "gm_ratio"],
-                "ci_low": None if is_lora else across.loc[m, "ci_low"],
-                "ci_high": None if is_lora else across.loc[m, "ci_high"],
-                "outcome": "" if is_lora else across.loc[m, "outcome"],
-                "trainable": int(g["trainable_params"].iloc[0]),
-                "seeds": int(g["seed"].nunique()),
-                "functions": int(g["function"].nunique()),
-            }
-        )
-    return pd.DataFrame(rows).sort_values(["mean_rank", "method"], kind="stable").reset_index(drop=True)
-
-
-def _wtl(row) -> str:
-    if pd.isna(row["wins"]):
-        return ""
-    return " / ".join(str(int(row[k])) for k in ("wins", "ties", "losses"))
+    """One row per trained method of the baselines (`board.headline`: the ratio to LoRA over finite pairs with its
+    interval, the divergence rate, the ratios to frozen and mean, the place and its interval, the group it cannot be
+    told apart from), with its trainable parameters. Sorted by ratio, never by a bare mean rank."""
+    out = board.headline(base, metric)
+    first = base.drop_duplicates("method").set_index("method")["trainable_params"]
+    return out.assign(trainable=[int(first[m]) for m in out["method"]])
 
 
 def _ci(row) -> str:
-    if row["ci_low"] is None or pd.isna(row["ci_low"]):
+    if pd.isna(row["ci_low"]):
         return ""
     return f"[{text.num(row['ci_low'], 3)}, {text.num(row['ci_high'], 3)}]"
 
 
+def _group(row) -> str:
+    """ "top" (cannot be told from the first) or "told apart from N"; the count of the rest in its group."""
+    where = "top" if row["top"] else f"apart from {row['told_apart']}"
+    return f"{where}; ties {len(row['group'])}"
+
+
+def separation_line(base: pd.DataFrame, metric: str) -> str:
+    """How many pairs the board tells apart, both ways (board.separation, board.nemenyi)."""
+    sep = board.separation(base, metric)
+    nem = board.nemenyi(base, metric)
+    return (
+        f"Pairs told apart: {int(sep['apart'].sum())} of {len(sep)} (t-test over tasks of the per-task mean log "
+        f"ratio, Holm over every pair); Demšar's Nemenyi test on mean ranks: {nem['apart']} of {nem['pairs']} "
+        f"(critical difference {nem['cd']:.1f} places over {nem['tasks']} tasks; Friedman p {nem['friedman_p']:.3g}, "
+        f"Kendall's W {nem['kendall_w']:.2f})."
+    )
+
+
 def leaderboard_markdown(
-    base: pd.DataFrame, protocol: protocols.Protocol, metric: str = "test-at-best-train", bench: dict | None = None
+    base: pd.DataFrame,
+    protocol: protocols.Protocol,
+    metric: str = "test-at-best-train",
+    bench: dict | None = None,
+    figure: str | None = None,
 ) -> str:
     """docs/results/leaderboard.md: the leaderboard table with what it shows and where its records are; `bench`, a
-    `qlbench bench` report of the same methods, gives the µs / step column (blank where it has no row)."""
-    board = leaderboard(base, metric)
+    `qlbench bench` report of the same methods, gives the µs / step column (blank where it has no row); `figure`,
+    a path relative to the page, adds the forest plot beside it (`forest_figure`)."""
+    board_ = leaderboard(base, metric)
     times = step_times(bench, protocol.arch) if bench else {}
-    board["us_per_step"] = [times.get(m) for m in board["method"]]
+    board_["us_per_step"] = [times.get(m) for m in board_["method"]]
     commits = ", ".join(sorted({c[:7] for c in base["commit"].dropna()}))
     cols = [
-        text.Column("rank", lambda r: f"{r['mean_rank']:.2f}"),
+        text.Column("place", lambda r: f"{r['place']} [{r['place_low']}, {r['place_high']}]"),
         text.Column("method", "method"),
-        text.Column("× LoRA (geometric mean)", lambda r: text.num(r["gm_ratio"], 3)),
+        text.Column("× LoRA", lambda r: text.num(r["ratio"], 3)),
         text.Column("95% CI", _ci),
-        text.Column("across functions", "outcome"),
-        text.Column("W / T / L vs LoRA", _wtl),
+        text.Column("diverged", lambda r: f"{r['divergence']:.0%}"),
+        text.Column("× frozen", lambda r: text.num(r["x_frozen"], 3)),
+        text.Column("× mean", lambda r: text.num(r["x_mean"], 3)),
+        text.Column("group", _group),
+        text.Column("lr", lambda r: "budget"),
         text.Column("trainable", lambda r: f"{r['trainable']:,}"),
         text.Column("µs / step", lambda r: "" if r["us_per_step"] is None else f"{r['us_per_step']:,.0f}"),
         text.Column("seeds", "seeds"),
@@ -214,6 +207,7 @@ def leaderboard_markdown(
             f"each method trains on), {threads} thread(s) on {device}: bench/{protocol.name}.json."
         )
     functions = ", ".join(protocol.functions)
+    plot = [f"![forest plot: each method's ratio to LoRA with its interval]({figure})", ""] if figure else []
     return "\n".join(
         [
             f"# Leaderboard: {protocol.name}",
@@ -222,18 +216,110 @@ def leaderboard_markdown(
             f"{protocol.budget}, {protocol.dtype}, the nine functions ({functions}), seeds "
             f"{protocol.seeds[0]}-{protocol.seeds[-1]}. Metric: {stats.metric(metric).label}.",
             "",
-            "rank: the mean over functions of each method's place by mean MSE among these methods (1 = lowest), on the "
-            "seeds they all have. "
-            "× LoRA: the geometric-mean MSE ratio to LoRA over every (function, seed) pair, with its hierarchical "
-            "bootstrap interval; across functions: win or loss where the paired test on the log ratios is below "
-            "0.05 after Holm over the methods and the interval excludes 1, else tie. W / T / L: functions won, tied "
-            "and lost against LoRA, each a paired test over seeds, Holm over every function and method. "
-            "The reference rows (frozen, mean) are not ranked.",
+            "× LoRA: the geometric-mean MSE ratio to LoRA over the finite (function, seed) pairs (both trained without "
+            "diverging), with its 95% hierarchical bootstrap interval (functions, then seeds); sorted by it. "
+            "diverged: the share of the method's seeds that diverged, counted here and not in the ratio. "
+            "× frozen, × mean: the same ratio against the reference rows (below 1: better than not adapting, and "
+            "than a constant). place: its place by × LoRA, with the 95% interval of its place over the same bootstrap "
+            "draws. group: top when it cannot be told apart from the first row; ties: how many methods it cannot be "
+            "told apart from (a t-test over functions of the per-function mean log ratio of the pair, Holm over every "
+            "pair). lr: every method trains at the budget's fixed learning rate (no grid in this protocol).",
             "",
-            text.table(board.to_dict("records"), cols),
+            separation_line(base, metric),
+            "",
+            *plot,
+            text.table(board_.to_dict("records"), cols),
             "",
             f"Provenance: records from commit(s) {commits}; per-seed records: baselines/{protocol.name}/"
             f"{per_seed.FILE}; rebuilt by `qlbench compare --leaderboard` (tests/test_compare.py checks it).{speed}",
             "",
         ]
     )
+
+
+def forest_figure(board_: pd.DataFrame, title: str):
+    """A forest plot of a leaderboard (`leaderboard`): each method's ratio to LoRA (log scale) with its interval,
+    in board order; a method that diverged on some seeds in red with its share; the top group filled."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 0.22 * len(board_) + 1.2))
+    ax = fig.add_subplot()
+    y = np.arange(len(board_))[::-1]
+    for yi, r in zip(y, board_.to_dict("records")):
+        color = "tab:red" if r["divergence"] > 0 else "tab:blue"
+        if np.isfinite(r["ci_low"]):
+            ax.plot([r["ci_low"], r["ci_high"]], [yi, yi], color=color, lw=1.2)
+        ax.plot([r["ratio"]], [yi], "o", color=color, mfc=color if r["top"] else "white", ms=4)
+        if r["divergence"] > 0:
+            ax.annotate(f"{r['divergence']:.0%} diverged", (r["ratio"], yi), xytext=(6, -3), textcoords="offset points",
+                        fontsize=6, color=color)  # fmt: skip
+    ax.axvline(1.0, color="0.5", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_yticks(y, board_["method"], fontsize=7)
+    ax.set_xlabel("MSE × LoRA (geometric mean over finite pairs, 95% interval)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+AGGREGATES = {  # validity.aggregates' columns as a reader names them
+    "mean_rank": "mean rank over functions (zoo-v1's published order)",
+    "ratio_all": "× LoRA over every pair (a diverged seed: inf)",
+    "ratio_finite": "× LoRA over finite pairs (the leaderboard's order)",
+    "median_task_ratio": "median over functions of × LoRA",
+    "divergence": "share of seeds diverged",
+    "worse_than_frozen": "share of functions worse than frozen",
+}
+
+
+def validity_markdown(
+    base: pd.DataFrame, protocol: protocols.Protocol, reference: pd.DataFrame, source: str, metric: str
+) -> tuple[str, pd.DataFrame]:
+    """The external-validity page of a protocol's baselines against real fine-tuning accuracies (`validity.correlate`):
+    (Markdown, the correlation table as a frame)."""
+    out = validity.correlate(base, reference, metric)
+    if out["matched"].empty:
+        raise ValueError(f"no tuner of {source} is on the {protocol.name} baselines (as peft:<tuner>)")
+    table = out["table"].assign(protocol=protocol.name)
+    r2 = lambda v: "" if pd.isna(v) else f"{v:+.2f}"
+    cols = [
+        text.Column("aggregate", lambda r: AGGREGATES.get(r["aggregate"], r["aggregate"])),
+        text.Column("tuners", "tuners"),
+        text.Column("Spearman", lambda r: r2(r["spearman"])),
+        text.Column("95% CI", lambda r: f"[{r2(r['spearman_low'])}, {r2(r['spearman_high'])}]"),
+        text.Column("Kendall", lambda r: r2(r["kendall"])),
+        text.Column(" 95% CI", lambda r: f"[{r2(r['kendall_low'])}, {r2(r['kendall_high'])}]"),
+    ]
+    m = out["matched"].sort_values("accuracy", ascending=False)
+    tuner_cols = [
+        text.Column("tuner", "tuner"),
+        text.Column("best configuration", "config"),
+        text.Column("GSM8K accuracy", lambda r: f"{r['accuracy']:.4f}"),
+        text.Column("mean rank", lambda r: f"{r['mean_rank']:.2f}"),
+        text.Column("× LoRA (finite)", lambda r: text.num(r["ratio_finite"], 3)),
+        text.Column("diverged", lambda r: f"{r['divergence']:.0%}"),
+    ]
+    commits = ", ".join(sorted({c[:7] for c in base["commit"].dropna()}))
+    unmatched = f" Not on the board: {', '.join(out['unmatched'])}." if out["unmatched"] else ""
+    page = "\n".join(
+        [
+            f"# External validity: {protocol.name} against real fine-tuning",
+            "",
+            f"Does the order of the {protocol.name} baselines predict peft's own method comparison (Llama-3.2-3B "
+            f"fine-tuned on MetaMathQA, scored on GSM8K)? Reference: {source}, the design split of peft's "
+            "method_comparison results (one row per tuner and configuration; each tuner at its best configuration, "
+            "matched to the board's peft:<tuner>). The other tuners' results are reserved for review and are not "
+            "read. Each correlation is signed so that +1 means the board puts the most accurate tuner first; its "
+            f"interval is a 95% percentile bootstrap over the tuners ({validity.RESAMPLES:,} draws).{unmatched}",
+            "",
+            text.table(table.to_dict("records"), cols),
+            "",
+            text.table(m.to_dict("records"), tuner_cols),
+            "",
+            f"Provenance: records from commit(s) {commits}; per-seed records: baselines/{protocol.name}/"
+            f"{per_seed.FILE}; reference: validity/{source}; rebuilt by `qlbench compare --validity` "
+            "(tests/test_compare.py checks it).",
+            "",
+        ]
+    )
+    return page, table

@@ -8,7 +8,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 from scipy import stats as sps
 
@@ -102,7 +101,10 @@ def test_the_rank_is_the_mean_place_by_mean_mse(base):
 def test_the_committed_leaderboard_is_rebuilt_from_the_baselines(base):
     bench = compare.bench_file("zoo-v1")
     made = compare.leaderboard_markdown(
-        base, protocols.ZOO_V1, bench=json.loads(bench.read_text()) if bench.is_file() else None
+        base,
+        protocols.ZOO_V1,
+        bench=json.loads(bench.read_text()) if bench.is_file() else None,
+        figure="leaderboard-forest.png",
     )
     assert (ROOT / "docs/results/leaderboard.md").read_text() == made
 
@@ -120,21 +122,30 @@ def test_compare_refuses_a_record_of_another_protocol_in_one_line(tmp_path, caps
     assert "unknown protocol 'zoo-v0'; valid: zoo-v1" in line
 
 
-def test_the_leaderboard_ranks_every_method_on_the_seeds_they_all_have(base):
-    """A method run on fewer seeds (peft's tuners: 5 of 10) is ranked on those seeds, and so is every other method:
-    the place by mean MSE over seeds 0-4 per function, against a plain pandas oracle; seeds 5-9 made worse for LoRA
-    change nothing."""
-    few = base[(base["method"] == "queryable") & (base["seed"] < 5)]
-    frame = pd.concat([base[base["method"] != "queryable"], few])
-    board = compare.leaderboard(frame).set_index("method")["mean_rank"]
-    common = frame[(frame["seed"] < 5) & ~frame["method"].isin(["frozen", "mean"])]
-    means = common.groupby(["function", "method"])["test_at_best_train"].mean().unstack()
-    want = means.rank(axis=1).mean()
-    for m, r in want.items():
-        assert math.isclose(board[m], r), m
-    worse = frame.copy()
-    worse.loc[(worse["method"] == "lora") & (worse["seed"] >= 5), "test_at_best_train"] *= 100
-    assert compare.leaderboard(worse).set_index("method")["mean_rank"].equals(board)
+def test_the_leaderboard_is_sorted_by_its_ratio_over_each_methods_own_finite_pairs(base):
+    """A method run on fewer seeds (peft's tuners: 5 of 10) has its ratio over its own finite (function, seed) pairs,
+    against a plain numpy oracle; the board is sorted by that ratio (not by a mean rank), and a diverged seed counts
+    in the divergence column, not in the ratio."""
+    board = compare.leaderboard(base).set_index("method")
+    assert list(board["ratio"]) == sorted(board["ratio"])  # no NaN here: every method has a finite pair
+    wide = base.pivot_table(index=["function", "seed"], columns="method", values="test_at_best_train")
+    ok = base.pivot_table(index=["function", "seed"], columns="method", values="status", aggfunc="first") == "ok"
+    for m in ("peft:pvera", "queryable", "peft:lokr"):
+        both = ok[m] & ok["lora"]
+        want = float(np.exp(np.mean(np.log(wide.loc[both, m] / wide.loc[both, "lora"]))))
+        assert math.isclose(board.loc[m, "ratio"], want, rel_tol=1e-9), m
+        runs = base[base["method"] == m]
+        assert math.isclose(board.loc[m, "divergence"], float((runs["status"] == "diverged").mean())), m
+    assert board.loc["peft:pvera", "divergence"] > 0 and math.isfinite(board.loc["peft:pvera", "ratio"])
+
+
+def test_the_committed_validity_page_is_rebuilt_from_the_baselines(base):
+    from qlbench.metrics import validity
+
+    ref_file = ROOT / "docs/results/validity/peft-metamathqa-design.csv"
+    ref = validity.load_reference(ref_file)
+    page, _ = compare.validity_markdown(base, protocols.ZOO_V1, ref, ref_file.name, "test-at-best-train")
+    assert (ROOT / "docs/results/validity/validity.md").read_text() == page
 
 
 def test_step_times_take_the_path_each_method_trains_on():

@@ -47,7 +47,7 @@ def options(command: str) -> list[argparse.Action]:
     return [a for a in sub.choices[command]._actions if not (set(a.option_strings) & SKIP_OPTIONS)]
 
 
-COMMANDS = ["run", "sweep", "suite", "pareto", "ablate", "report", "results", "compare", "verify"]
+COMMANDS = ["run", "sweep", "suite", "pareto", "ablate", "report", "results", "compare", "items", "verify"]
 COMMANDS += ["diagnose", "signal", "bench", "suites", "functions", "real", "real-lm"]
 
 

@@ -87,12 +87,27 @@ BOTH = ["deep-narrow", pytest.param("transformer", marks=pytest.mark.slow)]
 @pytest.mark.parametrize(("ours", "theirs"), [("lora", {}), ("dora", {"use_dora": True})])
 def test_peft_lora_trains_as_qlbench_lora_from_the_same_start(arch, ours, theirs):
     mine, start = adapted(arch, ours)
-    peft_run, _ = adapted(arch, "peft:lora", as_peft(ours, start), lora_alpha=16, **theirs)
+    peft_run, _ = adapted(arch, "peft:lora", as_peft(ours, start), **theirs)
     assert mine.trainable_params == peft_run.trainable_params
     assert equal_runs(mine, peft_run), (mine.curves.train_mse, peft_run.curves.train_mse)
-    # planted bug: peft's default alpha (8, scale 1 where qlbench's is 2) is another method, and the oracle sees it
-    other, _ = adapted(arch, "peft:lora", as_peft(ours, start), **theirs)
+    # planted bug: peft's own default alpha (8, scale 1 where qlbench's is 2) is another method, and the oracle sees it
+    other, _ = adapted(arch, "peft:lora", as_peft(ours, start), lora_alpha=8, **theirs)
     assert not equal_runs(mine, other)
+
+
+def test_peft_lora_by_default_is_lora_seed_for_seed():
+    """The A/A pair: `peft:lora` with no setting given (qlbench's scale 16 / 8 and lora's draws for A) trains as
+    `lora` per member, nothing copied in; planted: peft's own alpha (8) or peft's own A (init from torch's global
+    generator, as `init_lora_weights="gaussian"` stands in for here: another start) is another run."""
+    mine, start = adapted("deep-narrow", "lora")
+    twin, twin_start = adapted("deep-narrow", "peft:lora")
+    assert as_peft("lora", start).keys() == twin_start.keys()
+    for name, value in as_peft("lora", start).items():
+        assert torch.equal(value, twin_start[name]), name
+    assert equal_runs(mine, twin), (mine.curves.train_mse, twin.curves.train_mse)
+    assert not equal_runs(mine, adapted("deep-narrow", "peft:lora", lora_alpha=8)[0])
+    gaussian, g_start = adapted("deep-narrow", "peft:lora", init_lora_weights="gaussian")
+    assert not all(torch.equal(v, g_start[n]) for n, v in as_peft("lora", start).items())
 
 
 def vblora_as_peft(arch: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

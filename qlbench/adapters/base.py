@@ -172,6 +172,12 @@ class Method:
     kind: str  # one of KINDS: how statistics, reports, diagnostics and the benchmark group the method
     config_cls: type = NoConfig
     trains: bool = True  # False for rows that are evaluated without any training (frozen, mean)
+    stream: str | None = None  # the method whose random stream seeds its new parameters (None: its own name)
+
+    def init_stream(self) -> str:
+        """The name under which member e's init generator is seeded (`generator("init", <this>, ...)`): the method's
+        own, unless it is another method written elsewhere (peft:lora is lora, and draws lora's start)."""
+        return self.stream or self.name
 
     def build(self, backbone: nn.Module, config, generators: list[torch.Generator], y_train: torch.Tensor) -> nn.Module:
         """The model to adapt, built from (and possibly modifying) `backbone`; sets requires_grad.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import warnings
 
@@ -49,6 +50,9 @@ QLBENCH_DEFAULTS = {
     "waveft": {"n_frequency": 256},  # peft: 2592, more than a 32 x 32 layer's 1024 entries
     "vblora": {"vector_length": 32},  # peft: 256, which must divide the layer's input size
     "ia3": {"feedforward_modules": []},
+    # qlbench's `lora` scale, alpha / r = 16 / 8 (peft: alpha 8, scale 1): peft:lora is then lora, seed for seed
+    # (its A also starts from lora's draws: PeftMethod.build), so the pair is an A/A check, not two methods
+    "lora": {"lora_alpha": 16},
     # peft: a random spectrum (scaled by 150) at the start, whose update makes the 32-layer MLP's output infinite
     # before the first step; zeros start it at the pretrained model, as every other adapter starts
     "fourierft": {"init_weights": True},  # none is a feed-forward module: IA3 scales every target's output
@@ -190,11 +194,36 @@ class PeftMethod(MemberMethod):
         self.name, self.kind = PREFIX + kind, "static"
         self.summary = f"peft's {kind} tuner (peft {_peft().__version__}), through get_peft_model"
         self.config_cls = config_class(kind)
+        self.stream = "lora" if kind == "lora" else None  # peft:lora draws lora's start (build): the same stream
 
     def adapt_member(self, model, config, targets):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return _peft().get_peft_model(model, to_peft(config, targets)).base_model
+
+    def build(self, backbone, config, generators, y_train):
+        """peft's tuner on every member (MemberMethod.build). peft:lora with peft's own init (init_lora_weights
+        True) starts from qlbench's LoRA draws: each target's A (E, r, d_in) drawn as `lora` draws it, from the same
+        generators in the same order, before anything else is drawn (peft's own kaiming-uniform A has the same
+        distribution but comes from torch's global generator). So peft:lora and lora share their start per seed."""
+        starts = None
+        if self.tuner == "lora" and config.init_lora_weights is True:
+            from qlbench.stacked import uniform_members
+
+            starts = {}
+            for t in backbone.adapter_targets(config.targets):  # in forward order, as inject draws lora's
+                d_in = backbone.get_submodule(t.path).d_in
+                A = uniform_members((config.r, d_in), 1.0 / math.sqrt(d_in), generators)  # (E, r, d_in)
+                starts[f"{t.path}.linear.lora_A.default.weight"] = A
+        stack = super().build(backbone, config, generators, y_train)
+        if starts and next(stack.parameters()).device.type != "meta":
+            params = dict(stack.named_parameters())
+            import torch
+
+            with torch.no_grad():
+                for name, A in starts.items():
+                    params[name].copy_(A)  # (E, r, d_in), cast to the stack's dtype and device
+        return stack
 
 
 def method(name: str) -> PeftMethod:

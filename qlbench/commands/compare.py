@@ -1,6 +1,8 @@
 """`qlbench compare RESULTS`: the methods of a results folder against a protocol's committed baselines (pairs by
 function and seed; records of another protocol refused); `--leaderboard`: the baselines' leaderboard
-(docs/results/leaderboard.md). Statistics: qlbench/compare.py."""
+(docs/results/leaderboard.md; with --out, written there with its forest plot); `--validity FILE`: how far the
+baselines' order predicts real fine-tuning (docs/results/validity/). Statistics: qlbench/compare.py,
+qlbench/metrics/board.py and qlbench/metrics/validity.py."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ import sys
 from pathlib import Path
 
 from qlbench import compare, protocols, text
-from qlbench.commands import UsageError, options, path_arg, usage_errors
-from qlbench.metrics import stats
+from qlbench.commands import UsageError, check_out, options, path_arg, usage_errors
+from qlbench.metrics import stats, validity
 from qlbench.records import per_seed, results, store
 from qlbench.text import Column
 
@@ -26,6 +28,15 @@ def register(subparsers) -> None:
     p.add_argument("--baselines", type=path_arg, help="a per-seed CSV of baselines (default: the committed one)")
     options.add(p, "--metric", metric=dict(help=f"one of: {', '.join(stats.METRICS)} (default test-at-best-train)"))
     p.add_argument("--leaderboard", action="store_true", help="print the baselines' leaderboard (Markdown)")
+    p.add_argument(
+        "--validity",
+        type=path_arg,
+        metavar="FILE",
+        help="correlate the baselines' order with a CSV of real fine-tuning accuracies (tuner, config, test_accuracy: "
+        "docs/results/validity/peft-metamathqa-design.csv)",
+    )
+    out = dict(default=None, help="with --leaderboard or --validity: also write the page (and figure) into this folder")
+    options.add_output_options(p, "out", out=out)
     p.set_defaults(func=run)
 
 
@@ -52,15 +63,47 @@ def _bench(protocol) -> dict | None:
         return None
 
 
+def _reference(path: Path):
+    if not path.is_file():
+        raise UsageError(
+            f"no reference accuracies at {path} (--validity FILE: a CSV with tuner, config, test_accuracy)"
+        )
+    try:
+        return validity.load_reference(path)
+    except store.DamagedFile as err:
+        raise UsageError(str(err)) from None
+
+
 def run(args) -> int:
     with usage_errors():
         protocol = protocols.get(args.protocol)
         stats.metric(args.metric)
-    if args.leaderboard == (args.folder is not None):
-        raise UsageError("give RESULTS (compare a results folder) or --leaderboard, not both and not neither")
+    modes = [args.folder is not None, args.leaderboard, args.validity is not None]
+    if sum(modes) != 1:
+        raise UsageError("give one of RESULTS (compare a results folder), --leaderboard or --validity FILE")
+    if args.out is not None and args.folder is not None:
+        raise UsageError("--out goes with --leaderboard or --validity; a comparison prints only")
+    if args.out is not None:
+        check_out(args.out)
+    reference = _reference(args.validity) if args.validity else None
     base = _baselines(args, protocol)
     if args.leaderboard:
-        print(compare.leaderboard_markdown(base, protocol, args.metric, _bench(protocol)), end="")
+        figure = "leaderboard-forest.png" if args.out else None
+        page = compare.leaderboard_markdown(base, protocol, args.metric, _bench(protocol), figure=figure)
+        print(page, end="")
+        if args.out:
+            board = compare.leaderboard(base, args.metric)
+            fig = compare.forest_figure(board, f"{protocol.name}: {stats.metric(args.metric).label}")
+            store.write_text(page, args.out / "leaderboard.md")
+            store.atomic_write(args.out / figure, lambda tmp: fig.savefig(tmp, format="png", dpi=150))
+        return 0
+    if args.validity:
+        with usage_errors():
+            page, table = compare.validity_markdown(base, protocol, reference, args.validity.name, args.metric)
+        print(page, end="")
+        if args.out:
+            store.write_text(page, args.out / "validity.md")
+            store.write_text(text.csv(table), args.out / "validity.csv")
         return 0
     folder = Path(args.folder)
     with usage_errors():

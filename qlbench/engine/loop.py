@@ -255,8 +255,8 @@ def build_model(
     by `noise`, zoo.NOISES)."""
     arch, members = pretrained.arch, pretrained.members
     data = StackedData.build(members, "target", device=device, dtype=dtype, noise=noise)
-    init = [generator("init", method_name, arch, f, s) for f, s in members]
     method = adapters.get(method_name)
+    init = [generator("init", method.init_stream(), arch, f, s) for f, s in members]
     model = method.build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
     method.bind(model, members, config)
     return model, data

@@ -311,7 +311,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
         pre = pre.select(engine.padded(members))
     seeds = [s for _, s in pre.members]
     everything = suite_tasks.task_data(p.suite, seeds, list(range(T)), dtype=dtype, device=p.device)
-    init = [generator("init", name, p.arch, "suite", p.suite.name, s) for s in seeds]
+    init = [generator("init", method.init_stream(), p.arch, "suite", p.suite.name, s) for s in seeds]
     model = method.build(pre.model(device=p.device, dtype=dtype), config, init, trained_labels(p, everything))
     routes = isinstance(config, queryable.QueryableConfig)
     route = suite_tasks.held_out_routes(
@@ -392,7 +392,7 @@ def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | 
         one = pre.select(pre.members[:1])
         seed = one.members[0][1]
         data = suite_tasks.task_data(p.suite, [seed], list(range(len(p.suite.tasks))), dtype=dtype, device=p.device)
-        init = [generator("init", name, p.arch, "suite", p.suite.name, seed)]
+        init = [generator("init", method.init_stream(), p.arch, "suite", p.suite.name, seed)]
         model = method.build(one.model(device=p.device, dtype=dtype), config, init, trained_labels(p, data))
         if reads_instruction(config):
             suite_tasks.bind(model, suite_tasks.instruction_table(p.suite, config), 1)
