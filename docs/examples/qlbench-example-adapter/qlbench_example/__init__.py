@@ -53,3 +53,48 @@ class GatedLora(MemberMethod):
 
 
 METHOD = GatedLora()
+
+
+# A second method: LoRA itself, written here as an outside method. Same update (s B A x, s = 16 / 8), same initial
+# distribution (A ~ U(+-1/sqrt(d_in)), B = 0) as qlbench's `lora`, but drawn from this method's own random stream
+# (torch's global generator, seeded per member by qlbench). Against `lora` it is an A/A pair: any difference the
+# benchmark reports between the two is noise, so a comparison that calls it a win or a loss is miscalibrated.
+@dataclass
+class LoraTwinConfig:
+    r: int = 8  # rank
+    alpha: float = 16.0  # s = alpha / r
+
+    def __post_init__(self):
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"r must be an integer >= 1, got {self.r!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"alpha must be a number > 0, got {self.alpha!r}")
+
+
+class LoraTwinLinear(nn.Module):
+    def __init__(self, base: nn.Linear, r: int, alpha: float):
+        super().__init__()
+        self.base, self.scale = base, alpha / r
+        bound = 1 / math.sqrt(base.in_features)
+        self.A = nn.Parameter(torch.empty(r, base.in_features).uniform_(-bound, bound))  # (r, d_in)
+        self.B = nn.Parameter(torch.zeros(base.out_features, r))  # (d_out, r): the pretrained model at step 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., d_in) -> (..., d_out)
+        return self.base(x) + self.scale * (x @ self.A.T @ self.B.T)
+
+
+class LoraTwin(MemberMethod):
+    name = "lora-twin"
+    summary = "LoRA written as an outside method, from its own random stream: an A/A row against lora (example)"
+    kind = "static"
+    config_cls = LoraTwinConfig
+
+    def adapt_member(self, model: nn.Module, config: LoraTwinConfig, targets: list[str]) -> nn.Module:
+        for path in targets:
+            parent, _, child = path.rpartition(".")
+            owner = model.get_submodule(parent)
+            setattr(owner, child, LoraTwinLinear(getattr(owner, child), config.r, config.alpha))
+        return model
+
+
+LORA_TWIN = LoraTwin()
