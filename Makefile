@@ -16,6 +16,8 @@
 #                          their report in docs/results/zoo, rebuilt from its per-seed CSV (README's first tables)
 #   make pareto-snapshot   the accuracy-cost Pareto sweeps (ackley and the zoo-4 suite, live deep-narrow, quick) into
 #                          pareto-results/pareto (not committed: its tables have no per-seed records form yet)
+#   make board-pages       the leaderboard (with its forest plot), the external-validity page and the item analysis,
+#                          rebuilt from the committed per-seed CSVs (no training)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
 #   make real-lm-snapshot  the causal-LM experiment of docs/results/real-lm (a tiny decoder through peft, 10 seeds)
 #   make diag-snapshot     the figures of docs/why.md (gradient profiles, signal, route maps): both backbone inits,
@@ -36,7 +38,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-dev run test test-slow test-faults test-peft-matrix fuzz test-cuda gpu-check lint format figures bench results-snapshot baselines-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
-	suites-snapshot suites-report language-snapshot language-report mechanism-snapshot check-clean clean
+	suites-snapshot suites-report board-pages language-snapshot language-report mechanism-snapshot check-clean clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -161,7 +163,15 @@ baselines-snapshot: check-clean setup
 	  --methods $(SNAPSHOT_DN_METHODS),$(PEFT_TUNERS) --out snapshot-results/zoo-v1-bench >/dev/null
 	cp snapshot-results/zoo-v1-bench/bench.json docs/results/bench/zoo-v1.json
 	cp snapshot-results/zoo-v1-bench/bench.md docs/results/bench/zoo-v1.md
-	$(BIN)/qlbench compare --leaderboard > docs/results/leaderboard.md
+	$(MAKE) board-pages
+
+# the pages read from the committed baselines and reports, no training: the leaderboard and its forest plot, the
+# external-validity page (peft's design split) and the item analysis of every committed single-task slice
+board-pages: setup
+	$(BIN)/qlbench compare --leaderboard --out docs/results >/dev/null
+	$(BIN)/qlbench compare --validity docs/results/validity/peft-metamathqa-design.csv --out docs/results/validity >/dev/null
+	cd docs/results && ../../$(BIN)/qlbench items baselines/zoo-v1/per-seed.csv.gz zoo/per-seed.csv.gz \
+	  paper/per-seed.csv.gz --out items >/dev/null
 
 # the routing-vs-sharing baselines without the epsilon artifact (float64, eps 1e-30) and on the live backbone,
 # 3 functions, 5 seeds, LoRA of instruct-queryable's size beside them (docs/why.md, "Routing or sharing?")
