@@ -136,6 +136,60 @@ def against(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-
     return {"across": pd.concat(across, ignore_index=True), "functions": pd.DataFrame(per_function), "rank": ranks}
 
 
+def summary(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-train") -> pd.DataFrame:
+    """`qlbench compare`'s short answer, one row per trained method of `mine` (named "<name> (yours)" where a baseline
+    has its name): its ratio to LoRA, to the best baseline of the board (the first row, its own place aside), to
+    `frozen` and to `mean`, each the geometric mean over the finite (function, seed) pairs it shares with that row
+    with its hierarchical-bootstrap interval and a claim (win or loss where the interval excludes 1 and the paired
+    test's Holm p over the four is below 0.05, as `stats.across_functions`); its divergence rate; its place among
+    the baselines with the bootstrap interval (board.headline over the baselines and it alone), and how many
+    baselines it is told apart from."""
+    column = stats.metric_column(metric)
+    mine = mine[~mine["method"].isin(stats.REFERENCE)]
+    clash = set(mine["method"]) & set(base["method"])
+    mine = mine.assign(method=mine["method"].map(lambda m: f"{m} (yours)" if m in clash else m))
+    mine = mine.assign(**{k: base[k].iloc[0] for k in ("arch", "budget")})  # one protocol: one cell per function
+    rows = []
+    for method in trained(mine):
+        own = mine[mine["method"] == method]
+        pooled = pd.concat([base, own])
+        board_ = board.headline(pooled, metric).set_index("method")
+        best = next(m for m in board_.index if m != method)
+        row = {
+            "method": method,
+            "seeds": int(board_.loc[method, "seeds"]),
+            "functions": int(own["function"].nunique()),
+            "divergence": board_.loc[method, "divergence"],
+            "place": int(board_.loc[method, "place"]),
+            "place_low": int(board_.loc[method, "place_low"]),
+            "place_high": int(board_.loc[method, "place_high"]),
+            "of": len(board_),
+            "told_apart": int(board_.loc[method, "told_apart"]),
+            "best": best,
+        }
+        claims = []
+        for key, other in (("lora", adapters.BASELINE), ("best", best), ("frozen", "frozen"), ("mean", "mean")):
+            pair = pooled[pooled["method"].isin([method, other])]
+            finite = pair.assign(status=pair["status"].where(np.isfinite(stats.scores(pair, column)), "diverged"))
+            finite = finite[finite["status"] == "ok"]  # the finite pairs only: divergence is its own column
+            both = finite.groupby(["function", "seed"])["method"].transform("nunique") == 2
+            across = stats.across_functions(finite[both], metric, baseline=other)
+            got = across[across["method"] == method]
+            if got.empty:
+                row |= {f"x_{key}": math.nan, f"{key}_low": math.nan, f"{key}_high": math.nan}
+                claims.append(math.nan)
+                continue
+            g = got.iloc[0]
+            row |= {f"x_{key}": g["gm_ratio"], f"{key}_low": g["ci_low"], f"{key}_high": g["ci_high"]}
+            claims.append((g["p"], g["ci_low"], g["ci_high"], "win" if g["gm_ratio"] < 1 else "loss"))
+        p_holm = stats.holm([c[0] if isinstance(c, tuple) else math.nan for c in claims])
+        for key, c, ph in zip(("lora", "best", "frozen", "mean"), claims, p_holm):
+            ok = isinstance(c, tuple) and ph < stats.ALPHA and not (c[1] <= 1 <= c[2])
+            row[f"{key}_outcome"] = c[3] if ok else ("" if not isinstance(c, tuple) else "tie")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def leaderboard(base: pd.DataFrame, metric: str = "test-at-best-train") -> pd.DataFrame:
     """One row per trained method of the baselines (`board.headline`: the ratio to LoRA over finite pairs with its
     interval, the divergence rate, the ratios to frozen and mean, the place and its interval, the group it cannot be

@@ -178,3 +178,23 @@ def test_a_method_run_on_one_function_and_seed_is_compared_on_them(base):
     place = int((seed0["test_at_best_train"] < mine["test_at_best_train"].iloc[0]).sum()) + 1
     (rank,) = out["rank"]
     assert rank["functions"] == 1 and rank["mean_rank"] == place
+
+
+def test_the_short_comparison_is_against_lora_the_best_frozen_and_mean(base):
+    """A method at half LoRA's MSE on every pair: x LoRA 0.5 [0.5, 0.5], a win; x frozen and x mean the geometric
+    means of plain numpy over the finite pairs; one diverged seed counts in the divergence column, not in a ratio;
+    and LoRA's own records, as a user's, tie with LoRA at 1."""
+    lora = base[base["method"] == "lora"]
+    half = lora.assign(method="half", test_at_best_train=lora["test_at_best_train"] * 0.5)
+    half.loc[half.index[0], "status"] = "diverged"
+    (row,) = compare.summary(half, base).to_dict("records")
+    assert row["x_lora"] == pytest.approx(0.5) and row["lora_low"] == pytest.approx(0.5)
+    assert row["lora_outcome"] == "win" and row["divergence"] == pytest.approx(1 / 90)
+    wide = base.pivot_table(index=["function", "seed"], columns="method", values="test_at_best_train")
+    finite = half.set_index(["function", "seed"])["test_at_best_train"][half["status"].to_numpy() == "ok"]
+    for ref in ("frozen", "mean"):
+        want = float(np.exp(np.mean(np.log(finite / wide.loc[finite.index, ref]))))
+        assert row[f"x_{ref}"] == pytest.approx(want, rel=1e-9), ref
+    assert row["place"] == 1 and row["of"] == 45
+    (same,) = compare.summary(lora, base).to_dict("records")
+    assert same["method"] == "lora (yours)" and same["x_lora"] == pytest.approx(1.0) and same["lora_outcome"] == "tie"

@@ -88,7 +88,11 @@ def test_the_example_package_is_compared_with_the_committed_baselines(monkeypatc
     assert cli.main(["compare", str(out)]) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| gated-lora")]
-    assert lines and any("| lora " in line for line in lines), printed
+    assert len(lines) == 1 and "of 45" in lines[0], printed  # one short row: against LoRA, best, frozen, mean
+    assert cli.main(["compare", str(out), "--full"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if line.startswith("| gated-lora")]
+    assert any("| lora " in line for line in lines), printed  # and every baseline pair behind --full
     assert "rank" in printed
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from qlbench import compare, protocols, text
 from qlbench.commands import UsageError, check_out, options, path_arg, usage_errors
 from qlbench.metrics import stats, validity
@@ -28,6 +30,12 @@ def register(subparsers) -> None:
     p.add_argument("--baselines", type=path_arg, help="a per-seed CSV of baselines (default: the committed one)")
     options.add(p, "--metric", metric=dict(help=f"one of: {', '.join(stats.METRICS)} (default test-at-best-train)"))
     p.add_argument("--leaderboard", action="store_true", help="print the baselines' leaderboard (Markdown)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="with RESULTS: also every baseline pair across functions and the per-function ratios (default: the short "
+        "table against LoRA, the best baseline, frozen and mean)",
+    )
     p.add_argument(
         "--validity",
         type=path_arg,
@@ -81,6 +89,8 @@ def run(args) -> int:
     modes = [args.folder is not None, args.leaderboard, args.validity is not None]
     if sum(modes) != 1:
         raise UsageError("give one of RESULTS (compare a results folder), --leaderboard or --validity FILE")
+    if args.full and args.folder is None:
+        raise UsageError("--full goes with RESULTS (a comparison of a results folder)")
     if args.out is not None and args.folder is not None:
         raise UsageError("--out goes with --leaderboard or --validity; a comparison prints only")
     if args.out is not None:
@@ -111,9 +121,48 @@ def run(args) -> int:
     mine = results.load(paths)
     if not compare.trained(mine):
         raise UsageError(f"{folder} holds no trained method to compare (only reference rows)")
-    out = compare.against(mine, base, args.metric)
-    print_comparison(out, protocol, args.metric)
+    print_summary(compare.summary(mine, base, args.metric), protocol, args.metric)
+    if args.full:
+        print()
+        print_comparison(compare.against(mine, base, args.metric), protocol, args.metric)
     return 0
+
+
+def _ratio(key: str):
+    r3 = lambda v: text.num(v, 3)
+
+    def cell(r) -> str:
+        if pd.isna(r[f"x_{key}"]):
+            return "n/a"
+        outcome = f" {r[f'{key}_outcome']}" if r[f"{key}_outcome"] else ""
+        return f"{r3(r[f'x_{key}'])} [{r3(r[f'{key}_low'])}, {r3(r[f'{key}_high'])}]{outcome}"
+
+    return cell
+
+
+def print_summary(rows: pd.DataFrame, protocol, metric: str) -> None:
+    print(f"Against the {protocol.name} baselines ({stats.metric(metric).label}; pairs by function and seed)\n")
+    print("Each ratio: the geometric-mean MSE ratio over the finite (function, seed) pairs with that row, its 95%")
+    print("bootstrap interval (functions, then seeds), and win / loss where the interval excludes 1 and the paired")
+    print("test's Holm p over the four is below 0.05 (else tie). best: the leaderboard's first baseline. place: among")
+    print("the baselines and this method, by ratio to LoRA, with its bootstrap interval. --full: every pair.\n")
+    print(
+        text.table(
+            rows.to_dict("records"),
+            [
+                Column("method", "method"),
+                Column("seeds", "seeds"),
+                Column("diverged", lambda r: f"{r['divergence']:.0%}"),
+                Column("× LoRA", _ratio("lora")),
+                Column("× best", _ratio("best")),
+                Column("best", "best"),
+                Column("× frozen", _ratio("frozen")),
+                Column("× mean", _ratio("mean")),
+                Column("place", lambda r: f"{r['place']} [{r['place_low']}, {r['place_high']}] of {r['of']}"),
+                Column("told apart from", "told_apart"),
+            ],
+        )
+    )
 
 
 def print_comparison(out: dict, protocol, metric: str) -> None:
