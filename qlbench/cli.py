@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr = QuietStream(stderr)
     try:
         args = parser.parse_args(argv)
+        args.given = {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
         code = args.func(args)
         if sys.stdout is not None:  # None where stdout is closed (`>&-`): the records are the output
             sys.stdout.flush()  # a reader that left (`| head`) fails here, in the handlers below, not in Python's exit

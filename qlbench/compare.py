@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import adapters, inputs, protocols, text
+from qlbench import adapters, inputs, instances, protocols, text
 from qlbench.metrics import board, stats, validity
-from qlbench.records import per_seed, results
+from qlbench.records import per_seed, results, store
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -57,12 +57,32 @@ def check_records(folder: Path, protocol: protocols.Protocol, on_damaged=None) -
     found = results._records(inputs.folder(folder, "results folder"), on_damaged)
     if not found:
         raise ValueError(f"no records in {folder}")
+    shipped = None
+    if protocol.backbones:
+        try:
+            shipped = instances.manifest(protocol.name, protocol.backbones)
+        except store.DamagedFile as err:
+            raise ValueError(str(err)) from None
     for path, rec in found:
+        rel = Path(path).relative_to(folder) if Path(path).is_relative_to(folder) else path
         cards = (rec["run_info"].get("settings") or {}).get("cards")
         if diff := protocol.differences(rec["run_info"]["config"], cards):
-            rel = Path(path).relative_to(folder) if Path(path).is_relative_to(folder) else path
             raise ValueError(f"{rel} was not made under {protocol.name}: {'; '.join(diff)}")
+        if shipped and (other := backbone_mismatch(rec, shipped)):
+            raise ValueError(f"{rel}: {other}; its pairs with the {protocol.name} baselines would pair two networks")
     return [p for p, _ in found]
+
+
+def backbone_mismatch(rec: dict, shipped: dict[tuple[str, int], str]) -> str:
+    """The first seed of a record whose backbone digest (train_info.per_seed[].backbone_digest) is not the one the
+    protocol ships for its (function, seed), as a phrase; "" when every recorded digest agrees (a record written
+    before records held digests has none to check)."""
+    function = rec["run_info"]["config"].get("function")
+    for s in rec["train_info"].get("per_seed", []):
+        got, want = s.get("backbone_digest"), shipped.get((function, s.get("seed")))
+        if got is not None and want is not None and got != want:
+            return f"{function} seed {s['seed']} was trained on backbone {got}, not the protocol's {want}"
+    return ""
 
 
 def trained(frame: pd.DataFrame) -> list[str]:

@@ -30,6 +30,20 @@ class Protocol:
     eps: float = adapters.EPS
     noise: str = zoo.DEFAULT_NOISE
     cards: tuple[tuple[str, str], ...] = ()  # (function, zoo.card_digest) of the cards its baselines were made from
+    # the digest of its shipped backbones' manifest (instances.py: docs/protocols/<name>/); "" ships none
+    backbones: str = ""
+
+    def run_settings(self) -> dict:
+        """The run options the protocol fixes, by their parsed attribute (commands.options): a run under the protocol
+        takes these and refuses an option that contradicts one."""
+        return {
+            "arch": self.arch,
+            "budget": self.budget,
+            "backbone_init": self.backbone_init,
+            "dtype": self.dtype,
+            "eps": self.eps,
+            "noise": self.noise,
+        }
 
     def budget_fields(self) -> dict:
         """The budget's epochs, learning rates, batch size and cadence, as a record's config holds them (less the
@@ -81,6 +95,7 @@ ZOO_V1 = Protocol(
         ("sin-cos", "5fc69d5e5da26d06"),
         ("styblinski-tang", "21e435d57ba6c7d0"),
     ),
+    backbones="e854f947bbc9e3fb",
 )
 PROTOCOLS = {p.name: p for p in (ZOO_V1,)}
 

@@ -70,3 +70,25 @@ def from_entry_point(name: str) -> Method | None:
     if method.name != name:
         raise ValueError(f"entry point {name!r} names a method called {method.name!r}; they must agree")
     return method
+
+
+def provenance(method: Method) -> dict:
+    """Where a method from outside qlbench came from, for its records (run_info.settings.origin): its module, the
+    distribution (package) that provides the module and that package's installed version (None where the module is
+    not from an installed package, e.g. found on the Python path); {} for qlbench's own methods and peft's tuners
+    (qlbench's version and peft's are recorded with every record)."""
+    module = type(method).__module__
+    top = module.split(".")[0]
+    if top in ("qlbench", "peft"):
+        return {}
+    import importlib.metadata as md
+
+    names = md.packages_distributions().get(top, [])
+    package = names[0] if names else None
+    version = None
+    if package:
+        try:
+            version = md.version(package)
+        except md.PackageNotFoundError:
+            pass
+    return {"origin": {"module": module, "package": package, "version": version}}

@@ -10,11 +10,11 @@ import dataclasses
 import sys
 import time
 
-from qlbench import adapters, ray_executor, text, zoo
+from qlbench import adapters, instances, protocols, ray_executor, text, zoo
 from qlbench.commands import UsageError, options, split_list, usage_errors
 from qlbench.experiments import experiment, planning
 from qlbench.records import results, runner
-from qlbench.records.store import Store
+from qlbench.records.store import DamagedFile, Store, load_torch, save_torch, set_aside
 
 
 def register(subparsers) -> None:
@@ -108,8 +108,73 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
     methods_help = "; ".join(f"{n}: {m.summary}" for n, m in adapters.REGISTRY.items())
     methods = dict(help=f"comma-separated (default: {','.join(adapters.DEFAULT_METHODS)}). {methods_help}")
     options.add(p, "--arch", "--methods", "--methods-at-once", "--snapshot-every", methods=methods)
+    p.add_argument(
+        "--protocol",
+        metavar="NAME",
+        help=f"run under a benchmark protocol ({', '.join(protocols.PROTOCOLS)}): its arch, budget, backbone init, "
+        "dtype, eps and noise, its seeds (--seeds N: the first N) and functions (a subset may be named), on the "
+        "backbones it ships (never pretrained); an option that contradicts it is refused",
+    )
     options.add_training_options(p)
     options.add_output_options(p)
+
+
+def under_protocol(args, functions: list[str]) -> protocols.Protocol | None:
+    """--protocol NAME: the benchmark protocol, with its settings put into `args` (UsageError, one line, for an
+    option that contradicts it, a seed count beyond its seeds or a function outside its functions); None without."""
+    if args.protocol is None:
+        return None
+    with usage_errors():
+        bench = protocols.get(args.protocol)
+    if not bench.backbones:
+        raise UsageError(f"protocol {bench.name} ships no backbones to run on")
+    given = getattr(args, "given", set())
+    for attr, value in bench.run_settings().items():
+        flag = "--" + attr.replace("_", "-")
+        if flag in given and getattr(args, attr) != value:
+            raise UsageError(
+                f"{flag} {getattr(args, attr)!r} contradicts protocol {bench.name} ({value!r}); leave it out"
+            )
+        setattr(args, attr, value)
+    if args.seeds is not None and not 1 <= args.seeds <= len(bench.seeds):
+        raise UsageError(f"--seeds {args.seeds}: protocol {bench.name} has seeds {bench.seeds[0]}-{bench.seeds[-1]}")
+    args.seeds = args.seeds or len(bench.seeds)
+    if outside := [f for f in functions if f not in bench.functions]:
+        raise UsageError(f"function {outside[0]!r} is not in protocol {bench.name}: {', '.join(bench.functions)}")
+    return bench
+
+
+def install_backbones(bench: protocols.Protocol, plan, log) -> None:
+    """Put the protocol's shipped backbones (instances.py) into the plan's backbone cache, so that nothing is
+    pretrained; a backbone already cached there that is another network (pretrained by this machine or code) is
+    said in one line and set aside."""
+    members = [(f, s) for f in plan.functions for s in plan.seeds]
+    try:
+        shipped = instances.load(bench.name, bench.backbones, members)
+    except DamagedFile as err:
+        raise UsageError(str(err)) from None
+    spec = plan.backbones
+    others = []
+    for member, path, key in zip(members, spec.paths(members, plan.store), spec.keys(members)):
+        one = shipped[member]
+        if path.exists():
+            try:
+                if instances.digest(load_torch(path)["state"]) == instances.digest(one["state"]):
+                    continue
+            except (DamagedFile, KeyError, TypeError):
+                pass
+            others.append(member)
+            set_aside(path)
+        saved = {k: one[k] for k in ("state", "source_train_mse", "source_test_mse", "cards")}
+        save_torch(saved | {"key": key, "git": {"protocol": bench.name}}, path)
+    if others:
+        log(
+            f"qlbench: {len(others)} backbone(s) in {plan.store.backbone_dir} (e.g. {others[0][0]} seed "
+            f"{others[0][1]}) are other networks than protocol {bench.name}'s (pretrained by other code or on another "
+            "machine); set aside, the protocol's are used"
+        )
+    if plan.pretrain_needed(members):  # a shipped file the cache would not read (another card version)
+        raise UsageError(f"protocol {bench.name}'s backbones do not load here; nothing was trained")
 
 
 def run(args, functions: list[str]) -> int:
@@ -117,6 +182,7 @@ def run(args, functions: list[str]) -> int:
 
     if args.methods is not None and not split_list(args.methods, "--methods"):
         raise UsageError("--methods is empty; give a comma-separated list, or leave it out for the default set")
+    bench = under_protocol(args, functions)
     executor = check_executor(args)
     # on Ray the largest node's CPUs bound the threads (ray_executor.check)
     protocol = options.protocol_of(args)
@@ -149,6 +215,15 @@ def run(args, functions: list[str]) -> int:
                 ray_executor.check(plan, cluster)
         for caveat in planning.caveats(plan):
             log(f"qlbench {args.command}: warning: {caveat}")
+        if bench is not None:
+            install_backbones(bench, plan, log)
+            subset = len(plan.functions) < len(bench.functions) or len(plan.seeds) < len(bench.seeds)
+            print(
+                f"qlbench {args.command}: under protocol {bench.name}, on its shipped backbones"
+                + (f" (a subset: {len(plan.functions)} of its {len(bench.functions)} functions, "
+                   f"{len(plan.seeds)} of its {len(bench.seeds)} seeds)" if subset else ""),
+                flush=True,
+            )  # fmt: skip
         b = plan.budget
         where = (
             f"; executor ray ({cluster.cpus} CPU(s) on the largest node, {cluster.gpus} GPU(s))"

@@ -17,8 +17,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from qlbench import adapters, cost, engine, protocols, zoo
-from qlbench.adapters import member
+from qlbench import adapters, cost, engine, instances, protocols, zoo
+from qlbench.adapters import member, outside
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.experiments import adapted
 from qlbench.experiments.planning import (
@@ -365,6 +365,7 @@ def commit_cell(
                 "status": "ok" if c.diverged_epoch[i] is None else "diverged",
                 "diverged_epoch": c.diverged_epoch[i],
                 **c.member_summary(i),
+                "backbone_digest": instances.digest({k: v[i] for k, v in pre.state.items()}),
                 "source_train_mse": pre.source_train_mse[i],
                 "source_test_mse": pre.source_test_mse[i],
                 "source_test_mse_after": res.source_test_mse_after[i],
@@ -389,6 +390,7 @@ def commit_cell(
         | {"cards": cards}
         | {"backbone_commits": pre.select([res.members[i] for i in idx]).commits()}
         | member.recorded(res.model)
+        | outside.provenance(adapters.get(method))
         | ({"protocol": under} if under else {})
     )
     train = record.TrainInfo(

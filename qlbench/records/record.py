@@ -5,10 +5,12 @@ change a number, with the git commit and library versions), what its training ga
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +61,28 @@ def settings(*, device, compile: bool, dtype: str, **chosen) -> dict:
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "versions": library_versions(),
+        "environment": environment(),
+    }
+
+
+def environment() -> dict:
+    """What a machine's floating-point paths depend on, beyond the library versions: torch's build (its git commit,
+    CUDA version, debug flag), the CPU's vector capability as torch dispatches on it, the BLAS torch was built with,
+    the machine, the CPU model (Linux) and the intra-op threads."""
+    blas = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    model = None
+    with contextlib.suppress(OSError):
+        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
+    return {
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "cuda": torch.version.cuda,
+        "debug": bool(torch.version.debug),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "blas": blas.group(1) if blas else None,
+        "machine": platform.machine(),
+        "cpu_model": model,
+        "threads": torch.get_num_threads(),
     }
 
 
