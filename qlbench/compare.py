@@ -243,20 +243,49 @@ def separation_line(base: pd.DataFrame, metric: str) -> str:
     )
 
 
+def placed(base: pd.DataFrame, mine: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+    """The baselines with a user's trained methods beside them as "<name> (yours)" (one protocol: its arch and
+    budget), and {name: shown name}."""
+    mine = mine[~mine["method"].isin(stats.REFERENCE)]
+    ours = {m: f"{m} (yours)" for m in mine["method"].unique()}
+    mine = mine.assign(method=mine["method"].map(ours), **{k: base[k].iloc[0] for k in ("arch", "budget")})
+    return pd.concat([base, mine], ignore_index=True), ours
+
+
 def leaderboard_markdown(
     base: pd.DataFrame,
     protocol: protocols.Protocol,
     metric: str = "test-at-best-train",
     bench: dict | None = None,
     figure: str | None = None,
+    mine: pd.DataFrame | None = None,
+    mine_source: str = "",
+    mine_bench: dict | None = None,
 ) -> str:
     """docs/results/leaderboard.md: the leaderboard table with what it shows and where its records are; `bench`, a
     `qlbench bench` report of the same methods, gives the µs / step column (blank where it has no row); `figure`,
-    a path relative to the page, adds the forest plot beside it (`forest_figure`)."""
-    board_ = leaderboard(base, metric)
-    times = step_times(bench, protocol.arch) if bench else {}
-    board_["us_per_step"] = [times.get(m) for m in board_["method"]]
+    a path relative to the page, adds the forest plot beside it (`forest_figure`). `mine`: a user's records (from
+    `mine_source`), placed among the baselines as "<name> (yours)", with their step times from `mine_bench` (a bench
+    report of their methods) where given."""
     commits = ", ".join(sorted({c[:7] for c in base["commit"].dropna()}))
+    times = step_times(bench, protocol.arch) if bench else {}
+    yours = ""
+    if mine is not None:
+        base, ours = placed(base, mine)
+        mine_times = step_times(mine_bench, protocol.arch) if mine_bench else {}
+        times |= {ours[m]: t for m, t in mine_times.items() if m in ours}
+        theirs = ", ".join(sorted({c[:7] for c in mine["commit"].dropna()})) or "unknown"
+        lacking = [m for m in ours.values() if m not in times]
+        why = (
+            f" No µs / step for {', '.join(lacking)}: no bench report of {'it' if len(lacking) == 1 else 'them'} "
+            f"in {mine_source} (`qlbench bench --quick --archs {protocol.arch} --only throughput,members --threads 1 "
+            f"--methods ... --out {mine_source}/bench` adds it)."
+            if lacking
+            else ""
+        )
+        yours = f" Your methods: records in {mine_source}, from commit(s) {theirs}.{why}"
+    board_ = leaderboard(base, metric)
+    board_["us_per_step"] = [times.get(m) for m in board_["method"]]
     cols = [
         text.Column("place", lambda r: f"{r['place']} [{r['place_low']}, {r['place_high']}]"),
         text.Column("method", "method"),
@@ -268,7 +297,7 @@ def leaderboard_markdown(
         text.Column("group", _group),
         text.Column("lr", lambda r: "budget"),
         text.Column("trainable", lambda r: f"{r['trainable']:,}"),
-        text.Column("µs / step", lambda r: "" if r["us_per_step"] is None else f"{r['us_per_step']:,.0f}"),
+        text.Column("µs / step", lambda r: "" if pd.isna(r["us_per_step"]) else f"{r['us_per_step']:,.0f}"),
         text.Column("seeds", "seeds"),
     ]
     speed = ""
@@ -305,7 +334,8 @@ def leaderboard_markdown(
             text.table(board_.to_dict("records"), cols),
             "",
             f"Provenance: records from commit(s) {commits}; per-seed records: baselines/{protocol.name}/"
-            f"{per_seed.FILE}; rebuilt by `qlbench compare --leaderboard` (tests/test_compare.py checks it).{speed}",
+            f"{per_seed.FILE}; rebuilt by `qlbench compare --leaderboard` (tests/test_compare.py checks it).{speed}"
+            f"{yours}",
             "",
         ]
     )

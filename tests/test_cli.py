@@ -322,6 +322,7 @@ OWN = {  # (command, option) whose settings are not the shared option's, and why
     ("report", "--out"): "the report folder",
     ("report", "--metric"): "the test table's metric",
     ("compare", "--metric"): "the metric compared with the baselines",
+    ("compare", "--protocol"): "the protocol whose baselines are compared with (default zoo-v1)",
     ("compare", "--out"): "the folder of the leaderboard or validity page (none: print only)",
     ("items", "--metric"): "the metric the tasks are analysed on",
     ("items", "--out"): "the folder of the item-analysis page (none: print only)",

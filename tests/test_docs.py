@@ -281,7 +281,7 @@ def test_the_readme_names_only_options_the_commands_have():
     [
         ("k=1,2']`\n  and the training options", "k=1,2']`\n  and the options of `run`",
          "pareto: README says it takes the options of run, it lacks ['--instruction', '--methods-at-once', "
-         "'--snapshot-every']"),
+         "'--protocol', '--snapshot-every']"),
         ("instruct-queryable] [--device D]`", "instruct-queryable] [--device D] [--compile C]`",
          "verify: README names --compile, which it lacks"),
         ("`--budget paper|quick|smoke` (default quick)", "`--budget paper|quick|smoke` (default smoke)",

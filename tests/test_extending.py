@@ -102,3 +102,26 @@ def test_the_installed_example_answers_to_its_entry_point_name():
     method = adapters.get("gated-lora")
     assert method.name == "gated-lora" and method.kind == "static"
     assert adapters.canonical("qlbench_example:METHOD") == "gated-lora"
+
+
+@pytest.mark.slow  # a quick-budget run and a board of 45 methods: about 100 s on two cores (`make test-slow`)
+def test_the_example_runs_under_the_protocol_and_takes_its_place_on_the_leaderboard(monkeypatch, tmp_path, capsys):
+    """The outside researcher's path in two commands: `sweep --protocol zoo-v1` (one function, two seeds: a subset,
+    said so) and `compare RESULTS --leaderboard`, which places gated-lora among the 44 baselines, names both sources
+    in its provenance and says why its µs / step is blank; the record names the method's module and package."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    out = tmp_path / "results"
+    argv = ["sweep", "--protocol", "zoo-v1", "--functions", "matyas", "--seeds", "2", "--methods", "gated-lora"]
+    assert cli.main([*argv, "--out", str(out), "--no-progress", "--threads", "1"]) == 0, capsys.readouterr().err
+    assert "a subset: 1 of its 9 functions, 2 of its 10 seeds" in capsys.readouterr().out
+    (record,) = (out / "records/deep-narrow/matyas/gated-lora").glob("*.json")
+    origin = json.loads(record.read_text())["run_info"]["settings"]["origin"]
+    assert origin["module"] == "qlbench_example" and origin["package"] in (None, "qlbench-example-adapter")
+    assert cli.main(["compare", str(out), "--leaderboard"]) == 0, capsys.readouterr().err
+    page = capsys.readouterr().out
+    rows = [line for line in page.splitlines() if line.startswith("| ") and "(yours)" in line]
+    assert len(rows) == 1 and "gated-lora (yours)" in rows[0]
+    assert len([line for line in page.splitlines() if line.startswith("| ") and "[" in line.split("|")[1]]) == 45
+    provenance = next(line for line in page.splitlines() if line.startswith("Provenance:"))
+    assert "baselines/zoo-v1/per-seed.csv.gz" in provenance and f"records in {out}" in provenance
+    assert "No µs / step for gated-lora (yours)" in provenance

@@ -26,7 +26,11 @@ def register(subparsers) -> None:
     p.add_argument(
         "folder", nargs="?", type=path_arg, metavar="RESULTS", help="a results folder made under the protocol"
     )
-    p.add_argument("--protocol", default=protocols.ZOO_V1.name, help=f"one of: {', '.join(protocols.PROTOCOLS)}")
+    options.add(
+        p,
+        "--protocol",
+        protocol=dict(default=protocols.ZOO_V1.name, help=f"one of: {', '.join(protocols.PROTOCOLS)} (default zoo-v1)"),
+    )
     p.add_argument("--baselines", type=path_arg, help="a per-seed CSV of baselines (default: the committed one)")
     options.add(p, "--metric", metric=dict(help=f"one of: {', '.join(stats.METRICS)} (default test-at-best-train)"))
     p.add_argument("--leaderboard", action="store_true", help="print the baselines' leaderboard (Markdown)")
@@ -71,6 +75,30 @@ def _bench(protocol) -> dict | None:
         return None
 
 
+def _mine(args, protocol):
+    """The records of RESULTS, every one under the protocol and on its backbones (compare.check_records)."""
+    folder = Path(args.folder)
+    with usage_errors():
+        paths = compare.check_records(folder, protocol, on_damaged=lambda m: print(m))
+    mine = results.load(paths)
+    if not compare.trained(mine):
+        raise UsageError(f"{folder} holds no trained method to compare (only reference rows)")
+    return mine
+
+
+def _mine_bench(folder: Path) -> dict | None:
+    """A bench report of your methods in RESULTS (`qlbench bench --out RESULTS/bench`), or None; a damaged one is
+    said in one line."""
+    for path in (Path(folder) / "bench" / "bench.json", Path(folder) / "bench.json"):
+        if path.is_file():
+            try:
+                return store.read_json(path)
+            except store.DamagedFile as err:
+                print(f"qlbench compare: {err}; your methods' µs / step left blank", file=sys.stderr)
+                return None
+    return None
+
+
 def _reference(path: Path):
     if not path.is_file():
         raise UsageError(
@@ -86,12 +114,16 @@ def run(args) -> int:
     with usage_errors():
         protocol = protocols.get(args.protocol)
         stats.metric(args.metric)
-    modes = [args.folder is not None, args.leaderboard, args.validity is not None]
-    if sum(modes) != 1:
-        raise UsageError("give one of RESULTS (compare a results folder), --leaderboard or --validity FILE")
+    if args.validity is not None and (args.folder is not None or args.leaderboard):
+        raise UsageError(
+            "--validity FILE goes alone (the baselines' order); RESULTS or --leaderboard is another report"
+        )
+    if args.folder is None and not args.leaderboard and args.validity is None:
+        raise UsageError("give RESULTS (compare a results folder), --leaderboard (RESULTS too: yours among the "
+                         "baselines) or --validity FILE")  # fmt: skip
     if args.full and args.folder is None:
         raise UsageError("--full goes with RESULTS (a comparison of a results folder)")
-    if args.out is not None and args.folder is not None:
+    if args.out is not None and args.folder is not None and not args.leaderboard:
         raise UsageError("--out goes with --leaderboard or --validity; a comparison prints only")
     if args.out is not None:
         check_out(args.out)
@@ -99,10 +131,21 @@ def run(args) -> int:
     base = _baselines(args, protocol)
     if args.leaderboard:
         figure = "leaderboard-forest.png" if args.out else None
-        page = compare.leaderboard_markdown(base, protocol, args.metric, _bench(protocol), figure=figure)
+        mine = _mine(args, protocol) if args.folder is not None else None
+        with usage_errors():
+            page = compare.leaderboard_markdown(
+                base,
+                protocol,
+                args.metric,
+                _bench(protocol),
+                figure=figure,
+                mine=mine,
+                mine_source=str(args.folder),
+                mine_bench=_mine_bench(args.folder) if args.folder is not None else None,
+            )
         print(page, end="")
         if args.out:
-            board = compare.leaderboard(base, args.metric)
+            board = compare.leaderboard(base if mine is None else compare.placed(base, mine)[0], args.metric)
             fig = compare.forest_figure(board, f"{protocol.name}: {stats.metric(args.metric).label}")
             store.write_text(page, args.out / "leaderboard.md")
             store.atomic_write(args.out / figure, lambda tmp: fig.savefig(tmp, format="png", dpi=150))
@@ -115,12 +158,7 @@ def run(args) -> int:
             store.write_text(page, args.out / "validity.md")
             store.write_text(text.csv(table), args.out / "validity.csv")
         return 0
-    folder = Path(args.folder)
-    with usage_errors():
-        paths = compare.check_records(folder, protocol, on_damaged=lambda m: print(m))
-    mine = results.load(paths)
-    if not compare.trained(mine):
-        raise UsageError(f"{folder} holds no trained method to compare (only reference rows)")
+    mine = _mine(args, protocol)
     print_summary(compare.summary(mine, base, args.metric), protocol, args.metric)
     if args.full:
         print()

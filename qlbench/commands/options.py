@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from qlbench import engine, zoo
+from qlbench import engine, protocols, zoo
 from qlbench.backbones import ARCHS, INITS
 from qlbench.commands import parse_overrides, path_arg, usage_errors
 from qlbench.experiments import multitask, planning
@@ -103,6 +103,16 @@ TARGET: dict[str, Option] = {
     ),
     "--epochs": Option(None, "epochs", dict(type=int, metavar="N", help="passes over the training set")),
     "--metric": Option(None, "metric", dict(default="test-at-best-train", help="the metric compared")),
+    "--protocol": Option(
+        None,
+        "protocol",
+        dict(
+            metavar="NAME",
+            help=f"a benchmark protocol ({', '.join(protocols.PROTOCOLS)}); run/sweep under it take its arch, budget, "
+            "backbone init, dtype, eps and noise, its seeds (--seeds N: the first N) and functions (a subset may be "
+            "named), on the backbones it ships (never pretrained), and refuse an option that contradicts it",
+        ),
+    ),
 }
 # how it trains: every command that trains (run, sweep, suite, pareto, ablate); signal, verify, diagnose, bench and
 # real take the subset that applies to them (`add_training_options(parser, "device", ...)`)

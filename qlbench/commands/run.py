@@ -108,13 +108,7 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
     methods_help = "; ".join(f"{n}: {m.summary}" for n, m in adapters.REGISTRY.items())
     methods = dict(help=f"comma-separated (default: {','.join(adapters.DEFAULT_METHODS)}). {methods_help}")
     options.add(p, "--arch", "--methods", "--methods-at-once", "--snapshot-every", methods=methods)
-    p.add_argument(
-        "--protocol",
-        metavar="NAME",
-        help=f"run under a benchmark protocol ({', '.join(protocols.PROTOCOLS)}): its arch, budget, backbone init, "
-        "dtype, eps and noise, its seeds (--seeds N: the first N) and functions (a subset may be named), on the "
-        "backbones it ships (never pretrained); an option that contradicts it is refused",
-    )
+    options.add(p, "--protocol")
     options.add_training_options(p)
     options.add_output_options(p)
 
