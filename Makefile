@@ -16,6 +16,7 @@
 #                          their report in docs/results/zoo, rebuilt from its per-seed CSV (README's first tables)
 #   make pareto-snapshot   the accuracy-cost Pareto sweeps (ackley and the zoo-4 suite, live deep-narrow, quick) into
 #                          pareto-results/pareto (not committed: its tables have no per-seed records form yet)
+#   make aa-snapshot       the A/A rows of zoo-v1 (LoRA as an outside method, and peft:lora) on the shipped backbones
 #   make board-pages       the leaderboard (with its forest plot), the external-validity page and the item analysis,
 #                          rebuilt from the committed per-seed CSVs (no training)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
@@ -38,7 +39,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-dev run test test-slow test-faults test-peft-matrix fuzz test-cuda gpu-check lint format figures bench results-snapshot baselines-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
-	suites-snapshot suites-report board-pages language-snapshot language-report mechanism-snapshot check-clean clean
+	suites-snapshot suites-report board-pages aa-snapshot language-snapshot language-report mechanism-snapshot check-clean clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -165,6 +166,17 @@ baselines-snapshot: check-clean setup
 	cp snapshot-results/zoo-v1-bench/bench.md docs/results/bench/zoo-v1.md
 	$(MAKE) board-pages
 
+# the A/A rows of zoo-v1 (docs/results/baselines/zoo-v1-aa): LoRA written as an outside method (the example package's
+# lora-twin, its own random stream) and peft:lora (lora's start and scale), 10 seeds, on the protocol's shipped backbones
+AA_RESULTS ?= aa-results
+aa-snapshot: check-clean setup-dev
+	$(BIN)/qlbench sweep --protocol zoo-v1 --methods lora-twin,peft:lora --threads 1 --out $(AA_RESULTS) --no-progress
+	$(BIN)/qlbench report $(AA_RESULTS) --format csv --no-figures --out $(AA_RESULTS)/export >/dev/null
+	rm -rf docs/results/baselines/zoo-v1-aa && mkdir -p docs/results/baselines/zoo-v1-aa
+	cp $(AA_RESULTS)/export/per-seed.csv.gz docs/results/baselines/zoo-v1-aa/
+	$(BIN)/qlbench report docs/results/baselines/zoo-v1-aa/per-seed.csv.gz --format md,csv >/dev/null
+	$(MAKE) board-pages
+
 # the pages read from the committed baselines and reports, no training: the leaderboard and its forest plot, the
 # external-validity page (peft's design split) and the item analysis of every committed single-task slice
 board-pages: setup
@@ -284,4 +296,4 @@ language-report: setup
 
 
 clean:
-	rm -rf $(VENV) results snapshot-results pareto-results mechanism-results real-results .pytest_cache .hypothesis
+	rm -rf $(VENV) results snapshot-results pareto-results mechanism-results real-results aa-results .pytest_cache .hypothesis

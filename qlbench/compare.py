@@ -34,6 +34,36 @@ def baselines_file(protocol: str) -> Path:
     return REPOSITORY / "docs" / "results" / "baselines" / protocol / per_seed.FILE
 
 
+def aa_file(protocol: str) -> Path:
+    """Where a protocol's A/A rows live: LoRA twins run under it (docs/results/baselines/<name>-aa/)."""
+    return REPOSITORY / "docs" / "results" / "baselines" / f"{protocol}-aa" / per_seed.FILE
+
+
+def aa_line(aa: pd.DataFrame, base: pd.DataFrame, protocol: str, metric: str = "test-at-best-train") -> str:
+    """The A/A check of a board: each twin of LoRA against LoRA (`summary`), and how far single seeds of the twin
+    stray from LoRA's (the median and largest |ratio - 1| over the finite pairs): a benchmark whose A/A pair is
+    not a tie is miscalibrated."""
+    rows = summary(aa, base, metric)
+    table = board.score_table(pd.concat([base[base["method"] == adapters.BASELINE], aa]), metric)
+    parts = []
+    for r in rows.to_dict("records"):
+        name = r["method"].removesuffix(" (yours)")
+        ratio = (table[name] / table[adapters.BASELINE]).dropna()
+        stray = (ratio[np.isfinite(ratio)] - 1).abs()
+        parts.append(
+            f"{name} × LoRA {text.num(r['x_lora'], 3)} [{text.num(r['lora_low'], 3)}, {text.num(r['lora_high'], 3)}]"
+            f", {r['lora_outcome']} (single seeds stray from LoRA's by {stray.median():.1%} in the median, "
+            f"{stray.max():.0%} at most)"
+        )
+    commits = ", ".join(sorted({c[:7] for c in aa["commit"].dropna()}))
+    return (
+        f"A/A check (baselines/{protocol}-aa/, records from commit(s) {commits}): LoRA run again as other methods "
+        f"must tie with it. {'; '.join(parts)}. lora-twin is LoRA written as an outside method, drawn from its own "
+        "random stream; peft:lora starts from lora's draws at lora's scale, and differs only in the order of its "
+        "float32 operations."
+    )
+
+
 def bench_file(protocol: str) -> Path:
     """Where the step times of a protocol's methods live: a `qlbench bench` report (docs/results/bench/<name>.json)."""
     return REPOSITORY / "docs" / "results" / "bench" / f"{protocol}.json"
@@ -261,12 +291,13 @@ def leaderboard_markdown(
     mine: pd.DataFrame | None = None,
     mine_source: str = "",
     mine_bench: dict | None = None,
+    aa: pd.DataFrame | None = None,
 ) -> str:
     """docs/results/leaderboard.md: the leaderboard table with what it shows and where its records are; `bench`, a
     `qlbench bench` report of the same methods, gives the µs / step column (blank where it has no row); `figure`,
     a path relative to the page, adds the forest plot beside it (`forest_figure`). `mine`: a user's records (from
     `mine_source`), placed among the baselines as "<name> (yours)", with their step times from `mine_bench` (a bench
-    report of their methods) where given."""
+    report of their methods) where given. `aa`: the protocol's A/A rows (`aa_file`), checked on the page."""
     commits = ", ".join(sorted({c[:7] for c in base["commit"].dropna()}))
     times = step_times(bench, protocol.arch) if bench else {}
     yours = ""
@@ -330,6 +361,7 @@ def leaderboard_markdown(
             "",
             separation_line(base, metric),
             "",
+            *([aa_line(aa, base, protocol.name, metric), ""] if aa is not None else []),
             *plot,
             text.table(board_.to_dict("records"), cols),
             "",

@@ -105,6 +105,7 @@ def test_the_committed_leaderboard_is_rebuilt_from_the_baselines(base):
         protocols.ZOO_V1,
         bench=json.loads(bench.read_text()) if bench.is_file() else None,
         figure="leaderboard-forest.png",
+        aa=per_seed.load(compare.aa_file("zoo-v1")),
     )
     assert (ROOT / "docs/results/leaderboard.md").read_text() == made
 
@@ -198,3 +199,19 @@ def test_the_short_comparison_is_against_lora_the_best_frozen_and_mean(base):
     assert row["place"] == 1 and row["of"] == 45
     (same,) = compare.summary(lora, base).to_dict("records")
     assert same["method"] == "lora (yours)" and same["x_lora"] == pytest.approx(1.0) and same["lora_outcome"] == "tie"
+
+
+def test_the_a_a_rows_tie_with_lora_and_a_planted_tenth_is_found(base):
+    """The committed A/A rows (LoRA as an outside method from its own random stream, and peft:lora from lora's
+    start): each ties with LoRA, its ratio within 5 % of 1 and its interval containing 1. Planted: the twin 10 %
+    worse on every seed is a loss, and 10 % better a win."""
+    aa = per_seed.load(compare.aa_file("zoo-v1"))
+    rows = compare.summary(aa, base).set_index("method")
+    assert set(rows.index) == {"lora-twin", "peft:lora (yours)"}
+    for m, r in rows.iterrows():
+        assert r["lora_outcome"] == "tie" and abs(r["x_lora"] - 1) < 0.05 and r["lora_low"] < 1 < r["lora_high"], m
+    twin = aa[aa["method"] == "lora-twin"]
+    for factor, outcome in ((1.1, "loss"), (1 / 1.1, "win")):
+        planted = twin.assign(test_at_best_train=twin["test_at_best_train"] * factor)
+        (r,) = compare.summary(planted, base).to_dict("records")
+        assert r["lora_outcome"] == outcome, (factor, r)

@@ -99,6 +99,19 @@ def _mine_bench(folder: Path) -> dict | None:
     return None
 
 
+def _aa(args, protocol):
+    """The protocol's committed A/A rows (compare.aa_file) beside its committed baselines, or None (other
+    --baselines, none committed, or a damaged file: said in one line)."""
+    path = compare.aa_file(protocol.name)
+    if args.baselines or not path.is_file():
+        return None
+    try:
+        return per_seed.load(path)
+    except store.DamagedFile as err:
+        print(f"qlbench compare: {err}; the A/A check is left out", file=sys.stderr)
+        return None
+
+
 def _reference(path: Path):
     if not path.is_file():
         raise UsageError(
@@ -142,6 +155,7 @@ def run(args) -> int:
                 mine=mine,
                 mine_source=str(args.folder),
                 mine_bench=_mine_bench(args.folder) if args.folder is not None else None,
+                aa=_aa(args, protocol),
             )
         print(page, end="")
         if args.out:
