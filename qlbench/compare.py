@@ -240,6 +240,19 @@ def summary(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-
     return pd.DataFrame(rows)
 
 
+def own_reference(mine: pd.DataFrame, base: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(your methods, the baselines with your own `lora` in place of the committed one): the ratios to LoRA then
+    share one machine's numerics (docs/extending.md). ValueError (one line) when RESULTS holds no lora."""
+    lora = mine[mine["method"] == adapters.BASELINE]
+    if lora.empty:
+        raise ValueError("--own-lora needs lora in RESULTS: run it beside your method (--methods lora,M)")
+    rest = mine[mine["method"] != adapters.BASELINE]
+    if not trained(rest):
+        raise ValueError("RESULTS holds only lora: nothing to compare with it")
+    lora = lora.assign(**{k: base[k].iloc[0] for k in ("arch", "budget")})
+    return rest, pd.concat([base[base["method"] != adapters.BASELINE], lora], ignore_index=True)
+
+
 def leaderboard(base: pd.DataFrame, metric: str = "test-at-best-train") -> pd.DataFrame:
     """One row per trained method of the baselines (`board.headline`: the ratio to LoRA over finite pairs with its
     interval, the divergence rate, the ratios to frozen and mean, the place and its interval, the group it cannot be

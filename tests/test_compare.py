@@ -215,3 +215,17 @@ def test_the_a_a_rows_tie_with_lora_and_a_planted_tenth_is_found(base):
         planted = twin.assign(test_at_best_train=twin["test_at_best_train"] * factor)
         (r,) = compare.summary(planted, base).to_dict("records")
         assert r["lora_outcome"] == outcome, (factor, r)
+
+
+def test_own_lora_takes_the_ratios_to_the_lora_of_your_folder(base, tmp_path, capsys):
+    """--own-lora: the twin's ratio is to the lora beside it in RESULTS (here peft:lora's records named lora, so the
+    oracle differs from the committed lora's), by plain numpy over the pairs; without a lora in RESULTS, one line."""
+    aa = per_seed.load(compare.aa_file("zoo-v1"))
+    mine = aa.assign(method=aa["method"].replace({"peft:lora": "lora"}))
+    rest, ref = compare.own_reference(mine, base)
+    (row,) = compare.summary(rest, ref).to_dict("records")
+    twin = mine[mine["method"] == "lora-twin"].set_index(["function", "seed"])["test_at_best_train"]
+    own = mine[mine["method"] == "lora"].set_index(["function", "seed"])["test_at_best_train"]
+    assert row["x_lora"] == pytest.approx(float(np.exp(np.mean(np.log(twin / own.loc[twin.index])))), rel=1e-9)
+    with pytest.raises(ValueError, match="--own-lora needs lora in RESULTS"):
+        compare.own_reference(aa[aa["method"] == "lora-twin"], base)

@@ -35,6 +35,12 @@ def register(subparsers) -> None:
     options.add(p, "--metric", metric=dict(help=f"one of: {', '.join(stats.METRICS)} (default test-at-best-train)"))
     p.add_argument("--leaderboard", action="store_true", help="print the baselines' leaderboard (Markdown)")
     p.add_argument(
+        "--own-lora",
+        action="store_true",
+        help="with RESULTS: take the ratios to the lora in RESULTS (run on this machine, on the same backbones) "
+        "instead of the committed lora; the other baselines stay committed",
+    )
+    p.add_argument(
         "--full",
         action="store_true",
         help="with RESULTS: also every baseline pair across functions and the per-function ratios (default: the short "
@@ -134,6 +140,8 @@ def run(args) -> int:
     if args.folder is None and not args.leaderboard and args.validity is None:
         raise UsageError("give RESULTS (compare a results folder), --leaderboard (RESULTS too: yours among the "
                          "baselines) or --validity FILE")  # fmt: skip
+    if args.own_lora and (args.folder is None or args.leaderboard):
+        raise UsageError("--own-lora goes with RESULTS alone (a comparison of your folder with its own lora)")
     if args.full and args.folder is None:
         raise UsageError("--full goes with RESULTS (a comparison of a results folder)")
     if args.out is not None and args.folder is not None and not args.leaderboard:
@@ -173,6 +181,9 @@ def run(args) -> int:
             store.write_text(text.csv(table), args.out / "validity.csv")
         return 0
     mine = _mine(args, protocol)
+    if args.own_lora:
+        with usage_errors():
+            mine, base = compare.own_reference(mine, base)
     print_summary(compare.summary(mine, base, args.metric), protocol, args.metric)
     if args.full:
         print()
