@@ -68,17 +68,21 @@ def _baselines(args, protocol) -> object:
         raise UsageError(str(err)) from None
 
 
-def _bench(protocol) -> dict | None:
-    """The committed step times of the protocol's methods (compare.bench_file), None where there are none; a damaged
-    file is said in one line on stderr and the column left blank."""
-    path = compare.bench_file(protocol.name)
+def _optional(path: Path, read, left_out: str):
+    """What `read` makes of the file at `path`, None where there is none; a damaged one is said in one line on stderr
+    (with what is then `left_out`) and taken as none."""
     if not path.is_file():
         return None
     try:
-        return store.read_json(path)
+        return read(path)
     except store.DamagedFile as err:
-        print(f"qlbench compare: {err}; the leaderboard leaves µs / step blank", file=sys.stderr)
+        print(f"qlbench compare: {err}; {left_out}", file=sys.stderr)
         return None
+
+
+def _bench(protocol) -> dict | None:
+    """The committed step times of the protocol's methods (compare.bench_file), or None."""
+    return _optional(compare.bench_file(protocol.name), store.read_json, "the leaderboard leaves µs / step blank")
 
 
 def _mine(args, protocol):
@@ -93,29 +97,19 @@ def _mine(args, protocol):
 
 
 def _mine_bench(folder: Path) -> dict | None:
-    """A bench report of your methods in RESULTS (`qlbench bench --out RESULTS/bench`), or None; a damaged one is
-    said in one line."""
+    """A bench report of your methods in RESULTS (`qlbench bench --out RESULTS/bench`), or None."""
     for path in (Path(folder) / "bench" / "bench.json", Path(folder) / "bench.json"):
         if path.is_file():
-            try:
-                return store.read_json(path)
-            except store.DamagedFile as err:
-                print(f"qlbench compare: {err}; your methods' µs / step left blank", file=sys.stderr)
-                return None
+            return _optional(path, store.read_json, "your methods' µs / step left blank")
     return None
 
 
 def _aa(args, protocol):
     """The protocol's committed A/A rows (compare.aa_file) beside its committed baselines, or None (other
-    --baselines, none committed, or a damaged file: said in one line)."""
-    path = compare.aa_file(protocol.name)
-    if args.baselines or not path.is_file():
+    --baselines, or none committed)."""
+    if args.baselines:
         return None
-    try:
-        return per_seed.load(path)
-    except store.DamagedFile as err:
-        print(f"qlbench compare: {err}; the A/A check is left out", file=sys.stderr)
-        return None
+    return _optional(compare.aa_file(protocol.name), per_seed.load, "the A/A check is left out")
 
 
 def _reference(path: Path):
