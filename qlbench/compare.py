@@ -17,6 +17,7 @@ Statistics (stats.py's, on the test MSE at the best-train epoch unless told othe
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,16 @@ def separation_line(base: pd.DataFrame, metric: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Yours:
+    """A user's entry on the leaderboard: their records, where they came from (the RESULTS folder as given) and a
+    `qlbench bench` report of their methods, if any."""
+
+    records: pd.DataFrame
+    source: str
+    bench: dict | None = None
+
+
 def placed(base: pd.DataFrame, mine: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
     """The baselines with a user's trained methods beside them as "<name> (yours)" (one protocol: its arch and
     budget), and {name: shown name}."""
@@ -301,22 +312,21 @@ def leaderboard_markdown(
     metric: str = "test-at-best-train",
     bench: dict | None = None,
     figure: str | None = None,
-    mine: pd.DataFrame | None = None,
-    mine_source: str = "",
-    mine_bench: dict | None = None,
+    yours: Yours | None = None,
     aa: pd.DataFrame | None = None,
 ) -> str:
     """docs/results/leaderboard.md: the leaderboard table with what it shows and where its records are; `bench`, a
     `qlbench bench` report of the same methods, gives the µs / step column (blank where it has no row); `figure`,
-    a path relative to the page, adds the forest plot beside it (`forest_figure`). `mine`: a user's records (from
-    `mine_source`), placed among the baselines as "<name> (yours)", with their step times from `mine_bench` (a bench
-    report of their methods) where given. `aa`: the protocol's A/A rows (`aa_file`), checked on the page."""
+    a path relative to the page, adds the forest plot beside it (`forest_figure`). `yours`: a user's records, placed
+    among the baselines as "<name> (yours)", with their step times where a bench report of them is given. `aa`: the
+    protocol's A/A rows (`aa_file`), checked on the page."""
     commits = ", ".join(sorted({c[:7] for c in base["commit"].dropna()}))
     times = step_times(bench, protocol.arch) if bench else {}
-    yours = ""
-    if mine is not None:
+    note = ""
+    if yours is not None:
+        mine, mine_source = yours.records, yours.source
         base, ours = placed(base, mine)
-        mine_times = step_times(mine_bench, protocol.arch) if mine_bench else {}
+        mine_times = step_times(yours.bench, protocol.arch) if yours.bench else {}
         times |= {ours[m]: t for m, t in mine_times.items() if m in ours}
         theirs = ", ".join(sorted({c[:7] for c in mine["commit"].dropna()})) or "unknown"
         lacking = [m for m in ours.values() if m not in times]
@@ -327,7 +337,7 @@ def leaderboard_markdown(
             if lacking
             else ""
         )
-        yours = f" Your methods: records in {mine_source}, from commit(s) {theirs}.{why}"
+        note = f" Your methods: records in {mine_source}, from commit(s) {theirs}.{why}"
     board_ = leaderboard(base, metric)
     board_["us_per_step"] = [times.get(m) for m in board_["method"]]
     cols = [
@@ -380,7 +390,7 @@ def leaderboard_markdown(
             "",
             f"Provenance: records from commit(s) {commits}; per-seed records: baselines/{protocol.name}/"
             f"{per_seed.FILE}; rebuilt by `qlbench compare --leaderboard` (tests/test_compare.py checks it).{speed}"
-            f"{yours}",
+            f"{note}",
             "",
         ]
     )

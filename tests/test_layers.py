@@ -86,6 +86,7 @@ LAYERS = [
         "qlbench.records.results",
         "qlbench.records.per_seed",
         "qlbench.suites",
+        "qlbench.instances",
     ],
     ["qlbench.adapters"],
     ["qlbench.engine"],
@@ -102,6 +103,9 @@ LAYERS = [
     ],
     [
         "qlbench.metrics.stats",
+        "qlbench.metrics.board",
+        "qlbench.metrics.items",
+        "qlbench.metrics.validity",
         "qlbench.compare",
         "qlbench.theory",
         "qlbench.verify",

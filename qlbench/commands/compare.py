@@ -154,9 +154,7 @@ def run(args) -> int:
                 args.metric,
                 _bench(protocol),
                 figure=figure,
-                mine=mine,
-                mine_source=str(args.folder),
-                mine_bench=_mine_bench(args.folder) if args.folder is not None else None,
+                yours=None if mine is None else compare.Yours(mine, str(args.folder), _mine_bench(args.folder)),
                 aa=_aa(args, protocol),
             )
         print(page, end="")
