@@ -226,8 +226,9 @@ def run(args, functions: list[str]) -> int:
         )
         print(
             f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}"
-            f"{'' if plan.backbone_init == 'default' else f' ({plan.backbone_init} init)'}, budget {b.name} (pretrain "
-            f"{b.pretrain.epochs} epochs, adapt {b.adapt.epochs} epochs), seeds {plan.seeds}, methods "
+            f"{'' if plan.backbone_init == 'default' else f' ({plan.backbone_init} init)'}, budget {b.name} ("
+            f"{f'backbones of protocol {bench.name}' if bench else f'pretrain {b.pretrain.epochs} epochs'}, adapt "
+            f"{b.adapt.epochs} epochs), seeds {plan.seeds}, methods "
             f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}{where}",
             flush=True,
         )
