@@ -82,7 +82,18 @@ ZOO_V1 = Protocol(
     arch="deep-narrow",
     budget="quick",
     backbone_init="kaiming",
-    functions=tuple(zoo.names()),
+    # written out, not zoo.names(): a card added to functions/ later must not change a published protocol
+    functions=(
+        "ackley",
+        "dropwave",
+        "langermann",
+        "levy",
+        "matyas",
+        "michalewicz",
+        "rastrigin",
+        "sin-cos",
+        "styblinski-tang",
+    ),
     seeds=tuple(range(10)),
     cards=(
         ("ackley", "adfbe182bb86427f"),

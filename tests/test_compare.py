@@ -229,3 +229,19 @@ def test_own_lora_takes_the_ratios_to_the_lora_of_your_folder(base, tmp_path, ca
     assert row["x_lora"] == pytest.approx(float(np.exp(np.mean(np.log(twin / own.loc[twin.index])))), rel=1e-9)
     with pytest.raises(ValueError, match="--own-lora needs lora in RESULTS"):
         compare.own_reference(aa[aa["method"] == "lora-twin"], base)
+
+
+def test_zoo_v1_names_its_functions_and_each_has_its_pinned_card():
+    """A published protocol's tasks are written out, not read from the cards present (a new card in functions/ must
+    not join zoo-v1), and each is pinned to the card version its baselines were made from."""
+    from qlbench import zoo
+
+    p = protocols.ZOO_V1
+    assert len(p.functions) == 9 and dict(p.cards).keys() == set(p.functions)
+    assert all(zoo.card_digest(f) == d for f, d in p.cards)
+    import importlib
+
+    with pytest.MonkeyPatch.context() as m:  # planted: a tenth card appears in the zoo
+        m.setattr(zoo, "names", lambda: [*p.functions, "rosenbrock"])
+        assert importlib.reload(protocols).ZOO_V1.functions == p.functions
+    importlib.reload(protocols)
