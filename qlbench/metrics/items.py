@@ -10,8 +10,8 @@ is one question of an exam. Every number of a task is taken on the seeds that al
   far one seed's MSE strays, as a factor (0.1: about 10 %).
 - reliability: split-half reliability of the method order. The seeds every method has are split in two halves at
   random; the methods are ordered by mean ln MSE (a diverged seed counts as inf, so a method with one sorts last)
-  in each half; the Spearman correlation r of the two orders is stepped up to the whole seed count by
-  Spearman-Brown, 2r / (1 + r); the mean over SPLITS random splits. NaN with fewer than 4 common seeds.
+  in each half; r, the mean over SPLITS random splits of the Spearman correlation of the two orders, is stepped up
+  to the whole seed count once by Spearman-Brown, 2r / (1 + r) (at least -1). NaN with fewer than 4 common seeds.
 - worse_than_frozen: the share of trained methods whose mean MSE (inf-aware) ends above `frozen`'s.
 - divergence: the share of trained (method, seed) runs that diverged.
 - verdict (`verdict`): keep, re-parameterise or drop by the thresholds below (qlbench interpretation: the
@@ -37,8 +37,8 @@ MIN_HEADROOM = 1.5  # frozen's MSE at least 1.5x the best method's: there is som
 
 
 def _reliability(table: pd.DataFrame, splits: int, seed: int) -> float:
-    """Mean Spearman-Brown split-half reliability of the method order; `table` (seeds, methods) of scores."""
-    table = table.dropna()  # the seeds every method has
+    """Spearman-Brown split-half reliability of the method order; `table` (seeds, methods) of scores, on the seeds
+    every method has."""
     n = len(table)
     if n < 4 or table.shape[1] < 3:
         return math.nan
