@@ -221,8 +221,7 @@ def summary(mine: pd.DataFrame, base: pd.DataFrame, metric: str = "test-at-best-
         claims = []
         for key, other in (("lora", adapters.BASELINE), ("best", best), ("frozen", "frozen"), ("mean", "mean")):
             pair = pooled[pooled["method"].isin([method, other])]
-            finite = pair.assign(status=pair["status"].where(np.isfinite(stats.scores(pair, column)), "diverged"))
-            finite = finite[finite["status"] == "ok"]  # the finite pairs only: divergence is its own column
+            finite = pair[np.isfinite(stats.scores(pair, column))]  # divergence is its own column
             both = finite.groupby(["function", "seed"])["method"].transform("nunique") == 2
             across = stats.across_functions(finite[both], metric, baseline=other)
             got = across[across["method"] == method]
@@ -275,12 +274,13 @@ def _group(row) -> str:
     return f"{where}; ties {len(row['group'])}"
 
 
-def separation_line(base: pd.DataFrame, metric: str) -> str:
-    """How many pairs the board tells apart, both ways (board.separation, board.nemenyi)."""
-    sep = board.separation(base, metric)
+def separation_line(board_: pd.DataFrame, base: pd.DataFrame, metric: str) -> str:
+    """How many pairs the board tells apart, both ways: its groups (board.headline's told_apart, each pair counted
+    from both sides) and Demšar's test on the same frame (board.nemenyi)."""
+    n, apart = len(board_), int(board_["told_apart"].sum()) // 2
     nem = board.nemenyi(base, metric)
     return (
-        f"Pairs told apart: {int(sep['apart'].sum())} of {len(sep)} (t-test over tasks of the per-task mean log "
+        f"Pairs told apart: {apart} of {n * (n - 1) // 2} (t-test over tasks of the per-task mean log "
         f"ratio, Holm over every pair); Demšar's Nemenyi test on mean ranks: {nem['apart']} of {nem['pairs']} "
         f"(critical difference {nem['cd']:.1f} places over {nem['tasks']} tasks; Friedman p {nem['friedman_p']:.3g}, "
         f"Kendall's W {nem['kendall_w']:.2f})."
@@ -314,8 +314,9 @@ def leaderboard_markdown(
     figure: str | None = None,
     yours: Yours | None = None,
     aa: pd.DataFrame | None = None,
-) -> str:
-    """docs/results/leaderboard.md: the leaderboard table with what it shows and where its records are; `bench`, a
+) -> tuple[str, pd.DataFrame]:
+    """docs/results/leaderboard.md and the board it shows (`leaderboard`, for `forest_figure`): the leaderboard
+    table with what it shows and where its records are; `bench`, a
     `qlbench bench` report of the same methods, gives the µs / step column (blank where it has no row); `figure`,
     a path relative to the page, adds the forest plot beside it (`forest_figure`). `yours`: a user's records, placed
     among the baselines as "<name> (yours)", with their step times where a bench report of them is given. `aa`: the
@@ -365,7 +366,7 @@ def leaderboard_markdown(
         )
     functions = ", ".join(protocol.functions)
     plot = [f"![forest plot: each method's ratio to LoRA with its interval]({figure})", ""] if figure else []
-    return "\n".join(
+    page = "\n".join(
         [
             f"# Leaderboard: {protocol.name}",
             "",
@@ -382,7 +383,7 @@ def leaderboard_markdown(
             "told apart from (a t-test over functions of the per-function mean log ratio of the pair, Holm over every "
             "pair). lr: every method trains at the budget's fixed learning rate (no grid in this protocol).",
             "",
-            separation_line(base, metric),
+            separation_line(board_, base, metric),
             "",
             *([aa_line(aa, base, protocol.name, metric), ""] if aa is not None else []),
             *plot,
@@ -394,6 +395,7 @@ def leaderboard_markdown(
             "",
         ]
     )
+    return page, board_
 
 
 def forest_figure(board_: pd.DataFrame, title: str):

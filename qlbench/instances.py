@@ -49,12 +49,6 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def member_digests(stacked: dict[str, torch.Tensor]) -> list[str]:
-    """The digest of each member of a stacked state (E, ...) (engine.Pretrained.state)."""
-    E = next(iter(stacked.values())).shape[0]
-    return [digest({k: v[e] for k, v in stacked.items()}) for e in range(E)]
-
-
 def manifest_digest(rows: list[dict]) -> str:
     """The digest of a manifest: sha256 over its sorted "function/seed:digest" lines, first 16 hex digits."""
     lines = sorted(f"{r['function']}/{r['seed']}:{r['digest']}" for r in rows)
@@ -108,9 +102,9 @@ def manifest(name: str, expected: str) -> dict[tuple[str, int], str]:
 
 
 def load(name: str, expected: str, members: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
-    """The shipped backbones of `members` ({(function, seed): {state, source MSEs, cards}}), each checked against
-    the manifest's digest; DamagedFile (one line) for a member the protocol does not ship or whose weights are not
-    the ones it lists."""
+    """The shipped backbones of `members` ({(function, seed): {state, source MSEs, cards, digest}}), each checked
+    against the manifest's digest; DamagedFile (one line) for a member the protocol does not ship or whose weights
+    are not the ones it lists."""
     digests = manifest(name, expected)
     if missing := [m for m in members if m not in digests]:
         raise DamagedFile(f"protocol {name} ships no backbone for {missing[0][0]} seed {missing[0][1]}")
@@ -130,5 +124,5 @@ def load(name: str, expected: str, members: list[tuple[str, int]]) -> dict[tuple
             raise DamagedFile(f"{path} is damaged (no weights for {f} seed {s})")
         if (got := digest(one["state"])) != digests[(f, s)]:
             raise DamagedFile(f"{path}: {f} seed {s} has digest {got}, the manifest lists {digests[(f, s)]}")
-        out[(f, s)] = one
+        out[(f, s)] = one | {"digest": got}
     return out

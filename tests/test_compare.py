@@ -100,7 +100,7 @@ def test_the_rank_is_the_mean_place_by_mean_mse(base):
 
 def test_the_committed_leaderboard_is_rebuilt_from_the_baselines(base):
     bench = compare.bench_file("zoo-v1")
-    made = compare.leaderboard_markdown(
+    made, _ = compare.leaderboard_markdown(
         base,
         protocols.ZOO_V1,
         bench=json.loads(bench.read_text()) if bench.is_file() else None,

@@ -19,8 +19,11 @@ import math
 import re
 import warnings
 
+import torch
+
 from qlbench.adapters.base import check_targets
 from qlbench.adapters.member import MemberMethod
+from qlbench.stacked import uniform_members
 
 PREFIX = "peft:"
 
@@ -208,8 +211,6 @@ class PeftMethod(MemberMethod):
         distribution but comes from torch's global generator). So peft:lora and lora share their start per seed."""
         starts = None
         if self.tuner == "lora" and config.init_lora_weights is True:
-            from qlbench.stacked import uniform_members
-
             starts = {}
             for t in backbone.adapter_targets(config.targets):  # in forward order, as inject draws lora's
                 d_in = backbone.get_submodule(t.path).d_in
@@ -218,8 +219,6 @@ class PeftMethod(MemberMethod):
         stack = super().build(backbone, config, generators, y_train)
         if starts and next(stack.parameters()).device.type != "meta":
             params = dict(stack.named_parameters())
-            import torch
-
             with torch.no_grad():
                 for name, A in starts.items():
                     params[name].copy_(A)  # (E, r, d_in), cast to the stack's dtype and device
@@ -241,8 +240,6 @@ def catalogue(archs: tuple[str, ...] = ("deep-narrow", "transformer")) -> list[d
     """One row per tuner of the installed peft: {"tuner", "status", "reason", <arch>: trainable count per member}.
     status: "stacked", "looped" or "refused" (the path on deep-narrow; reason: why a tuner loops or is refused).
     Each runnable tuner is built on one member of each backbone (float32, CPU, untrained)."""
-    import torch
-
     from qlbench.backbones import build_backbone
     from qlbench.seeding import generator
 

@@ -148,7 +148,7 @@ def run(args) -> int:
         figure = "leaderboard-forest.png" if args.out else None
         mine = _mine(args, protocol) if args.folder is not None else None
         with usage_errors():
-            page = compare.leaderboard_markdown(
+            page, board = compare.leaderboard_markdown(
                 base,
                 protocol,
                 args.metric,
@@ -159,7 +159,6 @@ def run(args) -> int:
             )
         print(page, end="")
         if args.out:
-            board = compare.leaderboard(base if mine is None else compare.placed(base, mine)[0], args.metric)
             fig = compare.forest_figure(board, f"{protocol.name}: {stats.metric(args.metric).label}")
             store.write_text(page, args.out / "leaderboard.md")
             store.atomic_write(args.out / figure, lambda tmp: fig.savefig(tmp, format="png", dpi=150))

@@ -12,9 +12,10 @@ import time
 
 from qlbench import adapters, instances, protocols, ray_executor, text, zoo
 from qlbench.commands import UsageError, options, split_list, usage_errors
+from qlbench.engine import cache
 from qlbench.experiments import experiment, planning
 from qlbench.records import results, runner
-from qlbench.records.store import DamagedFile, Store, load_torch, save_torch, set_aside
+from qlbench.records.store import DamagedFile, Store
 
 
 def register(subparsers) -> None:
@@ -139,28 +140,14 @@ def under_protocol(args, functions: list[str]) -> protocols.Protocol | None:
 
 
 def install_backbones(bench: protocols.Protocol, plan, log) -> None:
-    """Put the protocol's shipped backbones (instances.py) into the plan's backbone cache, so that nothing is
-    pretrained; a backbone already cached there that is another network (pretrained by this machine or code) is
-    said in one line and set aside."""
+    """Put the protocol's shipped backbones (instances.py) into the plan's backbone cache (engine.cache.install),
+    so that nothing is pretrained; a backbone already cached there that is another network is said in one line."""
     members = [(f, s) for f in plan.functions for s in plan.seeds]
     try:
         shipped = instances.load(bench.name, bench.backbones, members)
     except DamagedFile as err:
         raise UsageError(str(err)) from None
-    spec = plan.backbones
-    others = []
-    for member, path, key in zip(members, spec.paths(members, plan.store), spec.keys(members)):
-        one = shipped[member]
-        if path.exists():
-            try:
-                if instances.digest(load_torch(path)["state"]) == instances.digest(one["state"]):
-                    continue
-            except (DamagedFile, KeyError, TypeError):
-                pass
-            others.append(member)
-            set_aside(path)
-        saved = {k: one[k] for k in ("state", "source_train_mse", "source_test_mse", "cards")}
-        save_torch(saved | {"key": key, "git": {"protocol": bench.name}}, path)
+    others = cache.install(plan.backbones, members, plan.store, shipped, {"protocol": bench.name})
     if others:
         log(
             f"qlbench: {len(others)} backbone(s) in {plan.store.backbone_dir} (e.g. {others[0][0]} seed "

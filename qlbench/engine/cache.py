@@ -16,6 +16,7 @@ from qlbench.engine.budgets import Phase
 from qlbench.engine.loop import Stage, fit
 from qlbench.engine.runtime import flush_denormals
 from qlbench.engine.stack import Member, Pretrained, StackedData, padded
+from qlbench.instances import digest
 from qlbench.records import record
 from qlbench.records.store import DamagedFile, Store, load_torch, save_torch, set_aside, stable_hash
 from qlbench.seeding import generator
@@ -108,6 +109,28 @@ def _read_backbone(path: Path, arch: str, key: str, cards: dict[str, str]) -> di
     if bad := [k for k, v in saved["state"].items() if v.is_floating_point() and not torch.isfinite(v).all()]:
         raise DamagedFile(f"{path} is damaged (non-finite weights in {bad[0]})")
     return saved
+
+
+def install(spec: Backbones, members: list[Member], store: Store, shipped: dict, made_by: dict) -> list[Member]:
+    """Write shipped backbones ({member: {state, source_train_mse, source_test_mse, cards, digest}}, a protocol's:
+    instances.load) into the store's cache as `pretrain` would have written them, so that `pretrain` loads them and
+    trains nothing; `made_by` is recorded as the file's git. A member already cached whose weights have another
+    digest (pretrained by other code, or on a machine whose floating-point paths differ) is set aside and replaced;
+    returns those members."""
+    others = []
+    for member, path, key in zip(members, spec.paths(members, store), spec.keys(members)):
+        one = shipped[member]
+        if path.exists():
+            try:
+                if digest(_read_backbone(path, spec.arch, key, spec.cards(member))["state"]) == one["digest"]:
+                    continue
+            except DamagedFile:
+                pass
+            others.append(member)
+            set_aside(path)
+        saved = {k: one[k] for k in ("state", "source_train_mse", "source_test_mse", "cards")}
+        save_torch(saved | {"key": key, "git": made_by}, path)
+    return others
 
 
 @flush_denormals()
