@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qlbench import adapters, inputs, instances, protocols, text
+from qlbench import adapters, inputs, instances, protocols, text, zoo
 from qlbench.metrics import board, stats, validity
 from qlbench.records import per_seed, results, store
 
@@ -82,7 +82,7 @@ def step_times(report: dict, arch: str) -> dict[str, float]:
     return rates
 
 
-def check_records(folder: Path, protocol: protocols.Protocol, on_damaged=None) -> list[Path]:
+def check_records(folder: Path, protocol: protocols.Benchmark, on_damaged=None) -> list[Path]:
     """The record files of a results folder, every one made under `protocol`; ValueError (one line) for the first
     that is not, naming the difference, and for a folder without records."""
     found = results._records(inputs.folder(folder, "results folder"), on_damaged)
@@ -91,7 +91,7 @@ def check_records(folder: Path, protocol: protocols.Protocol, on_damaged=None) -
     shipped = None
     if protocol.backbones:
         try:
-            shipped = instances.manifest(protocol.name, protocol.backbones)
+            shipped = instances.manifest(protocol.instances, protocol.backbones)
         except store.DamagedFile as err:
             raise ValueError(str(err)) from None
     for path, rec in found:
@@ -106,11 +106,12 @@ def check_records(folder: Path, protocol: protocols.Protocol, on_damaged=None) -
 
 def backbone_mismatch(rec: dict, shipped: dict[tuple[str, int], str]) -> str:
     """The first seed of a record whose backbone digest (train_info.per_seed[].backbone_digest) is not the one the
-    protocol ships for its (function, seed), as a phrase; "" when every recorded digest agrees (a record written
-    before records held digests has none to check)."""
-    function = rec["run_info"]["config"].get("function")
+    protocol ships for its (function, seed) (a task variant's: its card's), as a phrase; "" when every recorded
+    digest agrees (a record written before records held digests has none to check)."""
+    function = str(rec["run_info"]["config"].get("function"))
+    card = function.partition(zoo.VARIANT)[0]
     for s in rec["train_info"].get("per_seed", []):
-        got, want = s.get("backbone_digest"), shipped.get((function, s.get("seed")))
+        got, want = s.get("backbone_digest"), shipped.get((card, s.get("seed")))
         if got is not None and want is not None and got != want:
             return f"{function} seed {s['seed']} was trained on backbone {got}, not the protocol's {want}"
     return ""
@@ -308,7 +309,7 @@ def placed(base: pd.DataFrame, mine: pd.DataFrame) -> tuple[pd.DataFrame, dict[s
 
 def leaderboard_markdown(
     base: pd.DataFrame,
-    protocol: protocols.Protocol,
+    protocol: protocols.Benchmark,
     metric: str = "test-at-best-train",
     bench: dict | None = None,
     figure: str | None = None,
@@ -341,6 +342,10 @@ def leaderboard_markdown(
         note = f" Your methods: records in {mine_source}, from commit(s) {theirs}.{why}"
     board_ = leaderboard(base, metric)
     board_["us_per_step"] = [times.get(m) for m in board_["method"]]
+    board_["lr"] = (
+        [rates.get(m, math.nan) for m in board_["method"]] if (rates := board.chosen_rates(base)) else math.nan
+    )
+    fixed = protocol.budget_fields()["adapt"]["lr"]
     cols = [
         text.Column("place", lambda r: f"{r['place']} [{r['place_low']}, {r['place_high']}]"),
         text.Column("method", "method"),
@@ -350,7 +355,7 @@ def leaderboard_markdown(
         text.Column("× frozen", lambda r: text.num(r["x_frozen"], 3)),
         text.Column("× mean", lambda r: text.num(r["x_mean"], 3)),
         text.Column("group", _group),
-        text.Column("lr", lambda r: "budget"),
+        text.Column("lr", lambda r: f"{fixed:g} (fixed)" if pd.isna(r["lr"]) else f"{r['lr']:g}"),
         text.Column("trainable", lambda r: f"{r['trainable']:,}"),
         text.Column("µs / step", lambda r: "" if pd.isna(r["us_per_step"]) else f"{r['us_per_step']:,.0f}"),
         text.Column("seeds", "seeds"),
@@ -381,7 +386,7 @@ def leaderboard_markdown(
             "than a constant). place: its place by × LoRA, with the 95% interval of its place over the same bootstrap "
             "draws. group: top when it cannot be told apart from the first row; ties: how many methods it cannot be "
             "told apart from (a t-test over functions of the per-function mean log ratio of the pair, Holm over every "
-            "pair). lr: every method trains at the budget's fixed learning rate (no grid in this protocol).",
+            f"pair). {protocol.lr_rule()}",
             "",
             separation_line(board_, base, metric),
             "",
@@ -434,7 +439,7 @@ AGGREGATES = {  # validity.aggregates' columns as a reader names them
 
 
 def validity_markdown(
-    base: pd.DataFrame, protocol: protocols.Protocol, reference: pd.DataFrame, source: str, metric: str
+    base: pd.DataFrame, protocol: protocols.Benchmark, reference: pd.DataFrame, source: str, metric: str
 ) -> tuple[str, pd.DataFrame]:
     """The external-validity page of a protocol's baselines against real fine-tuning accuracies (`validity.correlate`):
     (Markdown, the correlation table as a frame)."""

@@ -10,7 +10,7 @@ checkpoints, and a run under the protocol loads them instead of pretraining.
     docs/protocols/<name>/backbones.json    [{"function", "seed", "digest", "source_train_mse", "source_test_mse"}]
 
 `digest` is a content digest of one member's weights (names, dtypes, shapes and bytes; `digest`), the manifest
-lists every member's, and the protocol holds the digest of the manifest (`manifest_digest`, Protocol.backbones), so
+lists every member's, and the protocol holds the digest of the manifest (`manifest_digest`, Benchmark.backbones), so
 neither the weights nor the list can change without the protocol saying so. Every record holds its backbones'
 digests (train_info.per_seed[].backbone_digest), and `compare` pairs two records only on the same digest.
 """
@@ -87,7 +87,7 @@ def export(name: str, members: dict[tuple[str, int], dict], out: Path | None = N
 
 def manifest(name: str, expected: str) -> dict[tuple[str, int], str]:
     """{(function, seed): digest} of a protocol's committed manifest; DamagedFile (one line) when it is missing,
-    does not read, or is not the manifest the protocol names (`expected`, Protocol.backbones)."""
+    does not read, or is not the manifest the protocol names (`expected`, Benchmark.backbones)."""
     path = folder(name) / "backbones.json"
     try:
         rows = json.loads(path.read_text())

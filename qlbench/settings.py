@@ -1,8 +1,9 @@
 """The two settings objects every plan takes whole, each validated once when it is made (ValueError naming the valid
 choices):
 
-    Protocol   what changes the numbers: the arch, the budget, the seeds, the dtype, the optimiser's eps, the label
-               noise and the backbone's init. Two runs under equal protocols (and equal methods) give equal records.
+    Protocol   what changes the numbers: the arch, the budget (and its adaptation learning rate), the seeds, the
+               dtype, the optimiser's eps, the label noise, the backbone's init and whether a validation set is
+               scored. Two runs under equal protocols (and equal methods) give equal records.
     Execution  what must not change them: the device, torch.compile, CUDA-graph capture, threads, stacks trained at
                once, snapshots, the results folder, --force, progress, and where the training machines are.
 
@@ -15,6 +16,7 @@ command line's defaults.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
 from qlbench.experiments.planning import check_at_once, check_settings, check_snapshot_every, seed_count
 
 SWITCHES = ("auto", "on", "off")  # --compile and --capture
+MAX_LR = 1.0  # an adaptation learning rate above it is a typo, not a setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +41,8 @@ class Protocol:
     eps: float = adapters.EPS
     noise: str = zoo.DEFAULT_NOISE
     backbone_init: str = DEFAULT_INIT
+    lr: float | None = None  # the adaptation's learning rate (None: the budget's); part of the budget a record holds
+    validation: bool = False  # evaluate the target's validation set too (zoo.Task.validation_data; single-task runs)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -45,13 +50,19 @@ class Protocol:
         check_init(self.arch, self.backbone_init)
         check_settings(eps=self.eps, dtype=self.dtype, threads=None)
         zoo.check_noise(self.noise)
+        if self.lr is not None:
+            if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr <= MAX_LR:
+                raise ValueError(f"lr must be a number in (0, {MAX_LR:g}], got {self.lr!r}")
+            object.__setattr__(self, "lr", float(self.lr))
         seed_count(self.schedule, self.seeds)
         object.__setattr__(self, "eps", float(self.eps))
 
     @property
     def schedule(self) -> engine.Budget:
-        """The budget's epochs, learning rates and evaluation cadence for this arch."""
-        return engine.budget(self.budget, self.arch)
+        """The budget's epochs, learning rates and evaluation cadence for this arch (its adaptation at `lr` when
+        given)."""
+        b = engine.budget(self.budget, self.arch)
+        return b if self.lr is None else dataclasses.replace(b, adapt=dataclasses.replace(b.adapt, lr=self.lr))
 
     @property
     def n_seeds(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ SOURCE_SIZE = 3000
 SOURCE_TRAIN = 2400  # 80/20 source train/test
 TARGET_SIZE = 1200
 TARGET_TRAIN = 400  # 400 for adaptation, 800 held out
+VALIDATION_SIZE = 400  # further target samples, their own stream, for choosing a learning rate (Task.validation_data)
 
 # Label noise: additive Gaussian, train and test alike. qlbench interpretation (the paper gives no noise level or
 # label scale): by default ("relative") its std is NOISE_FRACTION times the clean function's own spread over the
@@ -208,22 +210,58 @@ def _cards() -> dict[str, Card]:
 
 
 def names() -> list[str]:
-    """Names of all cards in the zoo, sorted."""
+    """Names of all cards in the zoo, sorted (the variants of card_name do not count: there are infinitely many)."""
     return sorted(_cards())
+
+
+# A task variant: a card's task with its shift scaled, named "<card>@s<strength>" (e.g. "dropwave@s2"). qlbench
+# interpretation of a shift's strength s (item analysis, docs/results/items): each changed coefficient moves s times
+# as far from its source value, the rotation is s times the card's angle, and the output map moves s times as far
+# from the identity (out_scale 1 + s (a - 1), out_shift s b). s = 1 is the card's own task; the source is the
+# card's, so a variant's backbones are the card's (engine.cache keys them by card_name).
+VARIANT = "@"
+_STRENGTH = re.compile(r"s(\d+(?:\.\d+)?)")
+MAX_STRENGTH = 10.0
+
+
+def split_name(name: str) -> tuple[str, float]:
+    """(card name, shift strength) of a task name: "dropwave" -> ("dropwave", 1.0), "dropwave@s2" -> ("dropwave",
+    2.0); ValueError (one line, naming the valid forms) for an unknown card or a malformed variant."""
+    base, sep, variant = name.partition(VARIANT)
+    card(base)  # ValueError listing the valid names
+    if not sep:
+        return base, 1.0
+    m = _STRENGTH.fullmatch(variant)
+    strength = float(m.group(1)) if m else 0.0
+    if not 0 < strength <= MAX_STRENGTH:
+        raise ValueError(
+            f"task {name!r}: a variant is {base}{VARIANT}s<strength>, 0 < strength <= {MAX_STRENGTH:g} "
+            f"(e.g. {base}{VARIANT}s2)"
+        )
+    if strength == 1.0:
+        raise ValueError(f"task {name!r} is the card's own task; name it {base!r}")
+    return base, strength
+
+
+def card_name(name: str) -> str:
+    """The card a task name (a card's or a variant's, split_name) is made from."""
+    return split_name(name)[0]
 
 
 def card_digest(name: str) -> str:
     """16 hex digits naming the version of the card `name` that data is made from: the stable hash of its
     DATA_FIELDS as parsed (comments, layout and the descriptive fields do not count). Records and backbone files
     hold it, so a card edited in place is found out (runner.finished, engine.pretrain, protocols)."""
-    card(name)  # ValueError listing the valid names
-    table = tomllib.loads(_texts()[name])
+    table = tomllib.loads(_texts()[card_name(name)])  # a variant's: its card's (the strength is in its name)
     return stable_hash({k: table.get(k) for k in DATA_FIELDS})
 
 
 def card(name: str) -> Card:
-    """The card `functions/<name>.toml`; ValueError listing the valid names if there is none."""
+    """The card `functions/<name>.toml` (a variant's name, split_name: its card's); ValueError listing the valid
+    names if there is none."""
     cards = _cards()
+    if VARIANT in name:
+        name = split_name(name)[0]  # ValueError for a malformed variant
     if name not in cards:
         raise ValueError(f"unknown function {name!r}; choose from: {', '.join(sorted(cards))}")
     return cards[name]
@@ -333,6 +371,14 @@ class Task:
         """SOURCE_SIZE noisy samples of the source, split SOURCE_TRAIN / rest."""
         return self._sample(self.source, "source", seed, SOURCE_SIZE, SOURCE_TRAIN, dtype, device)
 
+    def validation_data(
+        self, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> tuple[Tensor, Tensor]:
+        """VALIDATION_SIZE noisy samples of the target, drawn from their own stream: x (N, 2), y (N,), neither
+        training nor test data (a protocol chooses learning rates on them)."""
+        x, y, _, _ = self._sample(self.target, "validation", seed, VALIDATION_SIZE, VALIDATION_SIZE, dtype, device)
+        return x, y
+
     def target_data(self, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Split:
         """TARGET_SIZE noisy samples of the target, split TARGET_TRAIN / rest."""
         return self._sample(self.target, "target", seed, TARGET_SIZE, TARGET_TRAIN, dtype, device)
@@ -349,10 +395,13 @@ class Task:
     ) -> Split:
         # Drawn in float64 on CPU from a generator named by (task, stream, seed): identical tensors for every
         # dtype and device, independent seeds, and source/target never share a stream.
-        g = generator("data", self.name, stream, seed)
+        # the source of a variant is its card's: the same stream, so the same data and backbones as the card's task
+        g = generator("data", self.card.name if stream == "source" else self.name, stream, seed)
         lo, hi = self.bounds  # (2,), (2,)
         x = lo + (hi - lo) * torch.rand(n, len(lo), generator=g, dtype=torch.float64)  # (n, 2)
-        y = f(x) + self.noise_std(stream) * torch.randn(n, generator=g, dtype=torch.float64)  # (n,)
+        y = f(x) + self.noise_std("source" if stream == "source" else "target") * torch.randn(
+            n, generator=g, dtype=torch.float64
+        )  # (n,)
         x, y = x.to(dtype=dtype, device=device), y.to(dtype=dtype, device=device)
         return Split(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
 
@@ -367,9 +416,18 @@ def task(name: str, noise: str = DEFAULT_NOISE) -> Task:
     """The source -> target task of the card `name` (target coefficients, rotation and output map from the card),
     its labels noised by the construction `noise` (NOISES)."""
     check_noise(noise)
-    c = card(name)
-    target = ShiftedFunction(function(name, **c.target_coefficients), c.rotation_deg, c.out_scale, c.out_shift)
-    return Task(name, c, function(name), target, c.instruction, noise)
+    base, s = split_name(name)
+    c = card(base)
+    moved = {k: _moved(c.coefficients[k], v, s) for k, v in c.target_coefficients.items()}
+    target = ShiftedFunction(function(base, **moved), s * c.rotation_deg, 1 + s * (c.out_scale - 1), s * c.out_shift)
+    return Task(name, c, function(base), target, c.instruction, noise)
+
+
+def _moved(source: Coefficient, target: Coefficient, s: float) -> Coefficient:
+    """source + s (target - source), element by element through nested tuples; s = 1 gives `target` exactly."""
+    if isinstance(source, tuple):
+        return tuple(_moved(a, b, s) for a, b in zip(source, target))
+    return target if s == 1.0 else source + s * (target - source)
 
 
 def grid(bounds: Tensor, n: int = SPREAD_GRID) -> Tensor:

@@ -326,6 +326,8 @@ OWN = {  # (command, option) whose settings are not the shared option's, and why
     ("compare", "--out"): "the folder of the leaderboard or validity page (none: print only)",
     ("items", "--metric"): "the metric the tasks are analysed on",
     ("items", "--out"): "the folder of the item-analysis page (none: print only)",
+    ("items", "--methods"): "the panel of methods analysed (default: every method of each task)",
+    ("items", "--seeds"): "the seeds analysed (default: every seed)",
     ("bench", "--compile"): "whether the torch.compile variants are measured (auto: not with --quick)",
     ("bench", "--out"): "the bench folder",
     ("bench", "--methods"): "every registered method by default",

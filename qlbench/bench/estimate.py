@@ -142,3 +142,22 @@ def list_schedule(methods: dict[str, dict], workers: int) -> float:
         i = free.index(min(free))
         free[i] += m["total_s"]
     return max(free)
+
+
+def protocol_estimate(report: dict, benchmark, methods: list[str] | None = None) -> dict:
+    """The one-process, one-thread training time of a benchmark protocol's board (`protocols.Benchmark`: its
+    functions x seeds, at every rate of its learning-rate grid), predicted from a `qlbench bench` report's step
+    times (compare.step_times: µs per member-step at the report's narrowest stack, one thread where the report was
+    run so): per method, members x adaptation steps x µs. Evaluation and start-up are left out, so it is a floor of
+    a run at the report's stack width; a wider stack (a sweep stacks every task and seed) runs faster per member.
+    Returns {methods: {name: seconds}, missing: [methods without a step time], total_s}."""
+    from qlbench.compare import step_times  # the leaderboard's reading of a bench report
+
+    times = step_times(report, benchmark.arch)
+    budget = engine.budget(benchmark.budget, benchmark.arch)
+    members = len(benchmark.functions) * len(benchmark.seeds) * max(1, len(benchmark.lrs))
+    steps = engine.steps(budget.adapt, zoo.TARGET_TRAIN)
+    wanted = list(times) if methods is None else methods
+    seconds = {m: members * steps * times[m] / 1e6 for m in wanted if m in times and m != PRETRAINING}
+    missing = [m for m in wanted if m not in times]
+    return dict(methods=seconds, missing=missing, total_s=sum(seconds.values()))

@@ -13,7 +13,7 @@ import pandas as pd
 
 from qlbench import compare, protocols, text
 from qlbench.commands import UsageError, check_out, options, path_arg, usage_errors
-from qlbench.metrics import stats, validity
+from qlbench.metrics import board, stats, validity
 from qlbench.records import per_seed, results, store
 from qlbench.text import Column
 
@@ -63,9 +63,16 @@ def _baselines(args, protocol) -> object:
     if not path.is_file():
         raise UsageError(f"no baselines for {protocol.name} at {path} (--baselines FILE: a per-seed CSV)")
     try:
-        return per_seed.load(path)
+        return _tuned(per_seed.load(path), protocol)
     except store.DamagedFile as err:
         raise UsageError(str(err)) from None
+
+
+def _tuned(frame, protocol):
+    """The frame's rows at each method's chosen learning rate (board.tune; a protocol without a grid: as it is);
+    UsageError (one line) for a method not tried at every rate."""
+    with usage_errors():
+        return board.tune(frame, protocol.lrs)[0]
 
 
 def _optional(path: Path, read, left_out: str):
@@ -90,7 +97,7 @@ def _mine(args, protocol):
     folder = Path(args.folder)
     with usage_errors():
         paths = compare.check_records(folder, protocol, on_damaged=lambda m: print(m))
-    mine = results.load(paths)
+    mine = _tuned(results.load(paths), protocol)
     if not compare.trained(mine):
         raise UsageError(f"{folder} holds no trained method to compare (only reference rows)")
     return mine
@@ -109,7 +116,8 @@ def _aa(args, protocol):
     --baselines, or none committed)."""
     if args.baselines:
         return None
-    return _optional(compare.aa_file(protocol.name), per_seed.load, "the A/A check is left out")
+    aa = _optional(compare.aa_file(protocol.name), per_seed.load, "the A/A check is left out")
+    return None if aa is None else _tuned(aa, protocol)
 
 
 def _reference(path: Path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from qlbench import text
-from qlbench.commands import UsageError, check_out, options, path_arg, usage_errors
+from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
 from qlbench.metrics import board, items, stats
 from qlbench.records import per_seed, store
 from qlbench.text import Column
@@ -20,6 +20,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("items", help="item analysis: which tasks tell methods apart (per-seed CSVs)")
     p.add_argument("csv", nargs="+", type=path_arg, metavar="CSV", help="per-seed CSVs (per-seed.csv.gz of a report)")
     options.add(p, "--metric", metric=dict(help=f"one of: {', '.join(stats.METRICS)} (default test-at-best-train)"))
+    panel = "analyse only these methods (a panel every task ran, so that tasks compare on the same methods); default: "
+    options.add(p, "--methods", methods=dict(help=panel + "every method of each task"))
+    options.add_training_options(p, "--seeds", seeds=dict(help="analyse only seeds 0..N-1 (default: every seed)"))
     out = dict(default=None, help="also write items.md and items.csv into this folder")
     options.add_output_options(p, "out", out=out)
     p.set_defaults(func=run)
@@ -31,7 +34,8 @@ def _load(paths: list[Path]) -> pd.DataFrame:
         if not path.is_file():
             raise UsageError(f"no per-seed CSV at {path}")
         try:
-            frames.append(per_seed.load(path).assign(source=str(path)))
+            # a learning-rate grid's methods count once per rate ("lora @ lr 0.001"), never as one method
+            frames.append(stats.by_rate(per_seed.load(path)).assign(source=str(path)))
         except store.DamagedFile as err:
             raise UsageError(str(err)) from None
     # a (task, method, seed) in two files (a record exported into two reports) counts once: the first file's
@@ -73,7 +77,9 @@ def power_lines(frame: pd.DataFrame, metric: str) -> list[str]:
     return lines
 
 
-def markdown(table: pd.DataFrame, sources: list[str], commits: list[str], power: list[str] = ()) -> str:
+def markdown(
+    table: pd.DataFrame, sources: list[str], commits: list[str], power: list[str] = (), panel: str = ""
+) -> str:
     power_part = (
         [
             "## Power: how many tasks a board needs",
@@ -100,7 +106,8 @@ def markdown(table: pd.DataFrame, sources: list[str], commits: list[str], power:
             "4 seeds). worse than frozen: the share of trained methods whose mean MSE ends above frozen's. verdict: "
             f"keep when reliability >= {items.MIN_RELIABILITY}, at most {items.MAX_WORSE_THAN_FROZEN:.0%} of methods "
             f"end worse than frozen and frozen / best >= {items.MIN_HEADROOM}; re-parameterise (shift, samples or "
-            "budget) a task that orders methods reliably but fails another rule; drop the rest.",
+            "budget) a task that orders methods reliably but fails another rule; drop the rest."
+            + (f" {panel}" if panel else ""),
             "",
             text.table(table.to_dict("records"), COLUMNS),
             "",
@@ -118,11 +125,24 @@ def run(args) -> int:
     if args.out is not None:
         check_out(args.out)
     frame = _load(list(args.csv))
+    if args.seeds is not None:
+        if args.seeds < 1:
+            raise UsageError(f"--seeds must be >= 1, got {args.seeds}")
+        frame = frame[frame["seed"] < args.seeds]
+    panel = ""
+    if args.methods is not None:
+        chosen = split_list(args.methods, "--methods")
+        if missing := sorted(set(chosen) - set(frame["method"])):
+            raise UsageError(
+                f"--methods: {missing[0]} is in no CSV; present: {', '.join(sorted(set(frame['method'])))}"
+            )
+        frame = frame[frame["method"].isin(chosen)]
+        panel = f"Methods: the panel {', '.join(chosen)}" + (f", seeds 0-{args.seeds - 1}" if args.seeds else "") + "."
     with usage_errors():
         table = items.analyse(frame, args.metric)
     commits = sorted({c[:7] for c in frame["commit"].dropna()})
     sources = [Path(p).as_posix() for p in args.csv]
-    page = markdown(table, sources, commits, power_lines(frame, args.metric))
+    page = markdown(table, sources, commits, power_lines(frame, args.metric), panel)
     print(page, end="")
     if args.out is not None:
         store.write_text(page, Path(args.out) / "items.md")

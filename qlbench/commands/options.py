@@ -125,6 +125,24 @@ TRAINING: dict[str, Option] = {
     "--seeds": Option(
         "protocol", "seeds", dict(type=int, metavar="N", help="number of seeds 0..N-1 (default: the budget's)")
     ),
+    "--lr": Option(
+        "protocol",
+        "lr",
+        dict(
+            type=float,
+            metavar="LR",
+            help="the adaptation's learning rate (default: the budget's); part of the cell's config hash",
+        ),
+    ),
+    "--validation": Option(
+        "protocol",
+        "validation",
+        dict(
+            action="store_true",
+            help="score each evaluation on the target's own validation set too (400 further samples; the record's "
+            "val_at_best_train, on which a learning rate is chosen); single-task runs; part of the config hash",
+        ),
+    ),
     "--device": Option(
         "execution",
         "device",

@@ -7,7 +7,7 @@ import sys
 from qlbench import inputs, text
 from qlbench.commands import UsageError, path_arg, usage_errors
 from qlbench.metrics import suite_stats
-from qlbench.records import results
+from qlbench.records import per_seed, results
 
 
 def register(subparsers) -> None:
@@ -18,12 +18,21 @@ def register(subparsers) -> None:
         "config hash, status, seeds, diverged seeds, whether the model is saved; and the suite records.",
     )
     p.add_argument("folder", type=path_arg, metavar="RESULTS", help="a results folder (as given to run --out)")
+    p.add_argument(
+        "--per-seed",
+        type=path_arg,
+        metavar="FILE",
+        help="also write every single-task record's per-seed rows into FILE (a per-seed CSV, .csv or .csv.gz: "
+        "every config kept, a learning-rate grid's rates as its lr column; what a protocol's baselines are)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     with usage_errors():
         inputs.folder(args.folder, "results folder")
+    if args.per_seed is not None and not per_seed.is_csv(args.per_seed):
+        raise UsageError(f"--per-seed {args.per_seed}: name a .csv or .csv.gz file")
     log = lambda m: print(f"qlbench results: {m}", file=sys.stderr)
     table = results.index(args.folder, on_damaged=log)
     suite_table = suite_stats.index(suite_stats.load(args.folder, on_damaged=log))
@@ -37,6 +46,10 @@ def run(args) -> int:
         print(text.markdown(table))
         counts = table.groupby(["arch", "budget"]).size()
         print("\n" + "; ".join(f"{arch}/{budget}: {n} record(s)" for (arch, budget), n in counts.items()))
+        if args.per_seed is not None:
+            frame = results.load(args.folder, on_damaged=log)
+            written = per_seed.write(frame, args.per_seed)
+            print(f"per-seed rows of {frame['record'].nunique()} record(s): {written}")
     if not suite_table.empty:
         print(("\n" if not table.empty else "") + "Suite records (qlbench suite):\n")
         print(text.markdown(suite_table))

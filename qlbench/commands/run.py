@@ -114,7 +114,7 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
     options.add_output_options(p)
 
 
-def under_protocol(args, functions: list[str]) -> protocols.Protocol | None:
+def under_protocol(args, functions: list[str]) -> protocols.Benchmark | None:
     """--protocol NAME: the benchmark protocol, with its settings put into `args` (UsageError, one line, for an
     option that contradicts it, a seed count beyond its seeds or a function outside its functions); None without."""
     if args.protocol is None:
@@ -139,12 +139,13 @@ def under_protocol(args, functions: list[str]) -> protocols.Protocol | None:
     return bench
 
 
-def install_backbones(bench: protocols.Protocol, plan, log) -> None:
+def install_backbones(bench: protocols.Benchmark, plan, log) -> None:
     """Put the protocol's shipped backbones (instances.py) into the plan's backbone cache (engine.cache.install),
     so that nothing is pretrained; a backbone already cached there that is another network is said in one line."""
     members = [(f, s) for f in plan.functions for s in plan.seeds]
+    sources = sorted({(zoo.card_name(f), s) for f, s in members})  # a task variant runs on its card's backbones
     try:
-        shipped = instances.load(bench.name, bench.backbones, members)
+        shipped = instances.load(bench.instances, bench.backbones, sources)
     except DamagedFile as err:
         raise UsageError(str(err)) from None
     others = cache.install(plan.backbones, members, plan.store, shipped, {"protocol": bench.name})
@@ -181,9 +182,67 @@ def run(args, functions: list[str]) -> int:
             raise UsageError("--instruction only changes instruct-queryable, which is not in --methods")
         overrides["instruction"] = instruction
     methods = split_list(args.methods, "--methods") if args.methods else None
-    kwargs = dict(functions=functions, methods=methods, protocol=protocol, overrides=overrides)
+    rates = grid_rates(args, bench)
+    settings = [protocol] if rates is None else [dataclasses.replace(protocol, lr=lr) for lr in rates]
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()  # the wall time printed includes starting (or reaching) Ray
+    runs = []
+    # a learning-rate grid trains each method at every rate in turn (the same trials for every method), method by
+    # method, so that a grid stopped part way has whole methods
+    groups = [methods] if rates is None else [[m] for m in (methods or adapters.DEFAULT_METHODS)]
+    if len(groups) > 1:  # every method checked before the first trains
+        with usage_errors():
+            experiment.plan(functions, methods, protocol=settings[0], overrides=overrides, execution=execution)
+    for group in groups:
+        for one in settings:
+            kwargs = dict(functions=functions, methods=group, protocol=one, overrides=overrides)
+            runs.append(_train(args, kwargs, execution, executor, bench, log))
+    by_lr = {}  # one table per rate, every method in it
+    for plan, paths in runs:
+        by_lr.setdefault(plan.budget.adapt.lr, (plan, []))[1].extend(paths)
+    failed_any = False
+    for plan, paths in by_lr.values():
+        frame = results.load([p for p in paths if p.exists()], on_damaged=log)
+        if not len(frame):
+            log(f"qlbench {args.command}: no cell has a record yet (another process is training them); run again later")
+            return 1
+        print()
+        if rates is not None:
+            print(f"adaptation learning rate {plan.budget.adapt.lr:g} (grid of protocol {bench.name}):\n")
+        print(text.markdown(report.method_table(frame)))
+        if note := report.collapse_note(frame):
+            print(f"\n{note}")
+        failed = frame[frame["cell_status"] == "failed"].drop_duplicates("record")
+        for row in failed.itertuples():
+            log(f"qlbench {args.command}: {row.function}/{row.method} failed: {row.message}")
+        failed_any |= bool(len(failed))
+    plan = runs[-1][0]
+    print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {plan.store.root / 'records' / plan.arch}")
+    if left := snapshots_left(plan.store, plan.arch):
+        log(f"qlbench {args.command}: {left}")
+    return 1 if failed_any else 0
+
+
+def grid_rates(args, bench: protocols.Benchmark | None) -> list[float] | None:
+    """The adaptation learning rates a run under a benchmark with a grid trains (its grid, or the one --lr names;
+    UsageError for a rate outside it); None without a grid."""
+    if bench is None:
+        return None
+    if not bench.lrs:
+        if args.lr is not None:
+            raise UsageError(f"--lr contradicts protocol {bench.name} (its budget's rate); leave it out")
+        return None
+    if args.lr is None:
+        return list(bench.lrs)
+    if args.lr not in bench.lrs:
+        raise UsageError(
+            f"--lr {args.lr:g} is not in protocol {bench.name}'s grid: {', '.join(f'{x:g}' for x in bench.lrs)}"
+        )
+    return [args.lr]
+
+
+def _train(args, kwargs: dict, execution, executor: str, bench, log):
+    """One plan of `run`, checked, trained (locally or on Ray) and its header printed; (plan, record paths)."""
     with contextlib.ExitStack() as stack:
         with usage_errors():
             # every choice is checked before Ray starts; the device is resolved by the cluster's GPUs once it runs
@@ -215,7 +274,7 @@ def run(args, functions: list[str]) -> int:
             f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}"
             f"{'' if plan.backbone_init == 'default' else f' ({plan.backbone_init} init)'}, budget {b.name} ("
             f"{f'backbones of protocol {bench.name}' if bench else f'pretrain {b.pretrain.epochs} epochs'}, adapt "
-            f"{b.adapt.epochs} epochs), seeds {plan.seeds}, methods "
+            f"{b.adapt.epochs} epochs at lr {b.adapt.lr:g}), seeds {plan.seeds}, methods "
             f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}{where}",
             flush=True,
         )
@@ -226,21 +285,7 @@ def run(args, functions: list[str]) -> int:
             )
         else:
             paths = runner.run(plan, progress=not args.no_progress, log=log)
-    frame = results.load([p for p in paths if p.exists()], on_damaged=log)
-    if not len(frame):
-        log(f"qlbench {args.command}: no cell has a record yet (another process is training them); run again later")
-        return 1
-    print()
-    print(text.markdown(report.method_table(frame)))
-    if note := report.collapse_note(frame):
-        print(f"\n{note}")
-    print(f"\nwall time {time.perf_counter() - t0:.1f} s; records in {plan.store.root / 'records' / plan.arch}")
-    failed = frame[frame["cell_status"] == "failed"].drop_duplicates("record")
-    for row in failed.itertuples():
-        log(f"qlbench {args.command}: {row.function}/{row.method} failed: {row.message}")
-    if left := snapshots_left(plan.store, plan.arch):
-        log(f"qlbench {args.command}: {left}")
-    return 1 if len(failed) else 0
+    return plan, paths
 
 
 def snapshots_left(store: Store, arch: str) -> str | None:

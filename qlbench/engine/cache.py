@@ -48,7 +48,11 @@ class Backbones:
         keys); a suite's backbone is keyed as one."""
         if store is None:
             return [None] * len(members)
-        return [store.backbone_path(self.arch, f, s, k) for (f, s), k in zip(members, self.keys(members))]
+        return [store.backbone_path(self.arch, self._source(f), s, k) for (f, s), k in zip(members, self.keys(members))]
+
+    def _source(self, name: str) -> str:
+        """The name a member's source is made from: a zoo task variant's card (zoo.split_name), else the name."""
+        return name if self.source == "suite" else zoo.card_name(name)
 
     def keys(self, members: list[Member]) -> list[str]:
         """Each member's cache key: the hash of everything its weights depend on (it names the file, and the file
@@ -57,12 +61,12 @@ class Backbones:
         extra |= {} if self.noise == zoo.LEGACY_NOISE else {"noise": self.noise}
         extra |= {"suite_source": True} if self.source == "suite" else {}
         key = dict(arch=self.arch, phase=asdict(self.phase), dtype=str(self.dtype))
-        return [stable_hash(dict(arch=self.arch, function=f, seed=s) | key | extra) for f, s in members]
+        return [stable_hash(dict(arch=self.arch, function=self._source(f), seed=s) | key | extra) for f, s in members]
 
     def cards(self, member: Member) -> dict[str, str]:
         """The versions of the cards a member's source data is made from (zoo.card_digest, suites.cards): its file
         holds them, and a file made from another version is retrained (`_read_backbone`)."""
-        name = member[0]
+        name = self._source(member[0])
         return suites.cards(name) if self.source == "suite" else {name: zoo.card_digest(name)}
 
     def needed(self, members: list[Member], store: Store | None) -> bool:
@@ -112,14 +116,15 @@ def _read_backbone(path: Path, arch: str, key: str, cards: dict[str, str]) -> di
 
 
 def install(spec: Backbones, members: list[Member], store: Store, shipped: dict, made_by: dict) -> list[Member]:
-    """Write shipped backbones ({member: {state, source_train_mse, source_test_mse, cards, digest}}, a protocol's:
-    instances.load) into the store's cache as `pretrain` would have written them, so that `pretrain` loads them and
-    trains nothing; `made_by` is recorded as the file's git. A member already cached whose weights have another
+    """Write shipped backbones ({(card, seed): {state, source_train_mse, source_test_mse, cards, digest}}, a
+    protocol's: instances.load; a task variant's member takes its card's) into the store's cache as `pretrain` would
+    have written them, so that `pretrain` loads them and trains nothing; `made_by` is recorded as the file's git. A
+    member already cached whose weights have another
     digest (pretrained by other code, or on a machine whose floating-point paths differ) is set aside and replaced;
     returns those members."""
     others = []
     for member, path, key in zip(members, spec.paths(members, store), spec.keys(members)):
-        one = shipped[member]
+        one = shipped[(spec._source(member[0]), member[1])]
         if path.exists():
             try:
                 if digest(_read_backbone(path, spec.arch, key, spec.cards(member))["state"]) == one["digest"]:

@@ -113,7 +113,7 @@ def _train(model: nn.Module, step: Step, stage: Stage, instruction, progress, di
     E, N = data.y_train.shape
     device = data.y_train.device
     diverged: list[int | None] = [None] * E
-    epochs, train_hist, test_hist = [], [], []
+    epochs, train_hist, test_hist, val_hist = [], [], [], []
     running = torch.zeros(E, device=device, dtype=data.y_train.dtype)
     rows = torch.arange(E, device=device).unsqueeze(1)
     n_batches = -(-N // phase.batch_size)
@@ -123,9 +123,10 @@ def _train(model: nn.Module, step: Step, stage: Stage, instruction, progress, di
     initial: list[torch.Tensor] = []
     on_train = lambda: evaluate(model, data.x_train, data.y_train, instruction, task=data.task_train)  # (E,)
     on_test = lambda: evaluate(model, data.x_test, data.y_test, instruction, task=data.task_test)  # (E,)
-    captured = [CapturedEvaluation(fn, device) for fn in (on_train, on_test)] if step.captured else []
+    on_val = None if data.x_val is None else lambda: evaluate(model, data.x_val, data.y_val, instruction)  # (E,)
+    captured = [CapturedEvaluation(fn, device) for fn in (on_train, on_test, on_val) if fn] if step.captured else []
     if captured:  # recorded once per stage and replayed, as the step is (engine/step.py)
-        on_train, on_test = captured
+        on_train, on_test, on_val = (captured + [None])[:3]
 
     def record(epoch: int) -> None:
         model.eval()
@@ -141,10 +142,12 @@ def _train(model: nn.Module, step: Step, stage: Stage, instruction, progress, di
         epochs.append(epoch)
         train_hist.append(torch.where(dead, torch.nan, tr))
         test_hist.append(torch.where(dead, torch.nan, te))
+        if on_val is not None:  # reported, not watched for divergence (train and test are)
+            val_hist.append(torch.where(dead, torch.nan, on_val()))
 
     grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     history = {"epochs": epochs, "train": train_hist, "test": test_hist, "diverged": diverged, "initial": initial,
-               "grads": grads}  # fmt: skip
+               "grads": grads, "val": val_hist}  # fmt: skip
     t0, start, earlier_s = time.perf_counter(), 0, 0.0
     model.train()
     snap = None if snapshots is None else snapshots.load(device)
@@ -182,6 +185,8 @@ def _train(model: nn.Module, step: Step, stage: Stage, instruction, progress, di
     for evaluation in captured:
         evaluation.close()
     curves = Curves(epochs, torch.stack(train_hist, 1).cpu(), torch.stack(test_hist, 1).cpu(), diverged)
+    if val_hist:
+        curves.val_mse = torch.stack(val_hist, 1).cpu()
     if start:
         curves.resumed_epoch, curves.earlier_s = start, earlier_s
     if grads:
@@ -248,13 +253,20 @@ class AdaptResult:
 
 
 def build_model(
-    pretrained: Pretrained, method_name: str, config, *, device, dtype, noise: str = zoo.DEFAULT_NOISE
+    pretrained: Pretrained,
+    method_name: str,
+    config,
+    *,
+    device,
+    dtype,
+    noise: str = zoo.DEFAULT_NOISE,
+    validation: bool = False,
 ) -> tuple[nn.Module, StackedData]:
     """`method` built on a fresh copy of the pretrained stack (member e's new parameters seeded by its function
     and seed, its instruction bound when the method routes on one), and the members' target data (labels noised
-    by `noise`, zoo.NOISES)."""
+    by `noise`, zoo.NOISES; with `validation`, their validation sets too)."""
     arch, members = pretrained.arch, pretrained.members
-    data = StackedData.build(members, "target", device=device, dtype=dtype, noise=noise)
+    data = StackedData.build(members, "target", device=device, dtype=dtype, noise=noise, validation=validation)
     method = adapters.get(method_name)
     init = [generator("init", method.init_stream(), arch, f, s) for f, s in members]
     model = method.build(pretrained.model(device=device, dtype=dtype), config, init, data.y_train)
@@ -265,13 +277,15 @@ def build_model(
 @dataclass(frozen=True)
 class Adaptation:
     """What a stack is adapted with: the method and its config, the budget (its adapt phase and evaluation cadence),
-    the optimiser's epsilon (AdamW's, or SOAP's for full-soap) and the target labels' noise (zoo.NOISES)."""
+    the optimiser's epsilon (AdamW's, or SOAP's for full-soap), the target labels' noise (zoo.NOISES) and whether
+    each evaluation scores the target's validation set too (a learning rate is chosen on it)."""
 
     method: str
     config: object
     budget: Budget
     eps: float = adapters.EPS
     noise: str = zoo.DEFAULT_NOISE
+    validation: bool = False
 
 
 @dataclass(frozen=True)
@@ -310,7 +324,9 @@ def adapt(
     t0 = time.perf_counter()
     if len(padded(members)) > len(members):  # trained as a stack of at least MIN_STACK (select copies the state)
         pretrained = pretrained.select(padded(members))
-    model, data = build_model(pretrained, method_name, config, device=device, dtype=dtype, noise=noise)
+    model, data = build_model(
+        pretrained, method_name, config, device=device, dtype=dtype, noise=noise, validation=adaptation.validation
+    )
     if prepare is not None:
         prepare(model)
     if method.trains:
@@ -329,6 +345,8 @@ def adapt(
         te = evaluate(model, data.x_test, data.y_test).cpu()
         finite = (torch.isfinite(tr) & torch.isfinite(te)).tolist()  # a non-finite score is a divergence, reported
         curves = Curves([0], tr.unsqueeze(1), te.unsqueeze(1), [None if ok else 0 for ok in finite])
+        if data.x_val is not None:
+            curves.val_mse = evaluate(model, data.x_val, data.y_val).cpu().unsqueeze(1)
     wall_time_s = time.perf_counter() - t0 + curves.earlier_s
     # how much of the source task the adaptation kept: the final model on the source test set (not timed)
     source = StackedData.build(pretrained.members, "source", device=device, dtype=dtype, noise=noise)

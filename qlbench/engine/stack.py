@@ -41,7 +41,8 @@ DIVERGENCE_FACTOR = 100.0
 @dataclass
 class StackedData:
     """Per-member datasets stacked on a leading dimension: x (E, N, 2), y (E, N); in a multi-task suite also each
-    sample's task index, task (E, N) long (None: one task)."""
+    sample's task index, task (E, N) long (None: one task); a validation set x_val (E, V, 2), y_val (E, V) where a
+    learning rate is chosen (None: none)."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -49,12 +50,28 @@ class StackedData:
     y_test: torch.Tensor
     task_train: torch.Tensor | None = None
     task_test: torch.Tensor | None = None
+    x_val: torch.Tensor | None = None
+    y_val: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, members: list[Member], which: str, *, device, dtype, noise: str = zoo.DEFAULT_NOISE) -> StackedData:
-        """The members' "source" or "target" datasets, labels noised by the construction `noise` (zoo.NOISES)."""
-        splits = [getattr(zoo.task(f, noise), f"{which}_data")(seed, dtype=dtype, device=device) for f, seed in members]
-        return cls.stack(splits)
+    def build(
+        cls,
+        members: list[Member],
+        which: str,
+        *,
+        device,
+        dtype,
+        noise: str = zoo.DEFAULT_NOISE,
+        validation: bool = False,
+    ) -> StackedData:
+        """The members' "source" or "target" datasets, labels noised by the construction `noise` (zoo.NOISES); with
+        `validation`, the target's validation set too (zoo.Task.validation_data)."""
+        tasks = [(zoo.task(f, noise), seed) for f, seed in members]
+        data = cls.stack([getattr(t, f"{which}_data")(seed, dtype=dtype, device=device) for t, seed in tasks])
+        if validation:
+            val = [t.validation_data(seed, dtype=dtype, device=device) for t, seed in tasks]
+            data.x_val, data.y_val = (torch.stack([v[i] for v in val]) for i in (0, 1))
+        return data
 
     @classmethod
     def stack(
@@ -83,6 +100,7 @@ class Curves:
     # processes had trained until then (None, 0.0: trained in one go)
     resumed_epoch: int | None = None
     earlier_s: float = 0.0
+    val_mse: torch.Tensor | None = None  # (E, n_evals) validation MSE, NaN after divergence (None: no validation set)
 
     def first(self, n: int) -> Curves:
         """The curves of the first n members (drops a padded stack's copies)."""
@@ -97,30 +115,41 @@ class Curves:
             cut(self.grad_shared),
             self.resumed_epoch,
             self.earlier_s,
+            cut(self.val_mse),
         )
 
     def member_summary(self, e: int) -> dict:
         """Best train MSE, best test MSE (test-selected, as the paper reports) and the test MSE at the
-        best-train epoch (selection that does not peek at the test set)."""
+        best-train epoch (selection that does not peek at the test set); with a validation set, the validation MSE
+        at the best-train epoch too (what a learning rate is chosen by)."""
         tr, te = self.train_mse[e], self.test_mse[e]
         ok = torch.isfinite(tr) & torch.isfinite(te)
+        val = {} if self.val_mse is None else {"val_at_best_train": None}
         if not ok.any():
-            return dict(
-                best_train_mse=None,
-                best_train_epoch=None,
-                best_test_mse=None,
-                best_test_epoch=None,
-                test_at_best_train=None,
+            return (
+                dict(
+                    best_train_mse=None,
+                    best_train_epoch=None,
+                    best_test_mse=None,
+                    best_test_epoch=None,
+                    test_at_best_train=None,
+                )
+                | val
             )
         idx = torch.nonzero(ok).squeeze(1)
         i_tr = idx[tr[idx].argmin()].item()
         i_te = idx[te[idx].argmin()].item()
-        return dict(
-            best_train_mse=tr[i_tr].item(),
-            best_train_epoch=self.epochs[i_tr],
-            best_test_mse=te[i_te].item(),
-            best_test_epoch=self.epochs[i_te],
-            test_at_best_train=te[i_tr].item(),
+        if val:
+            val["val_at_best_train"] = self.val_mse[e, i_tr].item()
+        return (
+            dict(
+                best_train_mse=tr[i_tr].item(),
+                best_train_epoch=self.epochs[i_tr],
+                best_test_mse=te[i_te].item(),
+                best_test_epoch=self.epochs[i_te],
+                test_at_best_train=te[i_tr].item(),
+            )
+            | val
         )
 
 

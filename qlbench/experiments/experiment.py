@@ -53,6 +53,7 @@ class Plan(Resolved):
     configs: dict[str, object]  # method -> its validated config
     compile: bool = False  # torch.compile the training step (an execution choice, like the device: not hashed)
     noise: str = zoo.DEFAULT_NOISE  # zoo.NOISES: how labels are noised; hashed unless zoo.LEGACY_NOISE
+    validation: bool = False  # score the targets' validation sets too (hashed when on)
     stack_functions: int | None = None  # functions per stack where all do not fit the memory (None: all; not hashed)
     methods_at_once: int = 1  # methods' stacks trained at once, each in its own thread and CUDA stream (not hashed)
     snapshot_every_s: float | None = engine.SNAPSHOT_EVERY_S  # between a stack's snapshots (0: each evaluation;
@@ -75,8 +76,9 @@ class Plan(Resolved):
         return self.cell_config(unit[1], unit[0])
 
     def unit_cards(self, unit: tuple[str, str]) -> dict[str, str]:
-        """The version of the function's card the cell's data is made from (zoo.card_digest; runner.Workload)."""
-        return {unit[1]: zoo.card_digest(unit[1])}
+        """The version of the function's card the cell's data is made from (zoo.card_digest; runner.Workload), under
+        the card's name (a task variant's data is made from its card)."""
+        return {zoo.card_name(unit[1]): zoo.card_digest(unit[1])}
 
     read = staticmethod(runner.read_result)  # a record of the schema (results.read_record)
 
@@ -142,7 +144,7 @@ class Plan(Resolved):
 
     def adaptation(self, method: str) -> engine.Adaptation:
         """What `method`'s stack is adapted with under this plan (engine.adapt)."""
-        return engine.Adaptation(method, self.configs[method], self.budget, self.eps, self.noise)
+        return engine.Adaptation(method, self.configs[method], self.budget, self.eps, self.noise, self.validation)
 
     @property
     def runtime(self) -> engine.Runtime:
@@ -163,12 +165,14 @@ class Plan(Resolved):
     def cell_config(self, function: str, method: str) -> dict:
         """The fully resolved config of one cell; its hash decides whether a finished record can be reused.
 
-        A non-default backbone init adds a "backbone_init" key, a non-default optimiser epsilon an "eps" key and a
-        label noise other than the legacy "absolute" a "noise" key; the records written before these settings
-        existed (default init and eps, absolute noise) add none, so their hashes stay valid."""
+        A non-default backbone init adds a "backbone_init" key, a non-default optimiser epsilon an "eps" key, a
+        label noise other than the legacy "absolute" a "noise" key and a validation set a "validation" key; the
+        records written before these settings existed (default init and eps, absolute noise) add none, so their
+        hashes stay valid."""
         extra = {} if self.backbone_init == DEFAULT_INIT else {"backbone_init": self.backbone_init}
         extra |= {} if self.eps == adapters.EPS else {"eps": self.eps}
         extra |= {} if self.noise == zoo.LEGACY_NOISE else {"noise": self.noise}
+        extra |= {"validation": True} if self.validation else {}
         return extra | {
             "function": function,
             "arch": self.arch,
@@ -227,6 +231,7 @@ def plan(
         configs=configs,
         compile=use_compile,
         noise=protocol.noise,
+        validation=protocol.validation,
         stack_functions=width if width is not None and width < len(functions) else None,
         methods_at_once=methods_at_once,
         snapshot_every_s=execution.snapshot_every_s,

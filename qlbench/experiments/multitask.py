@@ -205,6 +205,8 @@ def plan(
             f"label noise {noise!r} is not available on a suite (labels standardised per task, noise std "
             f"{zoo.NOISE_FRACTION:g} after that); valid: {zoo.DEFAULT_NOISE}"
         )
+    if protocol.validation:
+        raise ValueError("a validation set is scored on single-task runs (run, sweep), not on a suite")
     chosen = planning.chosen(methods, DEFAULT_ROWS, f"{', '.join(DEFAULT_ROWS)} (and the registry's methods)")
     for r in chosen:
         method_of(r)

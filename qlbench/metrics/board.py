@@ -35,6 +35,51 @@ RESAMPLES = 2_000  # bootstrap draws for the places (every method ranked in each
 SEED = 0  # the draws' generator: one frame, one interval
 
 
+def tune(frame: pd.DataFrame, grid: tuple[float, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each method at its chosen learning rate: (the frame's rows of that rate, one row per method: method, lr,
+    tried, diverged, val). `grid`: the protocol's rates; () (a protocol without a grid) returns the frame as it is,
+    each method at its one rate.
+
+    qlbench interpretation of "the best rate on a validation split": per method and rate, the share of its seeds
+    that diverged, then the mean over tasks of the mean ln validation MSE at the best-train epoch over the task's
+    seeds that did not diverge (val_at_best_train, zoo.Task.validation_data; never the test set). The rate with the
+    fewest divergences wins, then the lowest val, then the smaller rate. ValueError (one line) for a method that was
+    not tried at every rate of the grid (every method gets the same trials) or a frame without validation scores."""
+    lrs = frame["lr"] if "lr" in frame else pd.Series(math.nan, index=frame.index)
+    if not grid:
+        chosen = frame.assign(lr=lrs).groupby("method", sort=False)["lr"].first()
+        info = pd.DataFrame({"method": chosen.index, "lr": chosen.to_numpy(), "tried": 1})
+        return frame, info.assign(diverged=math.nan, val=math.nan)
+    rows, keep = [], []
+    for method, g in frame.groupby("method", sort=False):
+        if missing := [x for x in grid if not np.isclose(g["lr"], x, rtol=1e-12, atol=0).any()]:
+            raise ValueError(f"{method} was not tried at lr {', '.join(f'{x:g}' for x in missing)} of the grid")
+        if outside := sorted(set(g["lr"]) - set(grid)):
+            raise ValueError(f"{method} has records at lr {outside[0]:g}, outside the grid")
+        best = None
+        for lr in sorted(grid):
+            at = g[g["lr"] == lr]
+            diverged = float((at["status"] == "diverged").mean())
+            ok = at[at["status"] == "ok"]
+            if ok["val_at_best_train"].isna().any():
+                raise ValueError(f"{method} at lr {lr:g} has no validation score (run it under the protocol)")
+            per_task = np.log(ok["val_at_best_train"].astype(float)).groupby(ok["function"]).mean()
+            val = float(per_task.mean()) if len(per_task) else math.inf
+            key = (diverged, val, lr)
+            if best is None or key < best:
+                best = key
+        rows.append({"method": method, "lr": best[2], "tried": len(grid), "diverged": best[0], "val": best[1]})
+        keep.append(g[g["lr"] == best[2]])
+    return pd.concat(keep), pd.DataFrame(rows)
+
+
+def chosen_rates(frame: pd.DataFrame) -> dict[str, float]:
+    """{method: its adaptation learning rate} of a frame at one rate per method (`tune`'s), {} without rates."""
+    if "lr" not in frame or frame["lr"].isna().all():
+        return {}
+    return frame.groupby("method")["lr"].first().to_dict()
+
+
 def score_table(frame: pd.DataFrame, metric: str = "test-at-best-train") -> pd.DataFrame:
     """(function, seed) x method table of scores: the metric for an ok seed, inf for a diverged one, NaN where the
     method did not run that seed (or failed)."""

@@ -69,6 +69,25 @@ STATIC = adapters.of_kind("static")  # static adapters, in tie-break order
 TASK = adapters.of_kind("task")  # task-conditioned adapters (multi-task suites)
 ROUTED = adapters.of_kind("routed")  # routed adapters
 REFERENCE = adapters.of_kind("reference")  # no training: reference rows, never ranked
+
+
+def by_rate(frame: pd.DataFrame) -> pd.DataFrame:
+    """A frame whose trained methods ran at several adaptation rates (a learning-rate grid) with each of those methods
+    named by its rate, "lora @ lr 0.001", so that a table never averages two rates, and each reference row at one
+    rate (its smallest: nothing trains, every rate scores the same); the frame as it is otherwise."""
+    if "lr" not in frame or frame.empty or frame["lr"].isna().all():
+        return frame
+    several = frame.groupby("method")["lr"].nunique() > 1
+    if not several.any():
+        return frame
+    reference = frame["method"].isin(REFERENCE)
+    smallest = frame.groupby("method")["lr"].transform("min")
+    frame = frame[~reference | (frame["lr"] == smallest)]
+    renamed = frame["method"].map(several) & ~frame["method"].isin(REFERENCE)
+    named = frame["method"] + " @ lr " + frame["lr"].map(lambda x: f"{x:g}")
+    return frame.assign(method=named.where(renamed, frame["method"]))
+
+
 ORDER = (*FULL, *STATIC, *TASK, *ROUTED, *REFERENCE)  # display order
 ALPHA = 0.05
 MIN_PAIRS = 3  # fewer pairs never give a win or loss (a 2-pair t-test has 1 degree of freedom)

@@ -43,6 +43,9 @@ COLUMNS = (
     "commit",
     "dirty",
 )  # one row per (arch, budget, backbone init, function, method, seed): everything a single-task table reads
+# a validation run's (a learning-rate grid's): written only when some row has a validation score, so the CSVs of runs
+# without one stay as they were; read as NaN where a file lacks them
+OPTIONAL = ("lr", "val_at_best_train")
 _TEXT = {"record": str, "config_hash": str, "commit": str, "message": str, "status": str, "cell_status": str}
 
 
@@ -56,7 +59,9 @@ def write(frame: pd.DataFrame, path: Path) -> Path:
     """Write `results.load`'s frame as a per-seed CSV (COLUMNS, gzipped when `path` ends in .gz; atomic, byte-for-byte
     the same for the same frame: rows sorted, no timestamp in the gzip header, floats written to round-trip)."""
     out = frame.assign(record=frame["record"].map(_record_id)) if "record" in frame else frame
-    out = out.reindex(columns=list(COLUMNS))
+    validated = "val_at_best_train" in out and out["val_at_best_train"].notna().any()
+    extra = [c for c in OPTIONAL if c in out] if validated else []
+    out = out.reindex(columns=list(COLUMNS) + extra)
     out = out.sort_values(["arch", "budget", "backbone_init", "function", "method", "seed"], kind="stable")
     data = out.to_csv(index=False).encode()
     data = gzip.compress(data, mtime=0) if str(path).endswith(".gz") else data  # no name, no time in the header
@@ -81,6 +86,8 @@ def load(path: Path) -> pd.DataFrame:
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         raise DamagedFile(f"per-seed CSV {path} lacks column(s) {', '.join(missing[:4])}{more}")
+    for c in OPTIONAL:
+        frame[c] = frame[c].astype(float) if c in frame else math.nan
     frame["message"] = frame["message"].astype(object).where(frame["message"].notna(), None)
     frame["dirty"] = frame["dirty"].map({True: True, False: False, "True": True, "False": False})
     if frame["seed"].isna().any() or frame["status"].isna().any():

@@ -119,6 +119,7 @@ PER_SEED_COLUMNS = (
     "source_train_mse",
     "source_test_mse",
     "source_test_mse_after",
+    "val_at_best_train",
 )
 
 
@@ -187,9 +188,16 @@ def cost_fields(train_info: dict) -> dict:
     return {k: math.nan if v is None else float(v) for k, v in zip(COST_COLUMNS, values)}
 
 
+def _adapt_lr(config: dict) -> float:
+    """The adaptation learning rate a cell's config holds (NaN where it holds none)."""
+    lr = ((config.get("budget") or {}).get("adapt") or {}).get("lr")
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else math.nan
+
+
 def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
     """Tidy DataFrame, one row per (cell, seed): function, arch, method, budget, seed, cell_status, message,
-    trainable_params, wall time and stacked members, the cell's cost (COST_COLUMNS), record, config_hash, the
+    trainable_params, wall time and stacked members, the cell's cost (COST_COLUMNS), record, config_hash, its
+    adaptation learning rate (lr), the
     record's commit and dirty flag (GIT_COLUMNS, None without git info), and the per-seed metrics. A
     failed cell (no per-seed results) gives one row per seed with status "failed" and no metrics, so it shows in
     every table. Accepts a results folder, one record path, or a list of record paths."""
@@ -211,6 +219,7 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
                     **cost_fields(train),
                     "record": str(path),
                     "config_hash": run["config_hash"],
+                    "lr": _adapt_lr(run["config"]),
                     **git_fields(run.get("git")),
                     **{k: s.get(k) for k in PER_SEED_COLUMNS},
                 }
@@ -223,6 +232,8 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
         "source_train_mse",
         "source_test_mse",
         "source_test_mse_after",
+        "val_at_best_train",
+        "lr",
     ):
         if col in frame:
             frame[col] = frame[col].astype(float)
@@ -336,19 +347,23 @@ def index(root, on_damaged=None) -> pd.DataFrame:
 
 
 def newest_config(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
-    """One config per (arch, budget, function, method): the newest record's rows, and one note per cell whose older
-    configs are left out (a table mixing hyper-parameters would be meaningless, so they are never averaged
-    together). `frame` is `load`'s."""
+    """One config per (arch, budget, function, method), and per adaptation rate where the frame holds several (a
+    learning-rate grid): the newest record's rows, and one note per cell whose older configs are left out (a table
+    mixing hyper-parameters would be meaningless, so they are never averaged together). `frame` is `load`'s."""
     keys = ["arch", "budget", "function", "method"] + (["backbone_init"] if "backbone_init" in frame else [])
     if frame.empty:
         return frame, []
+    if rated := "lr" in frame and frame["lr"].nunique() > 1:  # a learning-rate grid: one config per rate
+        keys.append("lr")
     mtimes = {r: Path(r).stat().st_mtime_ns for r in set(frame["record"])}  # one stat per record, not per seed
     stamps = frame.assign(mtime=frame["record"].map(mtimes))
     newest = stamps.sort_values("mtime").groupby(keys)["record"].last().rename("newest")
     merged = stamps.join(newest, on=keys)
     older = merged[merged["record"] != merged["newest"]]
     name = lambda key: (
-        "/".join(key[:4]) + (f" (backbone init {key[4]})" if key[4:] not in ((), (DEFAULT_INIT,)) else "")
+        "/".join(key[:4])
+        + (f" (backbone init {key[4]})" if key[4:5] not in ((), (DEFAULT_INIT,)) else "")
+        + (f" at lr {key[-1]:g}" if rated else "")
     )
     notes = [
         f"{name(key)}: {g['record'].nunique()} older config(s) not shown ({', '.join(sorted(set(g['config_hash'])))})"

@@ -127,6 +127,7 @@ CELL_SEED = {
     "best_test_epoch": _opt(_int),
     "test_at_best_train": _opt(_num),
     "backbone_digest": (_str, "optional"),  # instances.digest of the seed's pretrained backbone
+    "val_at_best_train": (_opt(_num), "optional"),  # validation MSE at the best-train epoch (a validation run's)
     "source_train_mse": (_opt(_num), "optional"),
     "source_test_mse": (_opt(_num), "optional"),
     "source_test_mse_after": (_opt(_num), "optional"),

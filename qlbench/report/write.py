@@ -306,7 +306,8 @@ def write_report(
         label = arch if init == DEFAULT_INIT else f"{arch}, {init} init"
         folder = out_dir / _slug(arch if init == DEFAULT_INIT else f"{arch}-{init}") / _slug(budget)
         key = (arch, budget, init, label)
-        group = group.drop(columns="backbone_init").assign(arch=label)
+        # a learning-rate grid's methods are shown per rate (the per-seed CSV keeps their names and rates)
+        group = stats.by_rate(group.drop(columns="backbone_init").assign(arch=label))
         sections.append(_slice_report(group, _init_slice(curves, *key), folder, metric, formats, figures, files))
         if gradients is not None and len(g := _init_slice(gradients, *key)):
             sections.append(_gradient_section(g, folder, formats, figures, files, results.provenance(group)))
