@@ -17,6 +17,8 @@
 #   make pareto-snapshot   the accuracy-cost Pareto sweeps (ackley and the zoo-4 suite, live deep-narrow, quick) into
 #                          pareto-results/pareto (not committed: its tables have no per-seed records form yet)
 #   make aa-snapshot       the A/A rows of zoo-v1 (LoRA as an outside method, and peft:lora) on the shipped backbones
+#   make items-snapshot    the candidate tasks of zoo-v2 (every card's shift x2, x3, x4; a panel of 9 methods)
+#   make leaderboard-snapshot  the zoo-v2 baselines: every method at every rate of its grid (resumable; hours)
 #   make board-pages       the leaderboard (with its forest plot), the external-validity page and the item analysis,
 #                          rebuilt from the committed per-seed CSVs (no training)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
@@ -39,7 +41,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-dev run test test-slow test-faults test-peft-matrix fuzz test-cuda gpu-check lint format figures bench results-snapshot baselines-snapshot pareto-snapshot real-snapshot real-lm-snapshot diag-snapshot \
-	suites-snapshot suites-report board-pages aa-snapshot language-snapshot language-report mechanism-snapshot check-clean clean
+	suites-snapshot suites-report board-pages aa-snapshot leaderboard-snapshot items-snapshot language-snapshot language-report mechanism-snapshot check-clean clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -166,6 +168,34 @@ baselines-snapshot: check-clean setup
 	cp snapshot-results/zoo-v1-bench/bench.md docs/results/bench/zoo-v1.md
 	$(MAKE) board-pages
 
+# the zoo-v2 baselines (docs/results/baselines/zoo-v2): protocol zoo-v2 (docs/protocols/zoo-v2), every deep-narrow
+# method and every peft tuner that runs, each at every rate of the protocol's grid on its tasks and seeds, on zoo-v1's
+# shipped backbones, in $(BOARD_RESULTS); resumable (a finished cell is never run twice, a stopped stack resumes from
+# its snapshot); BOARD_METHODS=... runs a part first. Then the per-seed CSV, its report and the board pages.
+BOARD_RESULTS ?= board-results
+BOARD_METHODS ?= $(SNAPSHOT_DN_METHODS),$(PEFT_TUNERS)
+V2_BASELINES = docs/results/baselines/zoo-v2
+leaderboard-snapshot: check-clean setup
+	$(BIN)/qlbench sweep --protocol zoo-v2 --threads 1 --methods $(BOARD_METHODS) --out $(BOARD_RESULTS) --no-progress
+	mkdir -p $(V2_BASELINES)
+	$(BIN)/qlbench results $(BOARD_RESULTS) --per-seed $(V2_BASELINES)/per-seed.csv.gz >/dev/null
+	$(BIN)/qlbench report $(V2_BASELINES)/per-seed.csv.gz --format md,csv >/dev/null
+
+# the candidate tasks of zoo-v2 (records: docs/results/candidates; item analysis: docs/results/items/candidates): every
+# card's task with its shift 2, 3 and 4 times, a panel of nine methods at 5 seeds on zoo-v1's shipped backbones, beside
+# zoo-v1's own tasks (its baselines' rows of the same panel and seeds); the item analysis that chose zoo-v2's tasks
+ITEM_RESULTS ?= item-results
+ITEM_PANEL = frozen,mean,lora,dora,replora,peft:ia3,peft:ln_tuning,peft:miss,peft:road
+ITEM_TASKS = $(shell $(BIN)/python -c "from qlbench import zoo; print(','.join(f'{n}@s{s}' for n in zoo.names() for s in (2, 3, 4)))")
+items-snapshot: check-clean setup
+	$(BIN)/qlbench sweep --protocol zoo-v1 --methods frozen --seeds 5 --out $(ITEM_RESULTS) --no-progress >/dev/null
+	$(BIN)/qlbench sweep --functions $(ITEM_TASKS) --methods $(ITEM_PANEL) --budget quick --backbone-init kaiming \
+	  --seeds 5 --threads 1 --out $(ITEM_RESULTS) --no-progress >/dev/null
+	mkdir -p docs/results/candidates
+	$(BIN)/qlbench results $(ITEM_RESULTS) --per-seed docs/results/candidates/per-seed.csv.gz >/dev/null
+	$(BIN)/qlbench report docs/results/candidates/per-seed.csv.gz --format md,csv >/dev/null
+	$(MAKE) board-pages
+
 # the A/A rows of zoo-v1 (docs/results/baselines/zoo-v1-aa): LoRA written as an outside method (the example package's
 # lora-twin, its own random stream) and peft:lora (lora's start and scale), 10 seeds, on the protocol's shipped backbones
 AA_RESULTS ?= aa-results
@@ -184,6 +214,8 @@ board-pages: setup
 	$(BIN)/qlbench compare --validity docs/results/validity/peft-metamathqa-design.csv --out docs/results/validity >/dev/null
 	cd docs/results && ../../$(BIN)/qlbench items baselines/zoo-v1/per-seed.csv.gz zoo/per-seed.csv.gz \
 	  paper/per-seed.csv.gz --out items >/dev/null
+	cd docs/results && ../../$(BIN)/qlbench items candidates/per-seed.csv.gz baselines/zoo-v1/per-seed.csv.gz \
+	  --methods $(ITEM_PANEL) --seeds 5 --out items/candidates >/dev/null
 
 # the routing-vs-sharing baselines without the epsilon artifact (float64, eps 1e-30) and on the live backbone,
 # 3 functions, 5 seeds, LoRA of instruct-queryable's size beside them (docs/why.md, "Routing or sharing?")

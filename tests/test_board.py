@@ -192,18 +192,31 @@ def test_a_diverged_seed_ranks_last_in_the_ratio_over_every_pair():
     assert table.loc["ratio_finite", "spearman"] == pytest.approx(1.0)
 
 
-def test_the_committed_item_analysis_is_rebuilt_from_the_per_seed_csvs(tmp_path, capsys):
+PANEL = "frozen,mean,lora,dora,replora,peft:ia3,peft:ln_tuning,peft:miss,peft:road"  # the Makefile's ITEM_PANEL
+
+
+@pytest.mark.parametrize(
+    "page, sources, extra",
+    [
+        ("items", ["baselines/zoo-v1/per-seed.csv.gz", "zoo/per-seed.csv.gz", "paper/per-seed.csv.gz"], []),
+        (  # zoo-v2's candidate tasks, on the panel every one of them ran
+            "items/candidates",
+            ["candidates/per-seed.csv.gz", "baselines/zoo-v1/per-seed.csv.gz"],
+            ["--methods", PANEL, "--seeds", "5"],
+        ),
+    ],
+)
+def test_the_committed_item_analysis_is_rebuilt_from_the_per_seed_csvs(page, sources, extra, tmp_path, capsys):
     from qlbench import cli
 
     results = compare.REPOSITORY / "docs" / "results"
-    sources = ["baselines/zoo-v1/per-seed.csv.gz", "zoo/per-seed.csv.gz", "paper/per-seed.csv.gz"]
     cwd = Path.cwd()
     os.chdir(results)  # the page names its sources as given, relative to docs/results
     try:
-        assert cli.main(["items", *sources, "--out", str(tmp_path)]) == 0
+        assert cli.main(["items", *sources, *extra, "--out", str(tmp_path)]) == 0
     finally:
         os.chdir(cwd)
     capsys.readouterr()
-    assert (tmp_path / "items.md").read_text() == (results / "items" / "items.md").read_text()
-    made, committed = (tmp_path / "items.csv").read_text(), (results / "items" / "items.csv").read_text()
+    assert (tmp_path / "items.md").read_text() == (results / page / "items.md").read_text()
+    made, committed = (tmp_path / "items.csv").read_text(), (results / page / "items.csv").read_text()
     assert table_differences(made, committed, ".csv") == []
