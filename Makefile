@@ -154,7 +154,7 @@ PEFT_SEEDS ?= 5
 PEFT_TUNERS = $(shell $(BIN)/python -c "from qlbench.adapters import peft_tuners as p; 	print(','.join(p.PREFIX + t for t in p.types() if t not in p.REFUSED))")
 BASELINE_RUN = $(BIN)/qlbench sweep --arch deep-narrow --budget quick --backbone-init kaiming --threads 1 \
 	--out snapshot-results --no-progress
-baselines-snapshot: check-clean setup
+baselines-snapshot: check-clean setup-dev
 	$(BASELINE_RUN) --seeds $(HEADLINE_SEEDS) --methods $(SNAPSHOT_DN_METHODS)
 	$(BASELINE_RUN) --seeds $(PEFT_SEEDS) --methods $(PEFT_TUNERS)
 	$(BIN)/qlbench report snapshot-results --arch deep-narrow --backbone-init kaiming --format csv --no-figures \
@@ -175,7 +175,7 @@ baselines-snapshot: check-clean setup
 BOARD_RESULTS ?= board-results
 BOARD_METHODS ?= $(SNAPSHOT_DN_METHODS),$(PEFT_TUNERS)
 V2_BASELINES = docs/results/baselines/zoo-v2
-leaderboard-snapshot: check-clean setup
+leaderboard-snapshot: check-clean setup-dev
 	$(BIN)/qlbench sweep --protocol zoo-v2 --threads 1 --methods $(BOARD_METHODS) --out $(BOARD_RESULTS) --no-progress
 	mkdir -p $(V2_BASELINES)
 	$(BIN)/qlbench results $(BOARD_RESULTS) --per-seed $(V2_BASELINES)/per-seed.csv.gz >/dev/null
@@ -187,7 +187,7 @@ leaderboard-snapshot: check-clean setup
 ITEM_RESULTS ?= item-results
 ITEM_PANEL = frozen,mean,lora,dora,replora,peft:ia3,peft:ln_tuning,peft:miss,peft:road
 ITEM_TASKS = $(shell $(BIN)/python -c "from qlbench import zoo; print(','.join(f'{n}@s{s}' for n in zoo.names() for s in (2, 3, 4)))")
-items-snapshot: check-clean setup
+items-snapshot: check-clean setup-dev
 	$(BIN)/qlbench sweep --protocol zoo-v1 --methods frozen --seeds 5 --out $(ITEM_RESULTS) --no-progress >/dev/null
 	$(BIN)/qlbench sweep --functions $(ITEM_TASKS) --methods $(ITEM_PANEL) --budget quick --backbone-init kaiming \
 	  --seeds 5 --threads 1 --out $(ITEM_RESULTS) --no-progress >/dev/null

@@ -341,3 +341,15 @@ def test_a_variant_record_holds_its_cards_version_and_zoo_v2_checks_it(tmp_path)
               "budget": v2.budget_fields() | {"seeds": 1}}  # fmt: skip
     assert v2.differences(config, {"matyas": zoo.card_digest("matyas")}) == []
     assert v2.differences(config, {"matyas": "0" * 16}) == ["another version of card matyas than the protocol's"]
+
+
+def test_a_sweep_under_zoo_v2_runs_its_tasks_at_every_rate_of_its_grid(tmp_path, capsys):
+    out = tmp_path / "v2"
+    assert main(["sweep", "--protocol", "zoo-v2", "--methods", "frozen", "--seeds", "1", "--out", str(out)]) == 0
+    frame = results.load(out)
+    v2 = protocols.get("zoo-v2")
+    assert sorted(frame["function"].unique()) == sorted(v2.functions)  # "all" under a protocol: its tasks
+    assert sorted(frame["lr"].unique()) == sorted(v2.lrs) and frame["val_at_best_train"].notna().all()
+    assert {protocols.of_config(results.read_record(r)["run_info"]["config"]) for r in set(frame["record"])} == {
+        "zoo-v2"
+    }

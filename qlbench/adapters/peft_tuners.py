@@ -225,9 +225,17 @@ class PeftMethod(MemberMethod):
         return stack
 
 
+INSTALL = "pip install 'qlbench[hf]'"
+
+
 def method(name: str) -> PeftMethod:
-    """The method `peft:<type>`; a ValueError naming the valid types, or the reason a type is refused."""
+    """The method `peft:<type>`; a ValueError naming the valid types, the reason a type is refused, or how to install
+    peft where it is not."""
     kind = name.removeprefix(PREFIX)
+    try:
+        _peft()
+    except ImportError:
+        raise ValueError(f"{name} needs peft, which is not installed: {INSTALL}") from None
     valid = [t for t in types() if t not in REFUSED]
     if kind in REFUSED:
         raise ValueError(f"{name} is refused: {REFUSED[kind]}; runnable: {', '.join(PREFIX + t for t in valid)}")

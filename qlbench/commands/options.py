@@ -64,7 +64,12 @@ TARGET: dict[str, Option] = {
     "--functions": Option(
         None,
         "functions",
-        dict(default="all", metavar="F1,F2", help=f"comma-separated, or all (default): {', '.join(zoo.names())}"),
+        dict(
+            default="all",
+            metavar="F1,F2",
+            help=f"comma-separated, or all (default): {', '.join(zoo.names())}; under --protocol, all is its "
+            "functions. A variant <card>@s<k> is the card's task with its shift k times as large",
+        ),
     ),
     "--suite": Option(None, "suite", dict(metavar="NAME", help="a multi-task suite (qlbench suites lists them)")),
     "--schedule": Option(

@@ -72,9 +72,7 @@ def register(subparsers) -> None:
         "--executor ray only",
     )
     p.set_defaults(
-        func=lambda args: run(
-            args, zoo.names() if args.functions == "all" else split_list(args.functions, "--functions")
-        )
+        func=lambda args: run(args, None if args.functions == "all" else split_list(args.functions, "--functions"))
     )
 
 
@@ -159,11 +157,16 @@ def install_backbones(bench: protocols.Benchmark, plan, log) -> None:
         raise UsageError(f"protocol {bench.name}'s backbones do not load here; nothing was trained")
 
 
-def run(args, functions: list[str]) -> int:
+def run(args, functions: list[str] | None) -> int:
+    """`run` and `sweep`: `functions` None is sweep's "all": every card, or under --protocol its functions."""
     from qlbench import report  # imported here: seaborn and matplotlib would slow qlbench --help and bad input
 
     if args.methods is not None and not split_list(args.methods, "--methods"):
         raise UsageError("--methods is empty; give a comma-separated list, or leave it out for the default set")
+    if functions is None:
+        with usage_errors():
+            functions = protocols.get(args.protocol).functions if args.protocol else zoo.names()
+        functions = list(functions)
     bench = under_protocol(args, functions)
     executor = check_executor(args)
     # on Ray the largest node's CPUs bound the threads (ray_executor.check)
