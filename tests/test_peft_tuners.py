@@ -378,9 +378,12 @@ def test_every_runnable_tuner_is_planned_shapes_only(arch):
 def test_a_peft_tuner_without_peft_installed_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
     import sys
 
+    from qlbench import adapters
+
     from helpers import one_line_error
 
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError, as where it is not installed
+    monkeypatch.delitem(adapters.LOADED, "peft:lora", raising=False)  # a fresh process: not loaded by an earlier test
     argv = ["run", "--function", "matyas", "--methods", "peft:lora", "--budget", "smoke", "--out", str(tmp_path)]
     assert "peft:lora needs peft, which is not installed: pip install 'qlbench[hf]'" in one_line_error(capsys, argv)
     assert not (tmp_path / "backbones").exists()

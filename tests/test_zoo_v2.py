@@ -353,3 +353,39 @@ def test_a_sweep_under_zoo_v2_runs_its_tasks_at_every_rate_of_its_grid(tmp_path,
     assert {protocols.of_config(results.read_record(r)["run_info"]["config"]) for r in set(frame["record"])} == {
         "zoo-v2"
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-seed CSV's schema (every reader of one goes through per_seed.load)
+
+
+def _damaged(tmp_path, change) -> str:
+    frame = pd.read_csv("docs/results/baselines/zoo-v1-aa/per-seed.csv.gz", dtype=str, keep_default_na=False)
+    path = tmp_path / "damaged.csv"
+    change(frame).to_csv(path, index=False)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "change, phrase",
+    [
+        (lambda f: f.assign(best_test_mse=["x"] + list(f["best_test_mse"][1:])), "line 2: column best_test_mse"),
+        (lambda f: f.iloc[:0], "has no rows"),
+        (lambda f: f.assign(test_at_best_train=["-1.5"] + list(f["test_at_best_train"][1:])),
+         "line 2: column test_at_best_train: greater_than_or_equal_to(0) (value -1.5)"),
+        (lambda f: f.assign(best_train_mse=[""] + list(f["best_train_mse"][1:])),
+         "line 2: an ok seed without best_train_mse"),
+        (lambda f: pd.concat([f, f.iloc[[3]]]), "line 5: a second row of the same arch, budget"),
+        (lambda f: f.assign(status=["fine"] + list(f["status"][1:])), "line 2: column status"),
+        (lambda f: f.assign(seed=["-1"] + list(f["seed"][1:])), "line 2: column seed"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("command", ["report", "compare"])
+def test_a_per_seed_csv_that_breaks_the_schema_is_one_line_naming_line_and_column(
+    command, change, phrase, tmp_path, capsys
+):
+    path = _damaged(tmp_path, change)
+    argv = ["report", path, "--out", str(tmp_path / "r")] if command == "report" else ["compare", "--leaderboard"]
+    argv += [] if command == "report" else ["--baselines", path]
+    line = one_line_error(capsys, argv)
+    assert f"per-seed CSV {path}" in line and phrase in line, line

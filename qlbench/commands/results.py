@@ -22,8 +22,9 @@ def register(subparsers) -> None:
         "--per-seed",
         type=path_arg,
         metavar="FILE",
-        help="also write every single-task record's per-seed rows into FILE (a per-seed CSV, .csv or .csv.gz: "
-        "every config kept, a learning-rate grid's rates as its lr column; what a protocol's baselines are)",
+        help="also write the per-seed rows of every single-task cell into FILE (a per-seed CSV, .csv or .csv.gz: "
+        "each cell's newest config, and each rate of a learning-rate grid, with its lr column; what a protocol's "
+        "baselines are)",
     )
     p.set_defaults(func=run)
 
@@ -47,7 +48,9 @@ def run(args) -> int:
         counts = table.groupby(["arch", "budget"]).size()
         print("\n" + "; ".join(f"{arch}/{budget}: {n} record(s)" for (arch, budget), n in counts.items()))
         if args.per_seed is not None:
-            frame = results.load(args.folder, on_damaged=log)
+            frame, notes = results.newest_config(results.load(args.folder, on_damaged=log))
+            for note in notes:
+                log(note)
             written = per_seed.write(frame, args.per_seed)
             print(f"per-seed rows of {frame['record'].nunique()} record(s): {written}")
     if not suite_table.empty:

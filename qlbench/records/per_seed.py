@@ -9,8 +9,9 @@ import math
 from pathlib import Path
 
 import pandas as pd
+import pandera.pandas as pa
 
-from qlbench.records import results, store
+from qlbench.records import results, schema, store
 from qlbench.records.store import DamagedFile
 
 FILE = "per-seed.csv.gz"
@@ -74,9 +75,63 @@ def is_csv(path: Path) -> bool:
     return Path(path).name.endswith((".csv", ".csv.gz"))
 
 
+MSES = (
+    "best_train_mse",
+    "best_test_mse",
+    "test_at_best_train",
+    "source_train_mse",
+    "source_test_mse",
+    "source_test_mse_after",
+    "val_at_best_train",
+)
+COUNTS = ("best_train_epoch", "best_test_epoch", "diverged_epoch", "trainable_params", "total_params", "wall_time_s")
+KEY = ["arch", "budget", "backbone_init", "function", "method", "seed", "lr"]  # one row per key: one config per rate
+
+
+def _ok_has(metric: str) -> pa.Check:
+    return pa.Check(
+        lambda d: ~((d["status"] == "ok") & d[metric].isna()), error=f"an ok seed without {metric}", ignore_na=False
+    )
+
+
+# The per-seed format, declared once: what every CSV read is checked against (`load`), row by row.
+SCHEMA = pa.DataFrameSchema(
+    {
+        **{c: pa.Column(str, nullable=False) for c in ("arch", "budget", "backbone_init", "function", "method")},
+        "seed": pa.Column(int, pa.Check.ge(0), coerce=True),
+        "status": pa.Column(str, pa.Check.isin([*schema.SEED_STATUSES, "failed"])),
+        "cell_status": pa.Column(str, pa.Check.isin(["ok", "diverged", "failed"]), nullable=True),
+        **{c: pa.Column(float, pa.Check.ge(0), nullable=True, coerce=True) for c in (*MSES, *COUNTS)},
+        **{c: pa.Column(float, pa.Check.ge(0), nullable=True, coerce=True) for c in results.COST_COLUMNS},
+        "stacked_members": pa.Column(float, pa.Check.ge(1), nullable=True, coerce=True),
+        "lr": pa.Column(float, pa.Check.gt(0), nullable=True, coerce=True),
+    },
+    checks=[_ok_has(m) for m in ("best_train_mse", "best_test_mse", "test_at_best_train")],
+    unique=KEY,
+)
+
+
+def check(frame: pd.DataFrame, where: str) -> None:
+    """`frame` checked against SCHEMA (on a coerced copy); DamagedFile naming `where`, the first failing row (as the
+    file's line: the header is line 1) and column, and what is wrong."""
+    try:
+        SCHEMA.validate(frame, lazy=True)
+    except pa.errors.SchemaErrors as err:
+        first = err.failure_cases.sort_values("index", kind="stable", na_position="last").iloc[0]
+        row = "" if pd.isna(first["index"]) else f" line {int(first['index']) + 2}"
+        frame_check = first["schema_context"] == "DataFrameSchema"
+        what = first["check"] if frame_check else f"column {first['column']}: {first['check']}"
+        if first["check"] == "multiple_fields_uniqueness":
+            what = f"a second row of the same {', '.join(KEY[:-1])} (and lr)"
+        case = first["failure_case"]
+        value = "" if frame_check else f" (value {case!r})" if isinstance(case, str) else f" (value {case})"
+        raise DamagedFile(f"{where}{row}: {what}{value}") from None
+
+
 def load(path: Path) -> pd.DataFrame:
     """A per-seed CSV (`write`) as `results.load`'s frame: what every single-task table and test reads. DamagedFile
-    (one line) for a file that does not read as one: not CSV, truncated, or without a column a table needs."""
+    (one line) for a file that does not read as one: not CSV, truncated, without a column a table needs, without
+    rows, or a row that breaks SCHEMA (named by its line and column)."""
     try:
         frame = pd.read_csv(path, dtype=_TEXT, keep_default_na=True)
     except (OSError, EOFError, ValueError, pd.errors.ParserError, UnicodeDecodeError) as err:
@@ -86,13 +141,14 @@ def load(path: Path) -> pd.DataFrame:
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         raise DamagedFile(f"per-seed CSV {path} lacks column(s) {', '.join(missing[:4])}{more}")
+    if frame.empty:
+        raise DamagedFile(f"per-seed CSV {path} has no rows")
     for c in OPTIONAL:
         frame[c] = frame[c].astype(float) if c in frame else math.nan
+    check(frame, f"per-seed CSV {path}")  # the frame read stays as read: written again, the same bytes
+    frame["seed"] = frame["seed"].astype(int)
     frame["message"] = frame["message"].astype(object).where(frame["message"].notna(), None)
     frame["dirty"] = frame["dirty"].map({True: True, False: False, "True": True, "False": False})
-    if frame["seed"].isna().any() or frame["status"].isna().any():
-        raise DamagedFile(f"per-seed CSV {path} has rows without a seed or status")
-    frame["seed"] = frame["seed"].astype(int)
     diverged = frame["status"] == "diverged"
     frame.loc[diverged, list(results.DIVERGED_INF)] = math.inf
     return frame
