@@ -13,7 +13,7 @@ import time
 from qlbench import adapters, instances, protocols, ray_executor, text, zoo
 from qlbench.commands import UsageError, options, split_list, usage_errors
 from qlbench.engine import cache
-from qlbench.experiments import experiment, planning
+from qlbench.experiments import experiment, grid, planning
 from qlbench.records import results, runner
 from qlbench.records.store import DamagedFile, Store
 
@@ -190,16 +190,20 @@ def run(args, functions: list[str] | None) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)
     t0 = time.perf_counter()  # the wall time printed includes starting (or reaching) Ray
     runs = []
-    # a learning-rate grid trains each method at every rate in turn (the same trials for every method), method by
-    # method, so that a grid stopped part way has whole methods
+    # a learning-rate grid gives every method the same trials, method by method, so that a grid stopped part way has
+    # whole methods: here each method's rates as one stack (experiments/grid.py), on Ray one rate after another
     groups = [methods] if rates is None else [[m] for m in (methods or adapters.DEFAULT_METHODS)]
     if len(groups) > 1:  # every method checked before the first trains
         with usage_errors():
             experiment.plan(functions, methods, protocol=settings[0], overrides=overrides, execution=execution)
-    for group in groups:
-        for one in settings:
-            kwargs = dict(functions=functions, methods=group, protocol=one, overrides=overrides)
-            runs.append(_train(args, kwargs, execution, executor, bench, log))
+    if rates is not None and len(rates) > 1 and executor == "local":  # each method's whole grid as one stack
+        kwargs = [dict(functions=functions, methods=methods, protocol=one, overrides=overrides) for one in settings]
+        runs = _train_grid(args, kwargs, execution, bench, log)
+    else:
+        for group in groups:
+            for one in settings:
+                kwargs = dict(functions=functions, methods=group, protocol=one, overrides=overrides)
+                runs.append(_train(args, kwargs, execution, executor, bench, log))
     by_lr = {}  # one table per rate, every method in it
     for plan, paths in runs:
         by_lr.setdefault(plan.budget.adapt.lr, (plan, []))[1].extend(paths)
@@ -289,6 +293,27 @@ def _train(args, kwargs: dict, execution, executor: str, bench, log):
         else:
             paths = runner.run(plan, progress=not args.no_progress, log=log)
     return plan, paths
+
+
+def _train_grid(args, kwargs: list[dict], execution, bench: protocols.Benchmark, log):
+    """A run over a benchmark's learning-rate grid in this process (experiments/grid.py): a plan per rate, each
+    checked before any work, every method's grid one stack where its optimiser allows; [(plan, record paths)]."""
+    with usage_errors():
+        plans = [experiment.plan(**kw, execution=execution) for kw in kwargs]
+    plan = plans[0]
+    for caveat in planning.caveats(plan):
+        log(f"qlbench {args.command}: warning: {caveat}")
+    install_backbones(bench, plan, log)
+    rates = ", ".join(f"{p.budget.adapt.lr:g}" for p in plans)
+    print(
+        f"qlbench {args.command}: under protocol {bench.name}, on its shipped backbones: "
+        f"{', '.join(plan.functions)} on {plan.arch}, budget {plan.budget.name} (adapt {plan.budget.adapt.epochs} "
+        f"epochs at each rate of its grid: {rates}; a method's rates in one stack where its optimiser allows), seeds {plan.seeds}, methods "
+        f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}",
+        flush=True,
+    )
+    runner.run(grid.Grid(plans), progress=not args.no_progress, log=log)
+    return [(p, [path for path in experiment.record_paths(p) if path.exists()]) for p in plans]
 
 
 def snapshots_left(store: Store, arch: str) -> str | None:

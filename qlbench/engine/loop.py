@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from qlbench import adapters, gradients, zoo
 from qlbench.engine.budgets import Budget, Phase
+from qlbench.engine.rates import member_rates
 from qlbench.engine.runtime import compiled, flush_denormals
 from qlbench.engine.snapshot import Snapshots, trainable
 from qlbench.engine.stack import DIVERGENCE_FACTOR, Curves, Member, Pretrained, StackedData, evaluate, padded
@@ -286,6 +287,15 @@ class Adaptation:
     eps: float = adapters.EPS
     noise: str = zoo.DEFAULT_NOISE
     validation: bool = False
+    lrs: tuple[float, ...] | None = None  # member e's learning rate (engine/rates.py); None: the budget's for all
+
+    def rates(self, members: int, stacked: int) -> list[float]:
+        """The learning rate of each of `stacked` members: `members` members padded to `stacked` by copies of the
+        first (engine.padded), which take its rate."""
+        lrs = list(self.lrs) if self.lrs is not None else [self.budget.adapt.lr] * members
+        if len(lrs) != members:
+            raise ValueError(f"{len(lrs)} learning rates for a stack of {members} members")
+        return lrs + [lrs[0]] * (stacked - members)
 
 
 @dataclass(frozen=True)
@@ -330,7 +340,8 @@ def adapt(
     if prepare is not None:
         prepare(model)
     if method.trains:
-        optimizer = lambda: method.optimizer(model, config, budget.adapt.lr, budget.adapt.weight_decay, eps)
+        build = lambda lr: method.optimizer(model, config, lr, budget.adapt.weight_decay, eps)
+        optimizer = lambda: member_rates(build, adaptation.rates(len(members), len(pretrained.members)))
         order = [generator("order", "adapt", arch, f, s) for f, s in pretrained.members]
         diagnose = None
         if diagnostics:

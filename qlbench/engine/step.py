@@ -85,7 +85,7 @@ def updates_compile(optimizer: torch.optim.Optimizer) -> bool:
     update moves a 3-epoch curve by 1.5e-6 relative (float32-level rounding of its scalars), precision a float64 run
     asks for. CUDA's fused AdamW is one kernel already and is recorded in the CUDA graph; SOAP's update
     (eigendecompositions) stays eager: `soap.StackedSoap` has no param_groups, so the type is checked first."""
-    if not isinstance(optimizer, torch.optim.AdamW):
+    if type(optimizer) is not torch.optim.AdamW:  # not engine.rates.MemberRates, whose update slices per rate
         return False
     groups = optimizer.param_groups
     return bool(groups) and all(g.get("foreach") and all(p.dtype == torch.float32 for p in g["params"]) for g in groups)
