@@ -308,7 +308,8 @@ def _train_grid(args, kwargs: list[dict], execution, bench: protocols.Benchmark,
     print(
         f"qlbench {args.command}: under protocol {bench.name}, on its shipped backbones: "
         f"{', '.join(plan.functions)} on {plan.arch}, budget {plan.budget.name} (adapt {plan.budget.adapt.epochs} "
-        f"epochs at each rate of its grid: {rates}; a method's rates in one stack where its optimiser allows), seeds {plan.seeds}, methods "
+        f"epochs at each rate of its grid: {rates}; a method's rates in one stack where its optimiser allows), "
+        f"seeds {plan.seeds}, methods "
         f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}",
         flush=True,
     )
