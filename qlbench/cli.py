@@ -16,7 +16,7 @@ import threading
 import traceback
 
 from qlbench import __version__
-from qlbench.commands import Parser, UsageError
+from qlbench.commands import Parser, UsageError, printable
 from qlbench.commands import ablate as ablate_command
 from qlbench.commands import bench as bench_command
 from qlbench.commands import compare as compare_command
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # a reader that left (`| head`) fails here, in the handlers below, not in Python's exit
         return code
     except (UsageError, Refused) as err:
-        print(f"qlbench {args.command}: error: {err}" if args else f"qlbench: error: {err}", file=sys.stderr)
+        message = printable(str(err))  # user text in it (a name, a path) stays one line, no escape sequences
+        print(f"qlbench {args.command}: error: {message}" if args else f"qlbench: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"qlbench: interrupted; {saved}", file=sys.stderr)
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         if err.errno not in FULL:
             raise
-        where = f" writing {err.filename}" if err.filename else ""
+        where = f" writing {printable(str(err.filename))}" if err.filename else ""
         print(f"qlbench: error: {FULL[err.errno]}{where}; {saved}: free space and run again", file=sys.stderr)
         return 1
     finally:

@@ -86,6 +86,11 @@ def test_quick_bench_writes_consistent_report(tmp_path, capsys, monkeypatch):
         assert r["tasks"] == 4 and r["single_ms"] > 0 and r["suite_ms"] > 0 and 0 < r["cost"] < math.inf
     assert "Multi-task suites: a suite stage's training step" in (tmp_path / "bench.md").read_text()
     assert "Kernel floor" in (tmp_path / "bench.md").read_text()
+    grids = {r["method"]: r for r in report["grid"]}  # each trained method's grid in one stack against one rate
+    assert set(grids) == {"lora", "queryable", "instruct-queryable"}
+    for r in grids.values():
+        assert r["members"] == 5 and r["rates"] == 4 and r["one"] > 0 and r["grid"] > 0 and 0 < r["grid_vs_one"]
+    assert "A learning-rate grid in one stack" in (tmp_path / "bench.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -146,6 +151,7 @@ def test_markdown_renders_every_section(tmp_path):
             inference_row("queryable", 4.5, 14222.0, 0.006) | overheads(350.0, 25.0, 1.35, 125.0),
             inference_row("dora", 3.0, 21333.0, 0.005),  # no overheads: not compared, not compiled
         ],
+        grid=[dict(arch="deep-narrow", method="lora", members=5, rates=4, one=500.0, grid=1000.0, grid_vs_one=2.0)],
     )
     text = bench.markdown(report)
     needles = ("(9 for inference)", "x7.1 the plain loop", "| x5.0", "+50%", "-12%", "x1.33", "64,000", "2,100", "28%")
@@ -154,6 +160,7 @@ def test_markdown_renders_every_section(tmp_path):
     needles += ("compiled forward vs LoRA compiled", "| +137%")  # the compiled forwards at E
     needles += ("padded to two ms/step", "| 2.50 ", "x1.25")
     needles += ("qlbench per-seed loop 100;", "| per-seed loop model-steps/s |", "| 100.0 ")
+    needles += ("| grid step / one-rate step |", "| 1,000 | x2.00  ")
     for needle in needles:
         assert needle in text, needle
     inference = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[-3:-1]] for line in text.splitlines()

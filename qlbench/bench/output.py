@@ -269,6 +269,21 @@ TABLES = [
         ],
     ),
     Table(
+        "grid",
+        "A learning-rate grid in one stack (engine/rates.py): model-steps/s of a method's stack of E members at one "
+        "rate and of its stack of rates x E members, a rate per member, in the same rounds; grid step / one-rate step: "
+        "the grid's wall time against one rate's (the rates trained one after another: x rates)",
+        [
+            Column("arch", "arch"),
+            Column("method", "method"),
+            Column("E", "members"),
+            Column("rates", "rates"),
+            Column("one rate", "one", digits(0)),
+            Column("grid", "grid", digits(0)),
+            Column("grid step / one-rate step", "grid_vs_one", partial(times, digits=2)),
+        ],
+    ),
+    Table(
         "hf",
         "The peft tuner (qlbench.hf) against peft's LoRA on the same model: one training step on a batch of 32 "
         "sequences of 13 tokens; greedy generation with the KV cache, 6 new tokens from 32 prompts of 7",

@@ -19,6 +19,7 @@ from qlbench.bench.forwards import inference
 from qlbench.bench.members import member_rows
 from qlbench.bench.models import PRETRAINING
 from qlbench.bench.parallel import side_by_side
+from qlbench.bench.rates import grid_rows
 from qlbench.bench.timing import BATCH, Settings, matmul_peak, memory_bandwidth
 from qlbench.bench.training import (
     compile_row,
@@ -32,7 +33,7 @@ from qlbench.bench.training import (
 )
 from qlbench.bench.workloads import SUITE_METHODS, hf_rows, pareto_stack_row, snapshot_row, suite_row
 from qlbench.engine.step import first_line
-from qlbench.experiments import pareto_stack
+from qlbench.experiments import grid, pareto_stack
 from qlbench.progress import bar as progress_bar
 from qlbench.records import record
 
@@ -54,6 +55,11 @@ def tasks(archs: list[str], methods: list[str], s: Settings, device, report: dic
         E = min(s.members)
         row = lambda a=arch, E=E: report["members"].extend(member_rows(a, one_member, E, s, device))
         out.append((f"{arch} methods written for one member E={E}", kind("members", row)))
+    in_grid = [m for m in methods + one_member if grid.one_stack(m)]  # a learning-rate grid in one stack
+    for arch in archs if in_grid else []:
+        E = min(s.members)
+        row = lambda a=arch, E=E: report["grid"].extend(grid_rows(a, in_grid, E, s, device))
+        out.append((f"{arch} learning-rate grid in one stack E={E}", kind("grid", row)))
     if "deep-narrow" in archs:
         out.append(("plain loop", kind("plain", lambda: report.update(plain=plain_loop(s, device)))))
     trained = [m for m in methods if adapters.get(m).trains]
@@ -167,7 +173,7 @@ def if_it_fits(label: str, rows: list, measure: Callable[[], dict], failing: tup
 # and the kernel floor)
 KINDS = (
     "plain", "throughput", "overhead", "profile", "dispatch", "padding", "pareto_stack", "suite", "soap", "compile",
-    "side_by_side", "capture", "at_once", "inference", "hf", "snapshot", "members",
+    "side_by_side", "capture", "at_once", "inference", "hf", "snapshot", "members", "grid",
 )  # fmt: skip
 
 
@@ -212,6 +218,7 @@ def run(
         hf=[],
         snapshot=[],
         members=[],
+        grid=[],
     )
     report["peak_gflops_start"] = matmul_peak(device)
     report["bandwidth_gbs"] = memory_bandwidth(device)  # the roofline floor's memory rate (capture rows)

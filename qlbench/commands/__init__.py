@@ -20,6 +20,16 @@ class UsageError(Exception):
     """Bad command-line input: reported as one line, exit code 2."""
 
 
+def printable(message: str) -> str:
+    """A message as one line the terminal shows as it is: every character that is not printable (newlines, escape
+    sequences' ESC, other C0 and C1 controls, Unicode's line separators, lone surrogates of undecodable bytes) as its
+    Python escape (\\n, \\x1b, \\u2028). The one place user text in a message (a name, a path, a value) is made
+    safe: `qlbench.cli.main` prints every error through it, argparse's own included."""
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii") for c in message
+    )
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, exit 2, no usage dump
         raise UsageError(message)
@@ -91,6 +101,8 @@ def parse_overrides(items: list[str]) -> dict:
         if not sep or not key.strip():
             raise UsageError(f"--hp expects key=value, got {item!r}")
         value = value.strip()
+        if key.strip() in out:
+            raise UsageError(f"--hp {key.strip()} is given twice; give each key once")
         if len(value) > HP_VALUE_LENGTH:
             raise UsageError(f"--hp {key.strip()}: a value of {len(value):,} characters; at most {HP_VALUE_LENGTH}")
         try:
