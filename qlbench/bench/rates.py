@@ -24,7 +24,8 @@ def grid_rows(arch: str, methods: list[str], E: int, s: Settings, device) -> lis
         wide, _ = stacked_model(arch, m, G * E, device)
         config = method.make_config()
         grid_opt = member_rates(
-            lambda lr: method.optimizer(wide, config, lr, 0.01), [lr for lr in GRID for _ in range(E)]
+            lambda lr, method=method, wide=wide, config=config: method.optimizer(wide, config, lr, 0.01),
+            [lr for lr in GRID for _ in range(E)],
         )
         fns = {
             "one": (chunk(engine.make_step(one, one_opt), batches(E, device), n), E * n),
