@@ -119,12 +119,20 @@ def test_the_memory_estimate_counts_every_trainable_number_four_times():
         ["suite", "--suite", "zoo-4", "--out", "{file}/s"],
         ["pareto", "--function", "matyas", "--out", "{file}/p"],
         ["results", "{file}"],
+        ["signal", "--function", "matyas", "--threads", "1", "--out", "{tmp}/s", "--figure", "{tmp}"],
+        ["signal", "--function", "matyas", "--threads", "1", "--out", "{tmp}/s", "--figure", "{file}/x.png"],
+        ["signal", "--function", "matyas", "--threads", "1", "--out", "{tmp}/s", "--figure", "{fifo}"],
+        ["results", "{finished}", "--per-seed", "{file}/x.csv"],
+        ["results", "{finished}", "--per-seed", "{tmp}/dir.csv"],
+        ["results", "{finished}", "--per-seed", "{fifo}"],
     ],
 )
 def test_an_impossible_destination_fails_in_one_line_before_any_work(finished, tmp_path, capsys, argv):
     afile = tmp_path / "afile"
     afile.write_text("x")
-    fill = dict(finished=finished, file=afile, tmp=tmp_path)
+    (tmp_path / "dir.csv").mkdir()
+    os.mkfifo(tmp_path / "fifo.csv")  # a pipe: writing it would block, and it is no file to replace
+    fill = dict(finished=finished, file=afile, tmp=tmp_path, fifo=tmp_path / "fifo.csv")
     t0 = time.perf_counter()
     line = one_line_error(capsys, [a.format(**fill) for a in argv])
     assert str(afile) in line or str(tmp_path) in line, line

@@ -52,16 +52,18 @@ def check_out(folder, what: str = "output folder") -> None:
         check_writable(Path(folder), what)
 
 
-def check_out_file(path) -> None:
-    """UsageError (one line) unless a file can be written at `path` (not a folder; its folder writable)."""
+def check_out_file(path, what: str = "report") -> None:
+    """The one check of an output file path, made before any work: UsageError (one line) unless a file can be
+    written at `path` (missing, or a regular file or a link, never a folder, device, pipe or /proc file; its folder
+    writable, or creatable). `what`: what the file is, for the message."""
     from qlbench.records.store import check_replaceable
 
     path = Path(path)
     if path.is_dir():
-        raise UsageError(f"{path} is a folder; give a file path for the report")
+        raise UsageError(f"{path} is a folder; give a file path for the {what}")
     with usage_errors():
         check_replaceable(path)
-    check_out(path.parent, "folder of the report")
+    check_out(path.parent, f"folder of the {what}")
 
 
 NAME_MAX, PATH_MAX = 255, 4096  # bytes of one name in a path, and of a whole path (Linux's and macOS's limits)

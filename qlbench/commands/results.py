@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from qlbench import inputs, text
-from qlbench.commands import UsageError, path_arg, usage_errors
+from qlbench.commands import UsageError, check_out_file, path_arg, usage_errors
 from qlbench.metrics import suite_stats
 from qlbench.records import per_seed, results
 
@@ -34,6 +34,8 @@ def run(args) -> int:
         inputs.folder(args.folder, "results folder")
     if args.per_seed is not None and not per_seed.is_csv(args.per_seed):
         raise UsageError(f"--per-seed {args.per_seed}: name a .csv or .csv.gz file")
+    if args.per_seed is not None:
+        check_out_file(args.per_seed, "per-seed CSV")
     log = lambda m: print(f"qlbench results: {m}", file=sys.stderr)
     table = results.index(args.folder, on_damaged=log)
     suite_table = suite_stats.index(suite_stats.load(args.folder, on_damaged=log))

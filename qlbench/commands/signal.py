@@ -11,7 +11,7 @@ import sys
 
 from qlbench import diagnostics, engine, progress, text, zoo
 from qlbench.backbones import DEFAULT_INIT, INITS, check_init
-from qlbench.commands import UsageError, check_out, options, path_arg, split_list, usage_errors
+from qlbench.commands import UsageError, check_out, check_out_file, options, path_arg, split_list, usage_errors
 from qlbench.records import store
 from qlbench.settings import Protocol
 
@@ -50,6 +50,8 @@ def run(args) -> int:
             check_init(args.arch, init)
         engine.resolve_device(args.device)
     check_out(out, "results folder")
+    figure = args.figure or out / "signal" / f"{args.arch}-{args.function}-{args.budget}.png"
+    check_out_file(figure, "figure")  # before the training, not after it
     log = lambda message: print(message, file=sys.stderr, flush=True)
     seeds = b.seeds if args.seeds is None else args.seeds
     with (
@@ -73,7 +75,6 @@ def run(args) -> int:
         "features across the target test inputs, mean over seeds (layer 0: after the input layer)\n"
     )
     print(text.markdown(wide.map(lambda v: f"{v:.3g}").reset_index()))
-    figure = args.figure or out / "signal" / f"{args.arch}-{args.function}-{args.budget}.png"
     fig = report.signal_figure(profile)
     store.atomic_write(figure, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     print(f"\nfigure: {figure}")
