@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         if err.errno not in FULL:
             raise
-        where = f" writing {printable(str(err.filename))}" if err.filename else ""
+        if not err.filename:  # the command's own output (stdout on a full device): no file of a record
+            print(f"qlbench: error: {FULL[err.errno]} writing the output", file=sys.stderr)
+            return 1
+        where = f" writing {printable(str(err.filename))}"
         print(f"qlbench: error: {FULL[err.errno]}{where}; {saved}: free space and run again", file=sys.stderr)
         return 1
     finally:

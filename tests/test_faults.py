@@ -159,6 +159,83 @@ def test_a_full_disk_keeps_every_finished_record_and_says_so_in_one_line(folder,
     assert not Store(folder).records(method="dora") and not temps(folder)
 
 
+def test_a_disk_that_fills_while_an_adapter_is_written_is_the_disk_full_line(folder, capsys, monkeypatch):
+    real_open = open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_open(path, mode="r", *args, **kwargs):  # adapter weights (torch) fill the disk; JSON still writes
+        f = real_open(path, mode, *args, **kwargs)
+        return Full(f) if "b" in mode and "w" in mode else f
+
+    monkeypatch.setattr(store, "open", full_open, raising=False)
+    code = cli.main(["run", *SMOKE, "--out", str(folder), "--methods", "dora", "--force"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    (line,) = [m for m in err.splitlines() if "disk is full" in m]
+    assert "/dora/" in line and line.endswith("free space and run again") and not temps(folder)
+
+
+READS = {  # what each command reads of a finished results folder (run: the resumed cell's record and adapter)
+    "results": ["record"],
+    "report": ["record"],
+    "run": ["record", "adapter"],
+    "verify": ["record", "adapter", "backbone"],
+}
+
+
+@pytest.mark.parametrize("command, what", [(c, w) for c, ws in READS.items() for w in ws])
+def test_a_file_this_process_may_not_read_is_one_line_naming_it(folder, capsys, monkeypatch, what, command):
+    """A record, adapter or backbone of mode 000 (read as another user): the one guarded reader of each kind says so
+    in one line, whichever command reads it (as root, modes do not refuse: the refusal is planted)."""
+    target = {
+        "record": record(folder, "queryable"),
+        "adapter": Store.model_of(record(folder, "queryable")),
+        "backbone": next((folder / "backbones").rglob("*.pt")),
+    }[what]
+    real_open, real_load = open, store.torch.load
+
+    def refuse(path):
+        if Path(path) == target:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(store, "open", lambda p, *a, **k: refuse(p) or real_open(p, *a, **k), raising=False)
+    monkeypatch.setattr(store.torch, "load", lambda p, *a, **k: refuse(p) or real_load(p, *a, **k))
+    argv = {
+        "results": ["results", str(folder)],
+        "report": ["report", str(folder), "--no-figures"],
+        "run": ["run", *SMOKE, "--out", str(folder), "--methods", "queryable"],
+        "verify": ["verify", "--results", str(folder), "--method", "queryable", "--function", "matyas"],
+    }[command]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert f"cannot read {target}: permission denied" in line, line
+
+
+def test_stdout_on_a_full_device_is_the_output_not_the_cells(capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(cli.sys.stdout, "flush", full)
+        assert cli.main(["functions"]) == 1
+    assert capsys.readouterr().err.strip() == "qlbench: error: the disk is full writing the output"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Records are validated by content: a wrong one is set aside and recomputed, and readers say so.
 

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import math
 import os
@@ -33,6 +34,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+from qlbench.inputs import Refused
 
 
 def stable_hash(obj) -> str:
@@ -93,6 +96,11 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename is None and err.errno is not None:  # a file object's write names no file: name `path`
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -130,8 +138,16 @@ def write_text(text: str, path: Path) -> None:
 
 
 def save_torch(obj, path: Path) -> None:
-    """Atomic torch.save."""
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    """Atomic torch.save. The object is serialised in memory and its bytes written by Python's own file write, so
+    that a failed write (a full disk) is the OSError it is: torch's zip writer reports one as a RuntimeError."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+
+    atomic_write(path, write)
 
 
 MIN_FREE_BYTES = 1 << 20  # an output folder's device must hold at least a record's worth of bytes before any work
@@ -239,6 +255,14 @@ class DamagedFile(ValueError):
     """A file that exists but cannot be read (truncated, empty, not what it should hold)."""
 
 
+class Unreadable(Refused):
+    """A file this process may not read (its mode or owner): not damage, so it is neither set aside nor replaced; the
+    command line prints the message as one line and exits 2."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"cannot read {path}: permission denied (its mode or owner); make it readable or move it away")
+
+
 def set_aside(path: Path) -> str:
     """Move a damaged file to `<name>.damaged-<n>` next to it (the first free n) and say so ("moved to NAME").
     Safe when several processes set aside the same file at once: the new name is taken by an exclusive hard link,
@@ -283,10 +307,12 @@ def _not_a_file(path: Path, err: OSError) -> DamagedFile | None:
 
 def read_json(path: Path) -> dict:
     """A JSON object from `path`; DamagedFile (one line) if it is empty, truncated or not an object, or a folder or
-    a symbolic-link loop stands in its place."""
+    a symbolic-link loop stands in its place; Unreadable (one line) if this process may not read it."""
     try:
         with open(path) as f:
             obj = json.load(f)
+    except PermissionError:
+        raise Unreadable(path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DamagedFile(f"{path} is damaged ({err.__class__.__name__}: {err})") from None
     except OSError as err:
@@ -301,9 +327,12 @@ def read_json(path: Path) -> dict:
 def load_torch(path: Path, map_location="cpu"):
     """torch.load, with DamagedFile (one line) for an empty, truncated or garbled file: whatever the reader raises
     on bad bytes (a truncated zip gives OSError EINVAL, garbage an unpickling or a lookup error), and for a folder
-    or a symbolic-link loop in its place. A missing or unreadable file, or no memory, is not damage and propagates."""
+    or a symbolic-link loop in its place. A missing file, or no memory, is not damage and propagates; an unreadable
+    one is Unreadable."""
     try:
         return torch.load(path, map_location=map_location)
+    except PermissionError:
+        raise Unreadable(path) from None
     except OSError as err:
         if (damaged := _not_a_file(path, err)) is not None:
             raise damaged from None
