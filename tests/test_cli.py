@@ -645,3 +645,16 @@ def test_every_command_parses_paths_and_lists_through_the_shared_parsers():
 def test_the_hand_parsing_check_finds_planted_parsing():
     planted = "def run(args):\n    a = args.methods.split(',')\n    b = int(args.seed)\n    c = 'x,y'.split(',')\n"
     assert hand_parsing({"planted": planted}) == ["planted:2", "planted:3"]
+
+
+@pytest.mark.parametrize(
+    "argv, phrase",
+    [
+        (["suites", ""], "the suite name is empty; give one of: shifts-ackley"),
+        (["verify", "--budget", ""], "argument --budget: empty; give one of: paper, quick, smoke"),
+        (["diagnose", "/tmp", "--function", "matyas", "--budget", " "], "argument --budget: empty"),
+        (["run", "--function", "matyas", "--budget", ""], "argument --budget: empty"),
+    ],
+)
+def test_an_empty_name_is_refused_not_taken_as_unset(argv, phrase, capsys):
+    assert phrase in one_line_error(capsys, argv)

@@ -13,8 +13,10 @@ reason (`REFUSED`), never run half-way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import math
 import re
 import warnings
@@ -200,7 +202,8 @@ class PeftMethod(MemberMethod):
         self.stream = "lora" if kind == "lora" else None  # peft:lora draws lora's start (build): the same stream
 
     def adapt_member(self, model, config, targets):
-        with warnings.catch_warnings():
+        # peft's warnings, and its own progress bars (frod's decomposition), would land in qlbench's output
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             return _peft().get_peft_model(model, to_peft(config, targets)).base_model
 
@@ -244,15 +247,18 @@ def method(name: str) -> PeftMethod:
     return PeftMethod(kind)
 
 
-def catalogue(archs: tuple[str, ...] = ("deep-narrow", "transformer")) -> list[dict]:
+def catalogue(archs: tuple[str, ...] = ("deep-narrow", "transformer"), progress=None) -> list[dict]:
     """One row per tuner of the installed peft: {"tuner", "status", "reason", <arch>: trainable count per member}.
     status: "stacked", "looped" or "refused" (the path on deep-narrow; reason: why a tuner loops or is refused).
-    Each runnable tuner is built on one member of each backbone (float32, CPU, untrained)."""
+    Each runnable tuner is built on one member of each backbone (float32, CPU, untrained); `progress(1)`, if given,
+    is called as each tuner's row is done."""
     from qlbench.backbones import build_backbone
     from qlbench.seeding import generator
 
     rows = []
     for kind in types():
+        if rows and progress is not None:
+            progress(1)
         row = {"tuner": PREFIX + kind}
         if kind in REFUSED:
             rows.append(row | {"status": "refused", "reason": REFUSED[kind]})
@@ -266,4 +272,6 @@ def catalogue(archs: tuple[str, ...] = ("deep-narrow", "transformer")) -> list[d
                 status, _, why = model.path.partition(": ")
                 row |= {"status": status, "reason": why}
         rows.append(row)
+    if rows and progress is not None:
+        progress(1)
     return rows

@@ -4,6 +4,8 @@ looped or refused, and why, with its trainable count on both backbones (docs/met
 from __future__ import annotations
 
 from qlbench import adapters, text
+from qlbench.commands import options
+from qlbench.progress import bar
 from qlbench.text import Column
 
 
@@ -19,10 +21,11 @@ def register(subparsers) -> None:
         help="the peft tuners' table: status (stacked, looped, refused), why, trainable parameters per member on "
         "deep-narrow and the Transformer (builds each tuner once per backbone: about a minute)",
     )
+    options.add(p, "--no-progress")
     p.set_defaults(func=run)
 
 
-def peft_table() -> str:
+def peft_table(progress: bool = False) -> str:
     """The peft tuners' Markdown table (adapters.peft_tuners.catalogue)."""
     count = lambda v: "" if v is None else f"{v:,}"
     columns = [
@@ -32,12 +35,16 @@ def peft_table() -> str:
         Column("trainable, transformer", "transformer", count),
         Column("why (looped or refused)", "reason"),
     ]
-    return text.table(adapters.peft_tuners.catalogue(), columns)
+    with bar(
+        total=len(adapters.peft_tuners.types()), desc="build peft tuners", unit="tuner", disable=not progress
+    ) as b:
+        rows = adapters.peft_tuners.catalogue(progress=b.update)
+    return text.table(rows, columns)
 
 
 def run(args) -> int:
     if args.peft:
-        print(peft_table())
+        print(peft_table(progress=not args.no_progress))
         return 0
     rows = [{"method": n, "kind": m.kind, "summary": m.summary} for n, m in adapters.REGISTRY.items()]
     rows += [

@@ -119,13 +119,26 @@ TARGET: dict[str, Option] = {
         ),
     ),
 }
+
+
+def budget_name(text: str) -> str:
+    """argparse type of --budget: a name, never empty (an empty one was taken as unset by some commands)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"empty; give one of: {', '.join(engine.BUDGETS['deep-narrow'])}")
+    return text
+
+
 # how it trains: every command that trains (run, sweep, suite, pareto, ablate); signal, verify, diagnose, bench and
 # real take the subset that applies to them (`add_training_options(parser, "device", ...)`)
 TRAINING: dict[str, Option] = {
     "--budget": Option(
         "protocol",
         "budget",
-        dict(default=P.budget, help=f"one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default {P.budget})"),
+        dict(
+            type=budget_name,
+            default=P.budget,
+            help=f"one of: {', '.join(engine.BUDGETS['deep-narrow'])} (default {P.budget})",
+        ),
     ),
     "--seeds": Option(
         "protocol", "seeds", dict(type=int, metavar="N", help="number of seeds 0..N-1 (default: the budget's)")

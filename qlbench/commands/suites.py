@@ -176,6 +176,8 @@ def run(args) -> int:
         with usage_errors():
             show(suites.parse(path.stem, path.read_text(encoding="utf-8")))
         return 0
+    if args.name is not None and not args.name.strip():
+        raise UsageError(f"the suite name is empty; give one of: {', '.join(suites.names())}, or none to list them")
     with usage_errors():
         if args.name:
             show(suites.get(args.name))
