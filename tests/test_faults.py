@@ -350,6 +350,20 @@ MODEL_DAMAGE = (
 )
 
 
+@pytest.mark.parametrize("how", ["empty dict", "another config's hash", "a list", "truncated"])
+def test_results_lists_a_damaged_adapter_as_damaged_and_says_so(folder, capsys, how):
+    if how == "truncated":
+        path = Store.model_of(record(folder))
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        path = _damage_model(folder, how)
+    assert cli.main(["results", str(folder)]) == 0
+    out, err = capsys.readouterr()
+    (row,) = [line for line in out.splitlines() if "| lora " in line]
+    assert row.split("|")[-2].strip() == "damaged" and f"{path} is damaged" in err and "Traceback" not in err
+    assert path.exists() and not asides(path)  # listed, not moved: `run` sets it aside
+
+
 @pytest.mark.faults  # slow: run by `make test-faults` (CI)
 @pytest.mark.parametrize("how", MODEL_DAMAGE)
 def test_an_adapter_file_with_wrong_contents_is_set_aside_and_recomputed(folder, capsys, how):

@@ -45,7 +45,7 @@ def run(args) -> int:
             f"{args.folder}` or `qlbench suite --out {args.folder}` writes some"
         )
     if not table.empty:
-        table = table.drop(columns=["record"]).assign(has_model=table["has_model"].map({True: "yes", False: "no"}))
+        table = table.drop(columns=["record"])
         print(text.markdown(table))
         counts = table.groupby(["arch", "budget"]).size()
         print("\n" + "; ".join(f"{arch}/{budget}: {n} record(s)" for (arch, budget), n in counts.items()))

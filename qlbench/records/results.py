@@ -37,7 +37,7 @@ import pandas as pd
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.records import schema
 from qlbench.records.record import SCHEMA  # noqa: F401  (results.SCHEMA: the version records are written at)
-from qlbench.records.store import DamagedFile, Store, read_json
+from qlbench.records.store import DamagedFile, Store, load_torch, read_json
 
 GIT_COLUMNS = ("commit", "dirty")  # the loaders' columns of a record's git info (`git_fields`)
 
@@ -306,9 +306,27 @@ def gradients_summary(grads: pd.DataFrame) -> pd.DataFrame:
     return out.merge(shared, on=keys, how="left").drop(columns="max_norm")
 
 
+def _model(record: Path, config_hash: str, on_damaged=None) -> str:
+    """Whether the record's adapter weights are saved: "yes", "no" or "damaged" (a file that does not load, or holds
+    another config's weights: said through `on_damaged`; `qlbench run` sets it aside and recomputes the cell)."""
+    path = Store.model_of(record)
+    if not path.exists():
+        return "no"
+    try:
+        saved = load_torch(path)
+        if not isinstance(saved, dict) or saved.get("config_hash") != config_hash:
+            raise DamagedFile(f"{path} is damaged (not the weights of its record's config)")
+    except DamagedFile as err:
+        if on_damaged is not None:
+            on_damaged(f"{err}; `qlbench run` sets it aside and recomputes the cell")
+        return "damaged"
+    return "yes"
+
+
 def index(root, on_damaged=None) -> pd.DataFrame:
     """One row per record of a results folder: arch, function, method, budget, config_hash, status, seeds,
-    diverged (count), created_at, has_model, record. What `qlbench results` lists."""
+    diverged (count), created_at, has_model ("yes", "no", "damaged": its adapter weights), record. What `qlbench
+    results` lists."""
     rows = []
     for path, rec in _records(Store(root).records(), on_damaged):
         run, train = rec["run_info"], rec["train_info"]
@@ -325,7 +343,7 @@ def index(root, on_damaged=None) -> pd.DataFrame:
                 "seeds": len(run["seeds"]),
                 "diverged": sum(s.get("status") == "diverged" for s in train["per_seed"]),
                 "created_at": run["created_at"],
-                "has_model": Store.model_of(path).exists(),
+                "has_model": _model(path, run["config_hash"], on_damaged),
                 "record": str(path),
             }
         )
