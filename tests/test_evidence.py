@@ -126,8 +126,9 @@ def test_the_table_prints_the_ratio_its_interval_and_the_holm_p():
     a = stats.across_functions(ratio_frame({"f1": [0.5] * 3, "f2": [0.5] * 3}, [1.0, 2.0, 3.0]), "best-train")
     t = tables.across_table(a).iloc[0]
     assert t["MSE ratio to LoRA [95% CI]"] == "0.500 [0.500, 0.500]" and t["pairs"] == 6
-    md = tables.across_markdown(ratio_frame({"f1": [0.5, 0.6, 0.55]}, [1.0, 2.0, 3.0]), "best-train")
+    md = tables.across_markdown(ratio_frame({"f1": [0.5, 0.6, 0.55], "f2": [0.5] * 3}, [1.0, 2.0, 3.0]), "best-train")
     assert md.startswith("#### Across functions vs LoRA") and tables.ACROSS_LEGEND in md
+    assert tables.across_markdown(ratio_frame({"f1": [0.5, 0.6, 0.55]}, [1.0, 2.0, 3.0]), "best-train") == ""
 
 
 # ----------------------------------------------------------------------------------------------------------------

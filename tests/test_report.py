@@ -461,3 +461,31 @@ def test_gpu_per_seed_csv_holds_every_records_seeds(sweep_folder, tmp_path):
         best, at_train, config_hash = expected[(row.function, row.method, row.seed)]
         assert (row.best_test_mse, row.test_at_best_train, row.config_hash) == (best, at_train, config_hash)
     assert per_seed.main(tmp_path / "nothing", tmp_path / "none.csv") == 1  # an empty folder: said, exit 1
+
+
+def test_a_report_of_unfinished_cells_says_which_and_tests_across_functions_only_with_two(tmp_path, capsys):
+    """A folder with cells still missing (a sweep stopped part way): the report names the holes and the cells short
+    of seeds, and runs no across-functions test on a single function."""
+    import pandas as pd
+
+    from qlbench import cli
+
+    full = pd.read_csv("docs/results/zoo/per-seed.csv.gz", dtype=str, keep_default_na=False)
+    full = full[(full["arch"] == "deep-narrow") & (full["backbone_init"] == "default")]
+    full = full[full["method"].isin(["lora", "dora", "frozen", "mean"])]
+    part = full[~((full["function"] == "levy") & (full["method"] == "dora"))]  # a hole
+    part = part[~((part["function"] == "matyas") & (part["method"] == "lora") & (part["seed"] == "9"))]  # a seed short
+    part.to_csv(tmp_path / "part.csv", index=False)
+    assert cli.main(["report", str(tmp_path / "part.csv"), "--out", str(tmp_path / "r"), "--format", "md"]) == 0
+    out = capsys.readouterr().out
+    (line,) = {line for line in out.splitlines() if line.startswith("Incomplete: ")}
+    assert "1 of 36 (function, method) cells have no record: dora on levy;" in line
+    assert (
+        "1 cell(s) have fewer seeds than their method's others: lora on matyas (9 of 10)" in line
+        and "Across functions vs LoRA" in out
+    )
+    one = full[full["function"] == "levy"]
+    one.to_csv(tmp_path / "one.csv", index=False)
+    assert cli.main(["report", str(tmp_path / "one.csv"), "--out", str(tmp_path / "o"), "--format", "md"]) == 0
+    out = capsys.readouterr().out
+    assert "Incomplete" not in out and "Across functions vs LoRA" not in out  # one function: its table says it all

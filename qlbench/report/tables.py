@@ -286,17 +286,41 @@ ACROSS_LEGEND = (
 )
 
 
+MIN_FUNCTIONS = 2  # an across-functions test needs functions to resample: with one, it is that function's table
+
+
 def across_markdown(frame: pd.DataFrame, metric: str) -> str:
     """The across-functions test of one (arch, budget) slice against LoRA as Markdown with its legend; "" when LoRA
-    or any other trained method is missing."""
+    or any other trained method is missing, or the slice has fewer than MIN_FUNCTIONS functions (the per-function
+    tables then say all there is)."""
     across = stats.across_functions(frame, metric)
-    if across.empty:
+    if across.empty or across["functions"].max() < MIN_FUNCTIONS:
         return ""
     title = f"Across functions vs LoRA ({stats.metric(metric).label})"
     return f"#### {title}\n\n{text.markdown(across_table(across))}\n\n{ACROSS_LEGEND}"
 
 
 COLLAPSE_TOLERANCE = 0.01  # a trained row "scores what mean scores" within 1 % of mean's MSE on every seed
+
+
+def missing_note(frame: pd.DataFrame) -> str:
+    """One line when the slice's grid of functions x methods has holes, or cells with fewer seeds than the same
+    method's other cells (a sweep still running, or stopped): how many and which; "" when every cell is there with
+    all its method's seeds. A method run at fewer seeds throughout (a protocol's choice) is not a gap."""
+    seeds = frame.groupby(["function", "method"])["seed"].nunique()
+    most = seeds.groupby(level="method").max()
+    functions, methods = frame["function"].unique(), frame["method"].unique()
+    holes = [f"{m} on {f}" for f in functions for m in methods if (f, m) not in seeds.index]
+    short = [f"{m} on {f} ({n} of {most[m]})" for (f, m), n in seeds.items() if n < most[m]]
+    parts = []
+    if holes:
+        more = f" and {len(holes) - 6} more" if len(holes) > 6 else ""
+        parts.append(f"{len(holes)} of {len(functions) * len(methods)} (function, method) cells have no record: "
+                     f"{', '.join(holes[:6])}{more}")  # fmt: skip
+    if short:
+        more = f" and {len(short) - 6} more" if len(short) > 6 else ""
+        parts.append(f"{len(short)} cell(s) have fewer seeds than their method's others: {', '.join(short[:6])}{more}")
+    return f"Incomplete: {'; '.join(parts)}. Their rows compare less than the others' do." if parts else ""
 
 
 def collapse_note(frame: pd.DataFrame, metric: str = "test-at-best-train") -> str:

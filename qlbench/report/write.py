@@ -174,6 +174,8 @@ def _slice_report(frame, curves, folder: Path, metric: str, formats, draw: bool,
     folder.mkdir(parents=True, exist_ok=True)
     prov = results.provenance(frame)
     parts = [f"## {arch}, budget {budget}", prov]
+    if gaps := tables.missing_note(frame):
+        parts.append(gaps)
     if headline := tables.across_markdown(frame, metric):  # the question a reader asks first: across the zoo
         parts.append(headline.replace("#### ", "### Headline: ", 1))
         comp = stats.across_functions(frame, metric)
