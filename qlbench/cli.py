@@ -114,12 +114,33 @@ class QuietStream:
         return getattr(self.stream, name)
 
 
+COERCED = ("C.UTF-8", "C.utf8")  # what Python sets LC_CTYPE to when it starts under the C locale (PEP 538)
+
+
+def plain_locale(environ=os.environ) -> bool:
+    """Whether the user's locale is the plain C (or POSIX) one: LC_ALL, else LC_CTYPE, else LANG, as the C library
+    reads them, seen through Python's coercion (an LC_CTYPE of C.UTF-8 beside a C or missing LANG was set by Python,
+    not the user). Python then writes UTF-8 anyway, which such a terminal shows as garbage."""
+    if environ.get("LC_ALL"):
+        value = environ["LC_ALL"]
+    else:
+        ctype, lang = environ.get("LC_CTYPE"), environ.get("LANG")
+        coerced = ctype in COERCED and lang in (None, "", "C", "POSIX")
+        value = (lang or "C") if coerced else (ctype or lang or "C")
+    return value in ("C", "POSIX")
+
+
 def plain_output() -> None:
     """stdout and stderr print whatever their encoding can hold: a character it lacks is written as ASCII's spelling
-    of it (× as x, ± as +/-), never a UnicodeEncodeError. A UTF-8 terminal is unaffected."""
+    of it (× as x, ± as +/-), never a UnicodeEncodeError; a terminal under a C or POSIX locale (`plain_locale`) gets
+    ASCII whatever encoding Python chose (a file or pipe keeps it). A UTF-8 terminal is unaffected."""
+    plain = plain_locale()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(errors="qlbench-ascii")
+            if plain and stream.isatty():
+                stream.reconfigure(encoding="ascii", errors="qlbench-ascii")
+            else:
+                stream.reconfigure(errors="qlbench-ascii")
         except (AttributeError, ValueError, OSError):  # a stream without reconfigure (a test's capture), or closed
             pass
 

@@ -57,3 +57,42 @@ def test_printable_keeps_what_a_terminal_shows_and_escapes_the_rest():
 def test_a_repeated_hp_key_is_refused_not_the_last_kept(capsys):
     line = error_line(capsys, ["run", "--function", "levy", "--hp", "r=4", "--hp", "r=8", "--budget", "smoke"])
     assert line == "qlbench run: error: --hp r is given twice; give each key once"
+
+
+@pytest.mark.parametrize(
+    "environ, plain",
+    [
+        ({"LANG": "C", "LC_CTYPE": "C.UTF-8"}, True),  # LANG=C, as Python coerced it (PEP 538)
+        ({"LC_CTYPE": "C.UTF-8"}, True),  # no locale at all, coerced
+        ({"LC_ALL": "C", "LANG": "en_US.UTF-8"}, True),
+        ({"LANG": "POSIX", "LC_CTYPE": "C.UTF-8"}, True),
+        ({"LANG": "C.UTF-8"}, False),
+        ({"LANG": "en_US.UTF-8", "LC_CTYPE": "C.UTF-8"}, False),
+        ({"LC_ALL": "de_DE.UTF-8", "LANG": "C"}, False),
+    ],
+)
+def test_a_c_locale_is_seen_through_pythons_coercion(environ, plain):
+    assert cli.plain_locale(environ) is plain
+
+
+def test_a_terminal_under_the_c_locale_gets_ascii_a_pipe_keeps_utf8(monkeypatch):
+    import io
+
+    class Stream(io.TextIOWrapper):
+        def __init__(self, tty: bool):
+            super().__init__(io.BytesIO(), encoding="utf-8")
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    monkeypatch.setattr(cli, "plain_locale", lambda environ=None: True)
+    tty, pipe = Stream(True), Stream(False)
+    monkeypatch.setattr(cli.sys, "stdout", tty)
+    monkeypatch.setattr(cli.sys, "stderr", pipe)
+    cli.plain_output()
+    for stream in (tty, pipe):
+        stream.write("1.2 × LoRA, 3 µs ± 1")
+        stream.flush()
+    assert tty.buffer.getvalue() == b"1.2 x LoRA, 3 us +/- 1"
+    assert pipe.buffer.getvalue() == "1.2 × LoRA, 3 µs ± 1".encode()
