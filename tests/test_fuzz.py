@@ -1,8 +1,9 @@
 """Every command against generated input (hypothesis): options drawn from each command's own parser, values from a
 pool of hostile text (empty, blank, nan, inf, negative, huge, repeated list items, a grid axis twice, a device, a
-virtual file system, a file where a folder is read, non-ASCII, very long). The promise under test: bad input is one
-line on stderr with exit code 2, before any work, nothing is a traceback, and nothing is written outside --out (in
-the example's folder or the working directory; what a command writes elsewhere, a shared cache, is not seen here).
+virtual file system, a file where a folder is read, non-ASCII, very long, escape sequences and newlines, a pipe, a
+per-seed CSV without rows or breaking its schema). The promise under test: bad input is one printable line on stderr
+with exit code 2, before any work, nothing is a traceback, and nothing is written outside --out (in the example's
+folder or the working directory; what a command writes elsewhere, a shared cache, is not seen here).
 
 Work is stopped where it would start: pretraining, training (`engine.pretrain`, every binding of `engine.fit`) and the
 benchmark's timed cases raise WouldWork, which counts as input accepted. Anything else an example raises is a bug.
@@ -11,6 +12,7 @@ benchmark's timed cases raise WouldWork, which counts as input accepted. Anythin
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 
 import pytest
@@ -38,7 +40,9 @@ VALUES = (
     *("abc", "a,,b", "lora,lora", "lora,", ",", "matyas", "matyas,levy", "deep-narrow", "transformer", "smoke"),
     *("zoo-4", "r=4 r=4", "r=", "r=0", "k=1,1", "lora", "peft:nope", "peft:adalora", "nope.module:X", "kaiming"),
     *("/dev/full", "/proc/qlb/x", "{file}", "{folder}", "{file}/x", "ü×±µ", "x" * 300, "top_k=99", "r=-1"),
-)
+    *("lora\x1b]0;t\x07", "two\nlines", "\x1b[2J", "r\x1b=4", "{fifo}", "{header_csv}", "{bad_csv}", "{folder}/x.csv"),
+)  # the last: escape sequences and newlines (shown escaped), a pipe, a per-seed CSV without rows, one breaking the
+# schema
 SKIP_OPTIONS = {"-h", "--help", "--peft-types", "--version", "--ray-address"}  # help exits; no cluster here
 
 
@@ -112,7 +116,15 @@ def test_generated_input_is_one_line_or_accepted_never_a_traceback(command, data
     where = tmp_path_factory.mktemp("fuzz")
     (where / "file").write_text("{}")
     (where / "folder").mkdir()
-    paths = {"file": str(where / "file"), "folder": str(where / "folder")}
+    os.mkfifo(where / "fifo.csv")
+    with gzip.open("docs/results/baselines/zoo-v1-aa/per-seed.csv.gz", "rt") as f:
+        header, first = f.readline().rstrip("\n"), f.readline().rstrip("\n")
+    (where / "header.csv").write_text(header + "\n")
+    cells = first.split(",")
+    cells[header.split(",").index("best_test_mse")] = "abc"  # a string where an MSE goes
+    (where / "bad.csv").write_text(f"{header}\n{','.join(cells)}\n")
+    paths = {"file": str(where / "file"), "folder": str(where / "folder"), "fifo": str(where / "fifo.csv")}
+    paths |= {"header_csv": str(where / "header.csv"), "bad_csv": str(where / "bad.csv")}
     argv = [a.format(**paths) if "{" in a and "}" in a else a for a in argv_for(command, data.draw)]
     if "--out" not in argv and any("--out" in a.option_strings for a in options(command)):
         argv += ["--out", str(where / "out")]
@@ -134,6 +146,6 @@ def test_generated_input_is_one_line_or_accepted_never_a_traceback(command, data
     assert outside == [], (argv, outside)  # nothing written outside --out (in the example's folder or the cwd)
     if code == 2:
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("qlbench"), (argv, err)
+        assert len(lines) == 1 and lines[0].startswith("qlbench") and lines[0].isprintable(), (argv, err)
     else:
         assert code in (None, 0, 1), (argv, code, err)
