@@ -372,6 +372,8 @@ def test_an_adapter_file_with_wrong_contents_is_set_aside_and_recomputed(folder,
     with pytest.raises(ValueError, match="is damaged"):  # a reader that loads it says so in one line
         adapted.load_adapted(record(folder))
     assert len(asides(path)) == 1
+    with pytest.raises(ValueError, match="was damaged and set aside as"):  # the next reader: not "no saved weights"
+        adapted.load_adapted(record(folder))
     path.write_bytes(damaged)
     capsys.readouterr()
     assert run(folder, "--methods", "lora") == 0
