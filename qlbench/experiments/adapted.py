@@ -42,9 +42,7 @@ def load_adapted(record: Path, *, device: str = "cpu") -> tuple[torch.nn.Module,
     path = Store.model_of(record)
     if not path.exists():
         if aside := sorted(path.parent.glob(f"{path.name}.damaged-*")):  # set aside by an earlier reader
-            raise ValueError(
-                f"{path} was damaged and set aside as {aside[-1].name}: `qlbench run` recomputes the cell"
-            )
+            raise ValueError(f"{path} was damaged and set aside as {aside[-1].name}: `qlbench run` recomputes the cell")
         raise FileNotFoundError(f"no saved weights for {method_name} at {path}")
     try:
         saved = read_model(path, rec, map_location=dev)
