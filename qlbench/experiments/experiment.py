@@ -309,13 +309,21 @@ def snapshots(p: Plan, method: str, pre: engine.Pretrained, log) -> engine.Snaps
     """The snapshots of `method`'s stack `pre` while it trains (engine/snapshot.py), keyed by its cells' configs, its
     members and what else changes its numbers' bits (device, compile, capture); None for a method that does not
     train, or with snapshots off."""
-    if not adapters.get(method).trains or p.snapshot_every_s is None:
+    if not adapters.get(method).trains:
         return None
     functions = list(dict.fromkeys(f for f, _ in pre.members))
+    return stack_snapshots(p, method, [p.cell_config(f, method) for f in functions], pre.members, log)
+
+
+def stack_snapshots(p: Plan, method: str, configs: list[dict], members: list, log) -> engine.Snapshots | None:
+    """The snapshots of a stack of `method` holding the cells of `configs` and the `members`, keyed by them and by
+    what else changes its numbers' bits (device, compile, capture); None with snapshots off."""
+    if p.snapshot_every_s is None:
+        return None
     key = stable_hash(
         {
-            "cells": [stable_hash(p.cell_config(f, method)) for f in functions],
-            "members": [list(m) for m in pre.members],
+            "cells": [stable_hash(c) for c in configs],
+            "members": [list(m) for m in members],
             "device": p.device.type,
             "compile": p.compile,
             "capture": p.capture,

@@ -21,7 +21,6 @@ from qlbench.experiments import adapted, experiment
 from qlbench.experiments.experiment import Plan
 from qlbench.progress import bar as progress_bar
 from qlbench.records import runner
-from qlbench.records.store import stable_hash
 
 Unit = tuple[float, str, str]  # (learning rate, method, function)
 
@@ -112,19 +111,6 @@ class Grid:
                 saved.clear()
 
     def snapshots(self, method: str, cells: dict[float, list[str]], members: list, log) -> engine.Snapshots | None:
-        """The grid stack's snapshots (experiment.snapshots, keyed by every rate's cells)."""
-        p = self.first
-        if p.snapshot_every_s is None:
-            return None
-        key = stable_hash(
-            {
-                "cells": [stable_hash(self.plans[lr].cell_config(f, method)) for lr, fs in cells.items() for f in fs],
-                "members": [list(m) for m in members],
-                "device": p.device.type,
-                "compile": p.compile,
-                "capture": p.capture,
-            }
-        )
-        found = engine.Snapshots(p.store.snapshot_path(p.arch, method, p.budget.name, key), key, p.snapshot_every_s)
-        found.log = lambda message: log(f"{method}: {message}")
-        return found
+        """The grid stack's snapshots (experiment.stack_snapshots, keyed by every rate's cells)."""
+        configs = [self.plans[lr].cell_config(f, method) for lr, fs in cells.items() for f in fs]
+        return experiment.stack_snapshots(self.first, method, configs, members, log)
