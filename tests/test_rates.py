@@ -144,3 +144,36 @@ def test_only_a_method_with_torchs_adamw_trains_its_grid_as_one_stack():
 
     assert grid.one_stack("lora") and grid.one_stack("peft:lora") and grid.one_stack("queryable")
     assert not grid.one_stack("full-soap") and not grid.one_stack("frozen")
+
+
+def test_a_grid_stack_stopped_mid_way_resumes_to_the_numbers_of_one_never_stopped(tmp_path):
+    """The per-member rates' optimiser state (a step count per run of one rate) goes into the snapshot and back."""
+
+    class Stop(Exception):
+        pass
+
+    members = [m for _ in GRID for m in MEMBERS]
+    pre = pretrained(tuple(members))
+    config = adapters.get("lora").make_config()
+    adaptation = engine.Adaptation("lora", config, SMOKE, lrs=tuple(lr for lr in GRID for _ in MEMBERS))
+
+    def run(snapshots=None, stop=None):
+        epochs = [0]
+
+        def progress(steps):
+            epochs[0] += 1
+            if epochs[0] == stop:
+                raise Stop
+
+        res = engine.adapt(pre, adaptation, engine.Runtime("cpu"), progress=progress, snapshots=snapshots)
+        weights = [p.detach().clone() for p in res.model.parameters() if p.requires_grad]
+        return res.curves.train_mse, weights, res.curves.resumed_epoch
+
+    whole = run()
+    saved = engine.Snapshots(tmp_path / "s.pt", "key", every_s=0.0)
+    with pytest.raises(Stop):
+        run(saved, stop=SMOKE.adapt.epochs - 1)
+    assert (tmp_path / "s.pt").is_file()
+    resumed = run(saved)
+    assert whole[2] is None and resumed[2] is not None  # it went on from the snapshot, not from the start
+    assert torch.equal(whole[0], resumed[0]) and all(torch.equal(a, b) for a, b in zip(whole[1], resumed[1]))
