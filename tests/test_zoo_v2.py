@@ -389,3 +389,10 @@ def test_a_per_seed_csv_that_breaks_the_schema_is_one_line_naming_line_and_colum
     argv += [] if command == "report" else ["--baselines", path]
     line = one_line_error(capsys, argv)
     assert f"per-seed CSV {path}" in line and phrase in line, line
+
+
+def test_zoo_v2s_tasks_are_the_ones_its_committed_item_analysis_keeps():
+    """The protocol is what its analysis chose: the candidates' item page (rebuilt from its per-seed CSV by
+    tests/test_board.py) says "keep" for exactly these 24 tasks."""
+    items = pd.read_csv("docs/results/items/candidates/items.csv")
+    assert list(items.loc[items["verdict"] == "keep", "function"]) == list(protocols.get("zoo-v2").functions)
