@@ -226,6 +226,77 @@ def test_a_file_this_process_may_not_read_is_one_line_naming_it(folder, capsys, 
     assert f"cannot read {target}: permission denied" in line, line
 
 
+def _planted(name: str, monkeypatch) -> None:
+    """Break one shared guard as a careless edit would: its check gone, the raw behaviour left."""
+    from qlbench import commands
+    from qlbench.commands import results as results_command
+    from qlbench.commands import signal as signal_command
+    from qlbench.records import per_seed
+
+    if name == "quoting":
+        monkeypatch.setattr(cli, "printable", lambda message: message)
+    elif name == "output path":
+        for module in (commands, results_command, signal_command):
+            monkeypatch.setattr(module, "check_out_file", lambda *a, **k: None)
+    elif name == "guarded reader":
+        monkeypatch.setattr(store, "read_json", lambda path: json.load(store.open(path)))  # open: the test's
+        monkeypatch.setattr(results, "read_json", store.read_json)
+    elif name == "schema":
+        monkeypatch.setattr(per_seed, "check", lambda frame, where: None)
+
+
+@pytest.mark.parametrize("guard", ["quoting", "output path", "guarded reader", "schema"])
+@pytest.mark.parametrize("planted", [False, True])
+def test_each_shared_guard_holds_its_case_and_a_planted_regression_of_it_fails(
+    folder, tmp_path, capsys, monkeypatch, guard, planted
+):
+    """Each cause's one place (docs/faults.md), checked on a case of its own, and the same case with the guard broken:
+    the check must tell the two apart (a check that passes either way would prove nothing)."""
+    bad = tmp_path / "bad.csv"
+    rows = per_seed_rows()
+    rows[1][rows[0].index("best_test_mse")] = "abc"
+    bad.write_text("\n".join(",".join(r) for r in rows) + "\n")
+    (tmp_path / "dir.csv").mkdir()
+    target = record(folder)
+    argv = {
+        "quoting": ["report", f"/nonexistent/\x1b[2J{tmp_path}"],
+        "output path": ["results", str(folder), "--per-seed", str(tmp_path / "dir.csv")],
+        "guarded reader": ["results", str(folder)],
+        "schema": ["report", str(bad), "--out", str(tmp_path / "r")],
+    }[guard]
+    if guard == "guarded reader":
+        real_open = open
+
+        def refuse(path, *a, **k):
+            if Path(path) == target:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_open(path, *a, **k)
+
+        monkeypatch.setattr(store, "open", refuse, raising=False)  # what the store's reader opens files with
+    if planted:
+        _planted(guard, monkeypatch)
+    try:
+        code = cli.main(argv)
+    except Exception:  # noqa: BLE001 - a planted regression may end in a traceback
+        code = None
+    err = capsys.readouterr().err.strip()
+    held = code == 2 and len(err.splitlines()) == 1 and err.isprintable()
+    held &= {
+        "quoting": "\\x1b[2J" in err,
+        "output path": "is a folder" in err,
+        "guarded reader": "permission denied" in err,
+        "schema": "line 2: column best_test_mse" in err,
+    }[guard]
+    assert held is not planted, (guard, planted, code, err)
+
+
+def per_seed_rows() -> list[list[str]]:
+    import gzip
+
+    with gzip.open("docs/results/baselines/zoo-v1-aa/per-seed.csv.gz", "rt") as f:
+        return [f.readline().rstrip("\n").split(",") for _ in range(2)]
+
+
 def test_stdout_on_a_full_device_is_the_output_not_the_cells(capsys, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
