@@ -75,15 +75,7 @@ def is_csv(path: Path) -> bool:
     return Path(path).name.endswith((".csv", ".csv.gz"))
 
 
-MSES = (
-    "best_train_mse",
-    "best_test_mse",
-    "test_at_best_train",
-    "source_train_mse",
-    "source_test_mse",
-    "source_test_mse_after",
-    "val_at_best_train",
-)
+MSES = results.MSES
 COUNTS = ("best_train_epoch", "best_test_epoch", "diverged_epoch", "trainable_params", "total_params", "wall_time_s")
 KEY = ["arch", "budget", "backbone_init", "function", "method", "seed", "lr"]  # one row per key: one config per rate
 

@@ -39,6 +39,17 @@ from qlbench.records import schema
 from qlbench.records.record import SCHEMA  # noqa: F401  (results.SCHEMA: the version records are written at)
 from qlbench.records.store import DamagedFile, Store, load_torch, read_json
 
+# the MSE columns of the frame (and of the per-seed CSV, per_seed.SCHEMA): floats, inf for a diverged seed's best
+MSES = (
+    "best_train_mse",
+    "best_test_mse",
+    "test_at_best_train",
+    "source_train_mse",
+    "source_test_mse",
+    "source_test_mse_after",
+    "val_at_best_train",
+)
+
 GIT_COLUMNS = ("commit", "dirty")  # the loaders' columns of a record's git info (`git_fields`)
 
 
@@ -225,16 +236,7 @@ def load(paths_or_root, on_damaged=None) -> pd.DataFrame:
                 }
             )
     frame = pd.DataFrame(rows)
-    for col in (
-        "best_train_mse",
-        "best_test_mse",
-        "test_at_best_train",
-        "source_train_mse",
-        "source_test_mse",
-        "source_test_mse_after",
-        "val_at_best_train",
-        "lr",
-    ):
+    for col in (*MSES, "lr"):
         if col in frame:
             frame[col] = frame[col].astype(float)
     if "status" in frame:  # a diverged seed's best values are inf, as every table counts them (not its last finite)
