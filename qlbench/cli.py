@@ -35,6 +35,7 @@ from qlbench.commands import signal as signal_command
 from qlbench.commands import suites as suites_command
 from qlbench.commands import verify as verify_command
 from qlbench.inputs import Refused
+from qlbench.records.store import Unreadable
 
 # run registers run and sweep
 COMMANDS = (
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdout is not None:  # None where stdout is closed (`>&-`): the records are the output
             sys.stdout.flush()  # a reader that left (`| head`) fails here, in the handlers below, not in Python's exit
         return code
-    except (UsageError, Refused) as err:
+    except (UsageError, Refused, Unreadable) as err:
         message = printable(str(err))  # user text in it (a name, a path) stays one line, no escape sequences
         print(f"qlbench {args.command}: error: {message}" if args else f"qlbench: error: {message}", file=sys.stderr)
         return 2

@@ -100,6 +100,7 @@ LAYERS = [
         "qlbench.experiments.suite_tasks",
         "qlbench.cost",
         "qlbench.experiments.pareto_stack",
+        "qlbench.experiments.grid",
     ],
     [
         "qlbench.metrics.stats",

@@ -35,8 +35,6 @@ from pathlib import Path
 
 import torch
 
-from qlbench.inputs import Refused
-
 
 def stable_hash(obj) -> str:
     """16 hex digits of sha256 over canonical JSON: the same config gives the same hash in every process."""
@@ -255,9 +253,10 @@ class DamagedFile(ValueError):
     """A file that exists but cannot be read (truncated, empty, not what it should hold)."""
 
 
-class Unreadable(Refused):
+class Unreadable(Exception):
     """A file this process may not read (its mode or owner): not damage, so it is neither set aside nor replaced; the
-    command line prints the message as one line and exits 2."""
+    command line prints the message as one line and exits 2 (as for inputs.Refused). Not a ValueError, so that no
+    handler of bad values in between can take it for one."""
 
     def __init__(self, path: Path):
         super().__init__(f"cannot read {path}: permission denied (its mode or owner); make it readable or move it away")
