@@ -81,8 +81,9 @@ def test_the_example_package_is_compared_with_the_committed_baselines(monkeypatc
     committed baselines and prints its test across functions against LoRA and its rank."""
     monkeypatch.syspath_prepend(str(EXAMPLE))
     out = tmp_path / "results"
-    argv = ["run", "--function", "matyas", "--arch", "deep-narrow", "--budget", "quick", "--backbone-init", "kaiming"]
-    argv += ["--seeds", "1", "--methods", "qlbench_example:METHOD", "--out", str(out), "--no-progress"]
+    # on the protocol's shipped backbones: compare pairs records with the baselines only on the same networks
+    argv = ["run", "--protocol", "zoo-v1", "--function", "matyas", "--seeds", "1"]
+    argv += ["--methods", "qlbench_example:METHOD", "--out", str(out), "--no-progress"]
     assert cli.main([*argv, "--threads", "1"]) == 0, capsys.readouterr().err
     capsys.readouterr()
     assert cli.main(["compare", str(out)]) == 0, capsys.readouterr().err
