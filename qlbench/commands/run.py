@@ -192,14 +192,14 @@ def run(args, functions: list[str] | None) -> int:
     runs = []
     # a learning-rate grid gives every method the same trials, method by method, so that a grid stopped part way has
     # whole methods: here each method's rates as one stack (experiments/grid.py), on Ray one rate after another
-    groups = [methods] if rates is None else [[m] for m in (methods or adapters.DEFAULT_METHODS)]
-    if len(groups) > 1:  # every method checked before the first trains
-        with usage_errors():
-            experiment.plan(functions, methods, protocol=settings[0], overrides=overrides, execution=execution)
     if rates is not None and len(rates) > 1 and executor == "local":  # each method's whole grid as one stack
         kwargs = [dict(functions=functions, methods=methods, protocol=one, overrides=overrides) for one in settings]
-        runs = _train_grid(args, kwargs, execution, bench, log)
+        runs = _train_grid(args, kwargs, execution, bench, log)  # every rate's plan checked before any work
     else:
+        groups = [methods] if rates is None else [[m] for m in (methods or adapters.DEFAULT_METHODS)]
+        if len(groups) > 1:  # every method checked before the first trains
+            with usage_errors():
+                experiment.plan(functions, methods, protocol=settings[0], overrides=overrides, execution=execution)
         for group in groups:
             for one in settings:
                 kwargs = dict(functions=functions, methods=group, protocol=one, overrides=overrides)

@@ -46,7 +46,7 @@ class MemberRates(torch.optim.AdamW):
             weight_decay=g0["weight_decay"],
             foreach=True,
         )
-        self.rates, self.runs, self.groups = list(rates), runs(rates), groups
+        self.runs, self.groups = runs(rates), groups
 
     @torch.no_grad()
     def step(self, closure=None):
