@@ -7,8 +7,8 @@ receives one member of the backbone as a plain module whose target linears are `
 this). qlbench builds that once per member, each under its own seed, and trains the E results as one stack:
 
 - stacked: every member's tensors are stacked into (E, ...) parameters (torch.func.stack_module_state's layout) and
-  the forward is `vmap` over `functional_call` of one member's module, one batched computation;
-- looped: the same (E, ...) parameters, and a Python loop calls `functional_call` with member e's slices. Used when
+  the forward is `vmap` over a functional call of one member's module (`MemberStack._call`), one batched computation;
+- looped: the same (E, ...) parameters, and a Python loop makes the functional call with member e's slices. Used when
   vmap cannot run the method's code (random ops, in-place index writes, `.data`, an autograd.Function without a
   vmap rule) or gives other numbers than the loop on a probe batch; the reason is kept (`MemberStack.path`) and
   recorded (run_info.settings.member_path).
@@ -24,7 +24,7 @@ import warnings
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from qlbench import stacked
 from qlbench.adapters.base import Method
@@ -102,7 +102,7 @@ class MemberStack(nn.Module):
 
     def __init__(self, members: list[nn.Module], strip: str, n_layers: int, targets: list):
         super().__init__()
-        self.__dict__["template"], self.__dict__["_cached"] = members[0], None
+        self.__dict__["template"], self.__dict__["_cached"], self.__dict__["_slots"] = members[0], None, None
         self.n_layers, self._targets, self.shared = n_layers, targets, nn.ModuleDict()
         self.names: list[tuple[str, str]] = []  # (name here, name in the template)
         tensors = lambda m: {**dict(m.named_parameters()), **dict(m.named_buffers())}
@@ -127,25 +127,56 @@ class MemberStack(nn.Module):
             self.__dict__["_cached"] = {theirs: mine[here] for here, theirs in self.names}
         return self._cached
 
+    def _places(self) -> list[list[tuple[dict, str]]]:
+        """Per name in `names` (its order), every slot of the template that holds that tensor: (the owning module's
+        `_parameters` or `_buffers` dict, key). A tensor shared by two modules (tied) has two slots, and both take
+        the member's value, as torch.func.functional_call unties. Found once, not at every forward."""
+        if self._slots is None:
+            where: dict[int, dict[tuple[int, str], tuple[dict, str]]] = {}  # tensor -> its distinct slots
+            for module in self.template.modules():  # each module once, however often it is reachable
+                for table in (module._parameters, module._buffers):
+                    for key, t in table.items():
+                        if t is not None:
+                            where.setdefault(id(t), {})[id(table), key] = (table, key)
+            mine = {**dict(self.template.named_parameters()), **dict(self.template.named_buffers())}
+            self.__dict__["_slots"] = [list(where[id(mine[theirs])].values()) for _, theirs in self.names]
+        return self._slots
+
+    def _call(self, values: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The template's forward with `values` (one per name in `names`, member-shaped) in its slots: what
+        `functional_call` does, without finding the slots again at every call (a member stack calls it at every
+        step, under vmap). The template's own tensors are back in place when it returns or raises."""
+        places = self._places()
+        saved = [[table[key] for table, key in slots] for slots in places]
+        try:
+            for slots, v in zip(places, values):
+                for table, key in slots:
+                    table[key] = v
+            return self.template(x)
+        finally:
+            for slots, old in zip(places, saved):
+                for (table, key), t in zip(slots, old):
+                    table[key] = t
+
     def forward(self, x: torch.Tensor, instruction=None, ctx=None, task=None) -> torch.Tensor:
         """x (E, N, 2) -> (E, N); instructions and tasks are not read (a member method is one static model)."""
         return self.stacked(x) if self.path == "stacked" else self.looped(x)
 
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
-        one = lambda state, xe: functional_call(self.template, state, (xe,))  # xe (1, N, 2) -> (1, N)
-        return vmap(one)(self._state(), x.unsqueeze(1)).squeeze(1)  # (E, N)
+        values = list(self._state().values())  # in `names` order, each (E, ...)
+        return vmap(self._call)(values, x.unsqueeze(1)).squeeze(1)  # xe (1, N, 2) -> (1, N); out (E, N)
 
     def looped(self, x: torch.Tensor) -> torch.Tensor:
-        state = self._state()
-        one = lambda e: functional_call(self.template, {k: v[e] for k, v in state.items()}, (x[e : e + 1],))
-        return torch.cat([one(e) for e in range(len(x))])  # (E, N)
+        values = list(self._state().values())
+        return torch.cat([self._call([v[e] for v in values], x[e : e + 1]) for e in range(len(x))])  # (E, N)
 
     def train(self, mode: bool = True):
         self.template.train(mode)
         return super().train(mode)
 
     def _apply(self, fn, recurse=True):
-        self.__dict__["template"], self.__dict__["_cached"] = self.template._apply(fn, recurse), None
+        template = self.template._apply(fn, recurse)
+        self.__dict__["template"], self.__dict__["_cached"], self.__dict__["_slots"] = template, None, None
         return super()._apply(fn, recurse)
 
     def probe(self, d_in: int) -> str:
@@ -157,7 +188,7 @@ class MemberStack(nn.Module):
         x = torch.randn(like.shape[0], 3, d_in, generator=g, dtype=torch.float64).to(like.device, like.dtype)
         trainable = [p for p in self.parameters() if p.requires_grad]
         template = self.template  # vmap runs on a copy: a failed run may leave batched tensors in module state
-        self.__dict__["template"] = copy.deepcopy(template)
+        self.__dict__["template"], self.__dict__["_slots"] = copy.deepcopy(template), None
         try:
             got = self.stacked(x)
             torch.autograd.grad(got.sum(), trainable, allow_unused=True)
@@ -165,7 +196,7 @@ class MemberStack(nn.Module):
             first = str(err).splitlines()[0].split(". ")[0][:100] if str(err) else ""
             return f"looped: vmap failed ({type(err).__name__}: {first})"
         finally:
-            self.__dict__["template"] = template
+            self.__dict__["template"], self.__dict__["_slots"] = template, None
         with torch.no_grad():
             want = self.looped(x)
         gap = float((got.detach() - want).abs().max() / want.abs().max().clamp_min(1e-12))
