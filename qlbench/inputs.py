@@ -15,7 +15,7 @@ from pathlib import Path
 
 class Refused(Exception):
     """Input refused once read, before any training: a results folder whose finished record was made from another
-    version of a card (records.runner.finished). The command line prints its message as one line and exits 2, as
+    version of a card (experiments.runner.finished). The command line prints its message as one line and exits 2, as
     for a bad option; not a ValueError, so that no handler of bad values in between can take it for one."""
 
 

@@ -30,9 +30,8 @@ from pathlib import Path
 import torch
 
 from qlbench import adapters, engine, zoo
-from qlbench.experiments import experiment
+from qlbench.experiments import experiment, runner
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
-from qlbench.records import runner
 
 INSTALL = "pip install 'qlbench[ray]'"
 RETRIES = 1  # times Ray re-runs a task whose worker or node died (an exception raised by a task is never retried)

@@ -17,15 +17,61 @@ command line's defaults.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from qlbench import adapters, engine, zoo
 from qlbench.backbones import ARCHS, DEFAULT_INIT, check_init
-from qlbench.experiments.planning import check_at_once, check_settings, check_snapshot_every, seed_count
 
 SWITCHES = ("auto", "on", "off")  # --compile and --capture
 MAX_LR = 1.0  # an adaptation learning rate above it is a typo, not a setting
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def check_settings(*, eps=None, dtype: str | None = None, threads=None) -> None:
+    """The optimiser's epsilon, the dtype and the thread count (those given), as every plan validates them
+    (ValueError)."""
+    bad_eps = isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0)
+    if eps is not None and bad_eps:
+        raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+
+
+def check_snapshot_every(value) -> None:
+    """ValueError (one line) unless `value` is None (no snapshots) or a finite number of seconds >= 0."""
+    ok = value is None or (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf)
+    if not ok:
+        raise ValueError(f"--snapshot-every must be a number of seconds >= 0, or off; got {value!r}")
+
+
+def check_at_once(methods_at_once, compile: str) -> None:
+    """ValueError naming the valid values unless `methods_at_once` is "auto" or an integer >= 1 that `compile`
+    allows: torch.compile is not used with stacks trained at once (its caches are the process's, and each training
+    run resets them)."""
+    if methods_at_once == "auto":
+        return
+    if isinstance(methods_at_once, bool) or not isinstance(methods_at_once, int) or methods_at_once < 1:
+        raise ValueError(f"methods at once must be an integer >= 1 or auto, got {methods_at_once!r}")
+    if methods_at_once > 1 and compile == "on":
+        raise ValueError(
+            "--compile on trains one method at a time (torch.compile's caches are the process's); "
+            "valid with --methods-at-once above 1: --compile auto or off"
+        )
+
+
+def seed_count(budget: engine.Budget, seeds: int | None) -> int:
+    """The number of seeds: the budget's, or `seeds` (an integer >= 1; ValueError otherwise)."""
+    n = budget.seeds if seeds is None else seeds
+    if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"seeds must be an integer >= 1, got {n!r}")
+    return n
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,8 +13,7 @@ from scipy.stats import norm
 
 from qlbench import diagnostics, engine
 from qlbench.backbones import GELU_GAIN, build_backbone
-from qlbench.experiments import adapted, experiment, multitask
-from qlbench.records import runner
+from qlbench.experiments import adapted, experiment, multitask, runner
 from qlbench.records.store import Store
 from qlbench.settings import Execution, Protocol
 

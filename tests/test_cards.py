@@ -1,5 +1,5 @@
 """A card edited in place is found out (zoo.card_digest, suites.cards): a finished record made from another version
-of its card is refused in one line before any training (records/runner.py), a cached backbone pretrained on another
+of its card is refused in one line before any training (experiments/runner.py), a cached backbone pretrained on another
 version is set aside and retrained (engine/cache.py), and `compare` refuses a record made from another version than
 the protocol's (protocols.py)."""
 

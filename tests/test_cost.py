@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from qlbench import adapters, cost, report
-from qlbench.experiments import experiment
-from qlbench.records import results, runner
+from qlbench.experiments import experiment, runner
+from qlbench.records import results
 from qlbench.report import tables
 from qlbench.settings import Execution, Protocol
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from qlbench import adapters, cli, engine
-from qlbench.experiments import experiment, multitask
-from qlbench.records import results, runner
+from qlbench.experiments import experiment, multitask, runner
+from qlbench.records import results
 from qlbench.settings import Execution, Protocol
 
 from helpers import SYNCING

@@ -13,8 +13,7 @@ from scipy import stats as sps
 
 from qlbench import cli, diagnostics, report, zoo
 from qlbench.adapters import queryable
-from qlbench.experiments import experiment
-from qlbench.records import runner
+from qlbench.experiments import experiment, runner
 from qlbench.settings import Execution, Protocol
 from qlbench.theory import tracing
 

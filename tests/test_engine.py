@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from qlbench import adapters, engine, zoo
-from qlbench.experiments import adapted, experiment
-from qlbench.records import results, runner
+from qlbench.experiments import adapted, experiment, runner
+from qlbench.records import results
 from qlbench.records.store import Store
 from qlbench.seeding import generator
 from qlbench.settings import Execution, Protocol

@@ -14,8 +14,8 @@ import torch
 
 from qlbench import adapters, engine, gradients
 from qlbench.backbones import DeepNarrowMLP, RegressionTransformer
-from qlbench.experiments import experiment
-from qlbench.records import results, runner
+from qlbench.experiments import experiment, runner
+from qlbench.records import results
 from qlbench.seeding import generator
 from qlbench.settings import Execution, Protocol
 

@@ -93,7 +93,7 @@ LAYERS = [
     [
         "qlbench.experiments.planning",
         "qlbench.settings",
-        "qlbench.records.runner",
+        "qlbench.experiments.runner",
         "qlbench.protocols",
         "qlbench.experiments.experiment",
         "qlbench.experiments.adapted",
@@ -131,7 +131,7 @@ FOLDERS = {"qlbench", "qlbench.records", "qlbench.experiments", "qlbench.metrics
 
 def layer_of(module: str) -> int:
     """The index in LAYERS of a module or of the package it belongs to; KeyError for one LAYERS does not place."""
-    for i, layer in enumerate(LAYERS):  # a module named on its own first (qlbench.records.runner)
+    for i, layer in enumerate(LAYERS):  # a module named on its own first (qlbench.experiments.runner)
         if module in layer:
             return i
     for i, layer in enumerate(LAYERS):  # then the package it belongs to (qlbench.engine.loop)
@@ -295,3 +295,17 @@ def test_library_code_names_no_device_a_figure_was_measured_on():
     a comment says why, and links there."""
     named = [module_name(p) for p in ROOT.rglob("*.py") if any(d in p.read_text() for d in ("H200", "H100", "A100"))]
     assert named == []
+
+
+def test_records_is_storage_that_imports_no_experiment():
+    """records/ stores and reads records; what trains them (the runner, the workloads) lives in experiments/, and the
+    arrow points one way (docs/design.md)."""
+    graph = import_graph()
+    storage = {m: sorted(d for d in deps if d.startswith("qlbench.experiments")) for m, deps in graph.items()}
+    assert {m: d for m, d in storage.items() if m.startswith("qlbench.records") and d} == {}
+    assert "qlbench.experiments.runner" in graph and not any(m.endswith(".runner") for m in graph if "records" in m)
+
+
+def test_settings_import_nothing_that_plans():
+    """The settings objects and their checks sit below every plan: settings.py imports no module of experiments/."""
+    assert sorted(d for d in import_graph()["qlbench.settings"] if d.startswith("qlbench.experiments")) == []

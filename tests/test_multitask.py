@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 from qlbench import cli, inputs, suites, zoo
-from qlbench.experiments import ablation, multitask
+from qlbench.experiments import ablation, multitask, runner
 from qlbench.metrics import continual, suite_stats
-from qlbench.records import results, runner
+from qlbench.records import results
 
 from helpers import one_line_error, settings
 

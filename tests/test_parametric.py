@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from qlbench import adapters, engine, parametric, suites, text
-from qlbench.experiments import multitask, suite_tasks
+from qlbench.experiments import multitask, runner, suite_tasks
 from qlbench.metrics import continual, stats, suite_stats
-from qlbench.records import runner
 from qlbench.report import heldout
 from qlbench.settings import Execution, Protocol
 

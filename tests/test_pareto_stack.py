@@ -10,8 +10,8 @@ import torch
 
 from qlbench import cli
 from qlbench.adapters.routing import topk_softmax
-from qlbench.experiments import pareto, pareto_stack
-from qlbench.records import results, runner
+from qlbench.experiments import pareto, pareto_stack, runner
+from qlbench.records import results
 
 from helpers import settings
 

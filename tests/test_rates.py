@@ -121,8 +121,7 @@ def per_seed(paths) -> dict:
 
 
 def test_a_grid_run_writes_each_rates_own_records_and_resumes_from_them(tmp_path):
-    from qlbench.experiments import experiment, grid
-    from qlbench.records import runner
+    from qlbench.experiments import experiment, grid, runner
 
     plans = grid_plans(tmp_path / "grid")
     logged = []

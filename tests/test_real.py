@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("peft")
 
 from qlbench import cli  # noqa: E402
-from qlbench.experiments import real
-from qlbench.records import runner, store
+from qlbench.experiments import real, runner
+from qlbench.records import store
 from qlbench.settings import Execution
 
 # General knowledge, written here apart from qlbench/experiments/real.py's tables: the yes answers.
@@ -161,7 +161,7 @@ def test_lora_matched_is_lora_of_instruct_queryables_size():
 
 
 def test_the_runner_completes_a_record_keeps_its_seeds_and_leaves_a_locked_method(tmp_path, monkeypatch):
-    """real runs through qlbench.records.runner: a record missing seeds is completed (the seeds it held kept), a
+    """real runs through qlbench.experiments.runner: a record missing seeds is completed (the seeds it held kept), a
     damaged one is set aside and retrained, a method another process holds is left to it."""
     trained = []
 

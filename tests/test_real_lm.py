@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from qlbench.experiments import real_lm  # noqa: E402
-from qlbench.records import runner, store  # noqa: E402
+from qlbench.experiments import real_lm, runner  # noqa: E402
+from qlbench.records import store  # noqa: E402
 from qlbench.settings import Execution  # noqa: E402
 
 from helpers import one_line_error  # noqa: E402

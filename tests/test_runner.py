@@ -1,5 +1,5 @@
-"""The runner (qlbench/records/runner.py) on a toy workload: which units are finished, what it trains, what it leaves to
-another process; and its failure and cost wrappers."""
+"""The runner (qlbench/experiments/runner.py) on a toy workload: which units are finished, what it trains, what it
+leaves to another process; and its failure and cost wrappers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from qlbench.records import runner, store
+from qlbench.experiments import runner
+from qlbench.records import store
 from qlbench.settings import Execution, Protocol
 
 

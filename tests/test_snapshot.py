@@ -18,8 +18,8 @@ import torch
 from qlbench import adapters, cli, engine
 from qlbench.adapters.base import adamw
 from qlbench.engine import loop, snapshot
-from qlbench.experiments import experiment
-from qlbench.records import results, runner
+from qlbench.experiments import experiment, runner
+from qlbench.records import results
 from qlbench.records.store import Store
 
 from helpers import settings

@@ -168,8 +168,7 @@ def test_a_plan_wider_than_the_memory_trains_in_narrower_stacks_with_the_same_nu
     """With memory for two functions' stacks of three, a sweep trains a stack of two functions, then one: every
     cell's per-seed numbers equal those of the one-stack sweep, bit for bit; with memory for less than one
     function's seeds the plan is refused in one line."""
-    from qlbench.experiments import experiment, planning
-    from qlbench.records import runner
+    from qlbench.experiments import experiment, planning, runner
 
     kw = dict(functions=["matyas", "levy", "dropwave"], methods=["lora"], budget="smoke", seeds=2)
     whole = experiment.plan(**settings(**kw, threads=1, out_dir=tmp_path / "whole"))

@@ -281,8 +281,8 @@ def test_nearest_task_trains_as_lora_per_task_and_reports(tmp_path, capsys):
     import pandas as pd
 
     from qlbench import cli, parametric
-    from qlbench.experiments import multitask, suite_tasks
-    from qlbench.records import results, runner
+    from qlbench.experiments import multitask, runner, suite_tasks
+    from qlbench.records import results
 
     suite = parametric.suite_name(4, parametric.FIXED_N)
     p = multitask.plan(

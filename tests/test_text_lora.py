@@ -324,8 +324,8 @@ def test_text_lora_params_trains_and_reports(tmp_path, capsys):
     import pandas as pd
 
     from qlbench import cli, parametric
-    from qlbench.experiments import multitask, suite_tasks
-    from qlbench.records import results, runner
+    from qlbench.experiments import multitask, runner, suite_tasks
+    from qlbench.records import results
 
     p = multitask.plan(
         suite=f"{parametric.PREFIX}4",

@@ -8,9 +8,8 @@ import time
 
 from qlbench import text
 from qlbench.commands import UsageError, check_out, options, usage_errors
-from qlbench.experiments import ablation, planning
+from qlbench.experiments import ablation, planning, runner
 from qlbench.metrics import suite_stats
-from qlbench.records import runner
 from qlbench.settings import DEFAULT_PROTOCOL
 
 

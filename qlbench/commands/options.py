@@ -22,8 +22,8 @@ from pathlib import Path
 from qlbench import engine, protocols, zoo
 from qlbench.backbones import ARCHS, INITS
 from qlbench.commands import parse_overrides, path_arg, usage_errors
-from qlbench.experiments import multitask, planning
-from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, Execution, Protocol
+from qlbench.experiments import multitask
+from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, DTYPES, Execution, Protocol
 
 
 @dataclass(frozen=True)
@@ -176,9 +176,7 @@ TRAINING: dict[str, Option] = {
             "else PyTorch's default)",
         ),
     ),
-    "--dtype": Option(
-        "protocol", "dtype", dict(default=P.dtype, help=f"{' or '.join(planning.DTYPES)} (default {P.dtype})")
-    ),
+    "--dtype": Option("protocol", "dtype", dict(default=P.dtype, help=f"{' or '.join(DTYPES)} (default {P.dtype})")),
     "--eps": Option(
         "protocol",
         "eps",

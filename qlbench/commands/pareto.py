@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from qlbench.commands import UsageError, options, split_list, usage_errors
-from qlbench.experiments import pareto, pareto_stack, planning
-from qlbench.records import runner
+from qlbench.experiments import pareto, pareto_stack, planning, runner
 from qlbench.records.store import stable_hash
 from qlbench.report import pareto as pareto_report
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import sys
 
 from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
-from qlbench.experiments import real
+from qlbench.experiments import real, runner
 from qlbench.progress import bar
-from qlbench.records import runner
 from qlbench.report import real as real_report
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 
 from qlbench.commands import UsageError, check_out, options, split_list, usage_errors
-from qlbench.experiments import real_lm
+from qlbench.experiments import real_lm, runner
 from qlbench.progress import bar
-from qlbench.records import runner, store
+from qlbench.records import store
 
 
 def register(subparsers) -> None:

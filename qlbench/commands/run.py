@@ -13,8 +13,8 @@ import time
 from qlbench import adapters, instances, protocols, ray_executor, text, zoo
 from qlbench.commands import UsageError, options, split_list, usage_errors
 from qlbench.engine import cache
-from qlbench.experiments import experiment, grid, planning
-from qlbench.records import results, runner
+from qlbench.experiments import experiment, grid, planning, runner
+from qlbench.records import results
 from qlbench.records.store import DamagedFile, Store
 
 

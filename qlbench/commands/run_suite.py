@@ -8,9 +8,8 @@ import time
 from qlbench import suites
 from qlbench.backbones import DEFAULT_INIT
 from qlbench.commands import options, split_list, usage_errors
-from qlbench.experiments import multitask, planning
+from qlbench.experiments import multitask, planning, runner
 from qlbench.metrics import suite_stats
-from qlbench.records import runner
 
 
 def register(subparsers) -> None:

@@ -61,7 +61,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from qlbench import verify
-    from qlbench.records import runner
+    from qlbench.experiments import runner
 
     log = lambda message: print(message, file=sys.stderr, flush=True)
     if args.peft is not None:

@@ -10,9 +10,9 @@ import torch
 
 from qlbench import adapters, engine, zoo
 from qlbench.backbones import DEFAULT_INIT
-from qlbench.experiments.planning import DTYPES
 from qlbench.records import results
 from qlbench.records.store import DamagedFile, Store, load_torch, set_aside
+from qlbench.settings import DTYPES
 
 
 def trainable_state(model: torch.nn.Module, rows: list[int]) -> dict[str, torch.Tensor]:

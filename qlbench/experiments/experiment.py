@@ -20,9 +20,8 @@ from pathlib import Path
 from qlbench import adapters, cost, engine, instances, protocols, zoo
 from qlbench.adapters import member, outside
 from qlbench.backbones import DEFAULT_INIT
-from qlbench.experiments import adapted
+from qlbench.experiments import adapted, runner
 from qlbench.experiments.planning import (
-    DTYPES,
     Resolved,
     cells_per_stack,
     check_overrides,
@@ -33,14 +32,14 @@ from qlbench.experiments.planning import (
     resolve_at_once,
 )
 from qlbench.progress import bar as progress_bar  # `progress` is the functions' on/off argument
-from qlbench.records import record, results, runner
+from qlbench.records import record, results
 from qlbench.records.store import (
     Store,
     save_torch,
     stable_hash,
     write_json,
 )
-from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, Execution, Protocol
+from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, DTYPES, Execution, Protocol
 
 
 @dataclass(kw_only=True)

@@ -17,10 +17,9 @@ from pathlib import Path
 
 from qlbench import adapters, engine, zoo
 from qlbench.adapters.base import Method
-from qlbench.experiments import adapted, experiment
+from qlbench.experiments import adapted, experiment, runner
 from qlbench.experiments.experiment import Plan
 from qlbench.progress import bar as progress_bar
-from qlbench.records import runner
 
 Unit = tuple[float, str, str]  # (learning rate, method, function)
 

@@ -19,13 +19,13 @@ import torch
 from qlbench import adapters, cost, engine, parametric, suites, zoo
 from qlbench.adapters import member, queryable
 from qlbench.adapters.base import isolate_tasks
-from qlbench.experiments import planning, suite_tasks
+from qlbench.experiments import planning, runner, suite_tasks
 from qlbench.experiments.suite_tasks import PARAMETER_SOURCE
 from qlbench.progress import bar as progress_bar
-from qlbench.records import record, runner
+from qlbench.records import record
 from qlbench.records.store import Store, stable_hash, write_json
 from qlbench.seeding import generator
-from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, Execution, Protocol
+from qlbench.settings import DEFAULT_EXECUTION, DEFAULT_PROTOCOL, DTYPES, Execution, Protocol
 
 SCHEDULES = ("joint", "sequential", "held-out")
 # the instruction-router ablation's structural variants: instruct-queryable's settings, run on one function
@@ -165,7 +165,7 @@ class SuitePlan(planning.Resolved):
     @property
     def backbones(self) -> engine.Backbones:
         """The suite's backbones: trained on its card's standardised source (members (suite card, seed))."""
-        dtype = planning.DTYPES[self.dtype]
+        dtype = DTYPES[self.dtype]
         return engine.Backbones(self.arch, self.budget.pretrain, dtype, self.backbone_init, source="suite")
 
     def pretrain(self, **kwargs) -> engine.Pretrained:
@@ -307,7 +307,7 @@ def adapt(p: SuitePlan, row: str, pre: engine.Pretrained, progress=None) -> dict
     """Train one row on every stage and evaluate; returns per-member results (lists, E first) and counts."""
     name, _ = method_of(row)
     method, config = adapters.get(name), p.configs[row]
-    dtype, T = planning.DTYPES[p.dtype], len(p.suite.tasks)
+    dtype, T = DTYPES[p.dtype], len(p.suite.tasks)
     members = pre.members
     if len(engine.padded(members)) > len(members):  # as engine.adapt: no stack narrower than MIN_STACK
         pre = pre.select(engine.padded(members))
@@ -388,7 +388,7 @@ def measure_cost(p: SuitePlan, row: str, pre: engine.Pretrained, log) -> dict | 
     """The row's cost (qlbench/cost.py) on the suite's first member: a fresh one-member model, its instruction
     table bound, beside the frozen backbone, on every task's data. None, said through `log`, if it fails."""
     name, _ = method_of(row)
-    method, config, dtype = adapters.get(name), p.configs[row], planning.DTYPES[p.dtype]
+    method, config, dtype = adapters.get(name), p.configs[row], DTYPES[p.dtype]
 
     def measure() -> dict:
         one = pre.select(pre.members[:1])

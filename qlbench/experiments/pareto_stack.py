@@ -8,7 +8,7 @@ for bit, since every member's initialisation, data, order and arithmetic are its
 A GPU runs a stack of 4 points at about the cost of one; on the CPU a wider stack also trains more member-steps per
 second (docs/speed.md).
 
-It is a runner workload (qlbench/records/runner.py): a unit is a point, its record the point's plan's cell record, so a
+It is a runner workload (experiments/runner.py): a unit is a point, its record the point's plan's cell record, so a
 grid resumes point by point and a stacked run and a point run alone find each other's records.
 """
 
@@ -21,9 +21,8 @@ from pathlib import Path
 import torch.nn as nn
 
 from qlbench import adapters, engine, zoo
-from qlbench.experiments import experiment
+from qlbench.experiments import experiment, runner
 from qlbench.progress import bar as progress_bar
-from qlbench.records import runner
 
 
 def member_top_k(model: nn.Module, ks: tuple[int, ...]) -> None:

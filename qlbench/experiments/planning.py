@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 from pathlib import Path
 
@@ -16,9 +15,7 @@ from qlbench import adapters, engine, stacked, zoo
 from qlbench.backbones import DEFAULT_INIT, build_backbone
 from qlbench.records.store import check_writable
 from qlbench.seeding import generator
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
+from qlbench.settings import DTYPES
 
 FLOAT32_EPS_FLOOR = 1e-20  # below it, in float32, Adam's v = g^2 underflows for the tiny gradients eps matters for
 
@@ -40,46 +37,12 @@ def caveats(plan) -> list[str]:
     return out
 
 
-def check_settings(*, eps=None, dtype: str | None = None, threads=None) -> None:
-    """The optimiser's epsilon, the dtype and the thread count (those given), as every plan validates them
-    (ValueError)."""
-    bad_eps = isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0)
-    if eps is not None and bad_eps:
-        raise ValueError(f"eps (the optimiser's epsilon) must be a finite number > 0, got {eps!r}")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
-
-
 # Where `--methods-at-once auto` trains every method's stack at once: on CUDA, the backbones whose captured steps are
 # bound by launching small kernels (on a data-centre GPU, deep-narrow's nine trained methods at the paper's 45
 # members run x1.35 faster at once, its quick sweep and quick run take x0.74 and x0.61 of the time, records
 # identical; measured: docs/speed.md). The Transformer's steps keep the device busy (92 to 98%), so it trains one
 # stack at a time.
 AT_ONCE_ARCHS = ("deep-narrow",)
-
-
-def check_snapshot_every(value) -> None:
-    """ValueError (one line) unless `value` is None (no snapshots) or a finite number of seconds >= 0."""
-    ok = value is None or (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf)
-    if not ok:
-        raise ValueError(f"--snapshot-every must be a number of seconds >= 0, or off; got {value!r}")
-
-
-def check_at_once(methods_at_once, compile: str) -> None:
-    """ValueError naming the valid values unless `methods_at_once` is "auto" or an integer >= 1 that `compile`
-    allows: torch.compile is not used with stacks trained at once (its caches are the process's, and each training
-    run resets them)."""
-    if methods_at_once == "auto":
-        return
-    if isinstance(methods_at_once, bool) or not isinstance(methods_at_once, int) or methods_at_once < 1:
-        raise ValueError(f"methods at once must be an integer >= 1 or auto, got {methods_at_once!r}")
-    if methods_at_once > 1 and compile == "on":
-        raise ValueError(
-            "--compile on trains one method at a time (torch.compile's caches are the process's); "
-            "valid with --methods-at-once above 1: --compile auto or off"
-        )
 
 
 def resolve_at_once(methods_at_once, arch: str, device: torch.device, methods: int, compile: str, local: bool) -> int:
@@ -148,14 +111,6 @@ def make_config(unit: str, method: str, settings: dict) -> object:
         return adapters.get(method).make_config(**settings)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{unit}: {err}") from None
-
-
-def seed_count(budget: engine.Budget, seeds: int | None) -> int:
-    """The number of seeds: the budget's, or `seeds` (an integer >= 1; ValueError otherwise)."""
-    n = budget.seeds if seeds is None else seeds
-    if isinstance(n, bool) or not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"seeds must be an integer >= 1, got {n!r}")
-    return n
 
 
 def check_overrides(overrides: dict | None, methods: list[str], reserved: dict[str, str] | None = None) -> dict:

@@ -41,7 +41,8 @@ import torch.nn as nn
 from qlbench import engine, instructions
 from qlbench.adapters.base import check_positive_int
 from qlbench.adapters.lora_matched import nearest_rank
-from qlbench.records import record, runner, store
+from qlbench.experiments import runner
+from qlbench.records import record, store
 from qlbench.settings import DEFAULT_EXECUTION, Execution
 
 # Each task: its instruction, the sentence slot it asks about, and that slot's words with their yes/no answers.

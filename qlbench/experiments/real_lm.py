@@ -55,8 +55,9 @@ import torch.nn as nn
 
 from qlbench import engine, instructions, text
 from qlbench.adapters.base import check_positive_int
+from qlbench.experiments import runner
 from qlbench.metrics import stats
-from qlbench.records import record, results, runner, store
+from qlbench.records import record, results, store
 from qlbench.settings import DEFAULT_EXECUTION, Execution
 
 PAD, BOS, SEP, EOS, FIRST = 0, 1, 2, 3, 4  # FIRST: the letter a; letters a..h are FIRST..FIRST+7
