@@ -280,9 +280,17 @@ def separation_line(board_: pd.DataFrame, base: pd.DataFrame, metric: str) -> st
     from both sides) and Demšar's test on the same frame (board.nemenyi)."""
     n, apart = len(board_), int(board_["told_apart"].sum()) // 2
     nem = board.nemenyi(base, metric)
-    return (
+    told = (
         f"Pairs told apart: {apart} of {n * (n - 1) // 2} (t-test over tasks of the per-task mean log "
-        f"ratio, Holm over every pair); Demšar's Nemenyi test on mean ranks: {nem['apart']} of {nem['pairs']} "
+        f"ratio, Holm over every pair); "
+    )
+    if nem["friedman_p"] is None:
+        return told + (
+            f"Demšar's Nemenyi test: not run ({nem['methods']} trained methods; Friedman's test needs "
+            f"{board.MIN_FRIEDMAN})."
+        )
+    return told + (
+        f"Demšar's Nemenyi test on mean ranks: {nem['apart']} of {nem['pairs']} "
         f"(critical difference {nem['cd']:.1f} places over {nem['tasks']} tasks; Friedman p {nem['friedman_p']:.3g}, "
         f"Kendall's W {nem['kendall_w']:.2f})."
     )
@@ -376,7 +384,7 @@ def leaderboard_markdown(
             f"# Leaderboard: {protocol.name}",
             "",
             f"Protocol {protocol.name}: {protocol.arch}, {protocol.backbone_init} backbone init, budget "
-            f"{protocol.budget}, {protocol.dtype}, the nine functions ({functions}), seeds "
+            f"{protocol.budget}, {protocol.dtype}, {len(protocol.functions)} tasks ({functions}), seeds "
             f"{protocol.seeds[0]}-{protocol.seeds[-1]}. Metric: {stats.metric(metric).label}.",
             "",
             "× LoRA: the geometric-mean MSE ratio to LoRA over the finite (function, seed) pairs (both trained without "

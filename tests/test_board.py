@@ -91,6 +91,18 @@ def test_nemenyi_on_the_zoo_v1_baselines_gives_the_reviewers_numbers():
     assert round(n["friedman_p"], 3) == 0.047 and round(n["kendall_w"], 2) == 0.15 and round(n["cd"], 1) == 23.8
 
 
+def test_a_board_of_fewer_than_three_trained_methods_skips_friedman_and_says_why():
+    """A board still being built (LoRA and its A/A twin beside the references): Friedman's test is not defined for
+    two methods (scipy refuses), so the separation line says it was not run and why; the pairwise count stands."""
+    f = zoo(6, 5, {"lora": 1.0, "twin": 1.0, "frozen": 3.0, "mean": 4.0})
+    n = board.nemenyi(f)
+    assert (n["methods"], n["pairs"], n["friedman_p"], n["cd"], n["apart"]) == (2, 1, None, None, None)
+    line = compare.separation_line(compare.leaderboard(f), f, "test-at-best-train")
+    assert "Pairs told apart: 0 of 1" in line and "not run (2 trained methods; Friedman's test needs 3)" in line
+    three = board.nemenyi(zoo(6, 5, {"lora": 1.0, "twin": 1.0, "a": 0.5, "frozen": 3.0, "mean": 4.0}))
+    assert three["friedman_p"] is not None and three["pairs"] == 3
+
+
 def test_the_power_of_the_task_t_test_matches_a_simulation():
     rng = np.random.default_rng(0)
     n, effect, sd = 12, math.log(1.1), 0.12

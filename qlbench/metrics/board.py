@@ -149,14 +149,22 @@ def separation(frame: pd.DataFrame, metric: str = "test-at-best-train", methods=
     return out
 
 
+MIN_FRIEDMAN = 3  # trained methods Friedman's test compares at the least (scipy refuses fewer)
+
+
 def nemenyi(frame: pd.DataFrame, metric: str = "test-at-best-train") -> dict:
     """Demšar's (2006) Friedman test and Nemenyi critical difference on the trained methods' places per task (by
-    inf-aware mean over the seeds every method has): {methods, tasks, friedman_p, kendall_w, cd, pairs, apart}."""
+    inf-aware mean over the seeds every method has): {methods, tasks, friedman_p, kendall_w, cd, pairs, apart}.
+    Friedman's test needs at least MIN_FRIEDMAN methods: with fewer (a board still being built), the test's entries
+    are None."""
     table = score_table(frame, metric)
     methods = [m for m in table.columns if m not in stats.REFERENCE]
     means = table[methods].dropna().groupby(level="function").mean()  # (tasks, methods)
     ranks = means.rank(axis=1, method="average")
     k, n = len(methods), len(means)
+    if k < MIN_FRIEDMAN:
+        return {"methods": k, "tasks": n, "friedman_p": None, "kendall_w": None, "cd": None,
+                "pairs": k * (k - 1) // 2, "apart": None}  # fmt: skip
     chi2 = sps.friedmanchisquare(*means.to_numpy().T)
     w = chi2.statistic / (n * (k - 1))
     q = sps.studentized_range.ppf(1 - stats.ALPHA, k, 1e6) / math.sqrt(2)  # df -> infinity
