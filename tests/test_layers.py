@@ -291,7 +291,7 @@ def test_no_module_is_over_five_hundred_lines():
 
 
 def test_library_code_names_no_device_a_figure_was_measured_on():
-    """Measured figures and the devices they came from live in docs/speed.md (dated, in one table), not in code:
+    """Measured figures and the devices they came from live in docs/speed.md (one table per device), not in code:
     a comment says why, and links there."""
     named = [module_name(p) for p in ROOT.rglob("*.py") if any(d in p.read_text() for d in ("H200", "H100", "A100"))]
     assert named == []

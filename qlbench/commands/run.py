@@ -200,10 +200,19 @@ def run(args, functions: list[str] | None) -> int:
         if len(groups) > 1:  # every method checked before the first trains
             with usage_errors():
                 experiment.plan(functions, methods, protocol=settings[0], overrides=overrides, execution=execution)
-        for group in groups:
-            for one in settings:
-                kwargs = dict(functions=functions, methods=group, protocol=one, overrides=overrides)
-                runs.append(_train(args, kwargs, execution, executor, bench, log))
+        with contextlib.ExitStack() as ray:  # a Ray runtime started here lives until the last plan has run
+            for group in groups:
+                for one in settings:
+                    kwargs = dict(functions=functions, methods=group, protocol=one, overrides=overrides)
+                    plan, cluster = _planned(args, kwargs, execution, executor, bench, log, ray)
+                    if cluster is None:
+                        paths = runner.run(plan, progress=not args.no_progress, log=log)
+                    else:
+                        retries = ray_executor.RETRIES if args.ray_retries is None else args.ray_retries
+                        paths = ray_executor.run(
+                            plan, group_size=args.group_size, retries=retries, progress=not args.no_progress, log=log
+                        )
+                    runs.append((plan, paths))
     by_lr = {}  # one table per rate, every method in it
     for plan, paths in runs:
         by_lr.setdefault(plan.budget.adapt.lr, (plan, []))[1].extend(paths)
@@ -248,51 +257,41 @@ def grid_rates(args, bench: protocols.Benchmark | None) -> list[float] | None:
     return [args.lr]
 
 
-def _train(args, kwargs: dict, execution, executor: str, bench, log):
-    """One plan of `run`, checked, trained (locally or on Ray) and its header printed; (plan, record paths)."""
-    with contextlib.ExitStack() as stack:
-        with usage_errors():
-            # every choice is checked before Ray starts; the device is resolved by the cluster's GPUs once it runs
-            plan = experiment.plan(
-                **kwargs, execution=dataclasses.replace(execution, cuda=None if executor == "local" else True)
-            )
-            if executor == "ray":
-                cluster = stack.enter_context(ray_executor.connect(args.ray_address))
-                plan = experiment.plan(**kwargs, execution=dataclasses.replace(execution, cuda=cluster.gpus > 0))
-                ray_executor.check(plan, cluster)
-        for caveat in planning.caveats(plan):
-            log(f"qlbench {args.command}: warning: {caveat}")
-        if bench is not None:
-            install_backbones(bench, plan, log)
-            subset = len(plan.functions) < len(bench.functions) or len(plan.seeds) < len(bench.seeds)
-            print(
-                f"qlbench {args.command}: under protocol {bench.name}, on its shipped backbones"
-                + (f" (a subset: {len(plan.functions)} of its {len(bench.functions)} functions, "
-                   f"{len(plan.seeds)} of its {len(bench.seeds)} seeds)" if subset else ""),
-                flush=True,
-            )  # fmt: skip
-        b = plan.budget
-        where = (
-            f"; executor ray ({cluster.cpus} CPU(s) on the largest node, {cluster.gpus} GPU(s))"
-            if executor == "ray"
-            else ""
-        )
-        print(
-            f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}"
-            f"{'' if plan.backbone_init == 'default' else f' ({plan.backbone_init} init)'}, budget {b.name} ("
-            f"{f'backbones of protocol {bench.name}' if bench else f'pretrain {b.pretrain.epochs} epochs'}, adapt "
-            f"{b.adapt.epochs} epochs at lr {b.adapt.lr:g}), seeds {plan.seeds}, methods "
-            f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}{where}",
-            flush=True,
+def _planned(args, kwargs: dict, execution, executor: str, bench, log, ray: contextlib.ExitStack):
+    """One plan of `run`, checked (every choice before Ray starts), its header printed; (plan, the Ray cluster it
+    runs on or None: this process). A Ray runtime this process starts is entered in `ray`, and later plans reuse it."""
+    cluster = None
+    with usage_errors():
+        # the device is resolved by the cluster's GPUs once it runs
+        plan = experiment.plan(
+            **kwargs, execution=dataclasses.replace(execution, cuda=None if executor == "local" else True)
         )
         if executor == "ray":
-            retries = ray_executor.RETRIES if args.ray_retries is None else args.ray_retries
-            paths = ray_executor.run(
-                plan, group_size=args.group_size, retries=retries, progress=not args.no_progress, log=log
-            )
-        else:
-            paths = runner.run(plan, progress=not args.no_progress, log=log)
-    return plan, paths
+            cluster = ray.enter_context(ray_executor.connect(args.ray_address))
+            plan = experiment.plan(**kwargs, execution=dataclasses.replace(execution, cuda=cluster.gpus > 0))
+            ray_executor.check(plan, cluster)
+    for caveat in planning.caveats(plan):
+        log(f"qlbench {args.command}: warning: {caveat}")
+    if bench is not None:
+        install_backbones(bench, plan, log)
+        subset = len(plan.functions) < len(bench.functions) or len(plan.seeds) < len(bench.seeds)
+        print(
+            f"qlbench {args.command}: under protocol {bench.name}, on its shipped backbones"
+            + (f" (a subset: {len(plan.functions)} of its {len(bench.functions)} functions, "
+               f"{len(plan.seeds)} of its {len(bench.seeds)} seeds)" if subset else ""),
+            flush=True,
+        )  # fmt: skip
+    b = plan.budget
+    where = f"; executor ray ({cluster.cpus} CPU(s) on the largest node, {cluster.gpus} GPU(s))" if cluster else ""
+    print(
+        f"qlbench {args.command}: {', '.join(plan.functions)} on {plan.arch}"
+        f"{'' if plan.backbone_init == 'default' else f' ({plan.backbone_init} init)'}, budget {b.name} ("
+        f"{f'backbones of protocol {bench.name}' if bench else f'pretrain {b.pretrain.epochs} epochs'}, adapt "
+        f"{b.adapt.epochs} epochs at lr {b.adapt.lr:g}), seeds {plan.seeds}, methods "
+        f"{', '.join(plan.methods)}, device {plan.device}{', compiled' if plan.compile else ''}{where}",
+        flush=True,
+    )
+    return plan, cluster
 
 
 def _train_grid(args, kwargs: list[dict], execution, bench: protocols.Benchmark, log):

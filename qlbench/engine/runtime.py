@@ -31,7 +31,7 @@ def resolve_device(device: str, cuda: bool | None = None) -> torch.device:
 def check_threads(threads) -> None:
     """A user's intra-op thread count for work on this machine: None (the default) or an integer from 1 to the cores
     present (ValueError otherwise; the commands check it before any work, a Ray sweep against its largest node).
-    More threads than cores oversubscribe the machine: 999 once drove a 2-core machine's load to 170."""
+    More threads than cores oversubscribe the machine (docs/speed.md)."""
     cores = os.cpu_count() or 1
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cores):
         raise ValueError(f"threads must be an integer from 1 to {cores} (the cores present), got {threads!r}")
@@ -102,11 +102,9 @@ def compiled(model: nn.Module) -> nn.Module:
     return torch.compile(model, dynamic=False)
 
 
-# Budgets whose training step `--compile auto` compiles, per device type. On CPU the measured cold warm-up (about 16 s
-# for LoRA, 57 s for Queryable LoRA on the deep-narrow stack; seconds when Inductor's cache is warm) is repaid only by
-# the paper budget's 35,000 steps per member, not by a quick run's 2,800 (docs/speed.md). On CUDA, where the captured
-# step already removes the per-kernel launch cost, compiling fuses kernels; its warm-up is repaid by the paper budget
-# only (the same rule as on CPU, until measured otherwise on a GPU).
+# Budgets whose training step `--compile auto` compiles, per device type: a cold compile warm-up is repaid only by the
+# paper budget's 35,000 steps per member, not by a quick run's 2,800. On CUDA, where the captured step already removes
+# the per-kernel launch cost, compiling fuses kernels, and the same rule holds (docs/speed.md).
 COMPILE_BUDGETS = {"cpu": ("paper",), "cuda": ("paper",)}
 
 
@@ -231,9 +229,8 @@ GATE = Gate()  # the process's one: every recording and every job of `concurrent
 
 def concurrently(jobs: list[Callable[[], T]], width: int, device: torch.device) -> list[T]:
     """Each job's result, in order, with up to `width` jobs running at once, each in its own thread and, on CUDA,
-    on its own stream, so that the kernels of small stacks overlap on the device (a deep-narrow step at 45 members
-    is about 3 µs per kernel on a data-centre GPU, on kernels far too small to fill it; docs/speed.md). width <= 1: one
-    after another in this thread.
+    on its own stream, so that the kernels of small stacks overlap on the device (a deep-narrow step's kernels are
+    far too small to fill a GPU; docs/speed.md). width <= 1: one after another in this thread.
 
     The threads share this one's intra-op thread count (a process-wide setting, tests/test_concurrent.py). Each job
     waits for its stream before it ends, so a result's tensors are ready on any stream. A job's exception is raised

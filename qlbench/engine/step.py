@@ -2,8 +2,8 @@
 
 `Step` is the step: forward, each member's batch-mean loss, backward of their sum, the optimiser's update.
 `CapturedStep` is the same step on CUDA, recorded once per batch shape (forward, backward and the optimiser's
-update, `torch.cuda.graph`) and replayed: one launch per step instead of one per kernel (a deep-narrow LoRA step is
-about 370 kernels on a data-centre GPU, Queryable LoRA's about 1,240; docs/speed.md). Both are called as step(xb, yb,
+update, `torch.cuda.graph`) and replayed: one launch per step instead of one per kernel (a deep-narrow step is
+hundreds of small kernels, each launched from Python when eager; docs/speed.md). Both are called as step(xb, yb,
 inspect, task) and return the members' losses (E,). `CapturedEvaluation` records a captured stage's evaluation of
 its train and test sets the same way, once per stage.
 
@@ -80,11 +80,11 @@ class Step:
 
 def updates_compile(optimizer: torch.optim.Optimizer) -> bool:
     """Whether compiling the optimiser's update pays: torch.optim's multi-tensor ("foreach") AdamW over float32
-    parameters, as `adapters.base.adamw` builds it off CUDA. Inductor fuses its per-tensor kernels (measured on the
-    2-core CPU with the forward compiled: x1.1 to x1.4 per step, docs/speed.md). Not in float64: there the compiled
-    update moves a 3-epoch curve by 1.5e-6 relative (float32-level rounding of its scalars), precision a float64 run
-    asks for. CUDA's fused AdamW is one kernel already and is recorded in the CUDA graph; SOAP's update
-    (eigendecompositions) stays eager: `soap.StackedSoap` has no param_groups, so the type is checked first."""
+    parameters, as `adapters.base.adamw` builds it off CUDA. Inductor fuses its per-tensor kernels, which pays beside
+    a compiled forward (docs/speed.md). Not in float64: the compiled update rounds its scalars at float32 level, which
+    moves a float64 run's curve (docs/speed.md), precision a float64 run asks for. CUDA's fused AdamW is one kernel
+    already and is recorded in the CUDA graph; SOAP's update (eigendecompositions) stays eager: `soap.StackedSoap`
+    has no param_groups, so the type is checked first."""
     if type(optimizer) is not torch.optim.AdamW:  # not engine.rates.MemberRates, whose update slices per rate
         return False
     groups = optimizer.param_groups
@@ -247,9 +247,8 @@ class CapturedRefresh:
     one. The refresh writes in place, into the tensors the recorded update reads, so a replay leaves the optimiser
     as the eager refresh does.
 
-    Why: eagerly, one refresh of deep-narrow's 45 members launches about 2,200 kernels one by one from Python
-    (counted on the CPU); full-soap refreshes at every tenth of the paper budget's 35,000 steps. What a replay saves
-    on a GPU: not measured (`qlbench bench`'s soap row times both on CUDA)."""
+    Why: eagerly, a refresh of a wide deep-narrow stack launches thousands of kernels one by one from Python, and
+    full-soap refreshes at every tenth step (docs/speed.md; `qlbench bench`'s soap row times both on CUDA)."""
 
     def __init__(self, optimizer, recorder):
         self.optimizer, self.recorder = optimizer, recorder
@@ -295,8 +294,8 @@ class CapturedEvaluation:
     every evaluation of the stage (the optimiser updates the parameters in place), so each replay reads their
     current values; the first EVALUATION_WARMUP evaluations run as they are (the first comes before any training
     step: it loads the forward's kernels), the next is recorded. Evaluation is eager on either device otherwise.
-    Why: eager, the paper budget's 501 evaluations per stage are 8% of the deep-narrow paper table's estimate on a
-    data-centre GPU (measured: docs/speed.md)."""
+    Why: eager, the paper budget's 501 evaluations per stage launch their kernels one by one, a share of a GPU's
+    deep-narrow paper table worth recording (docs/speed.md)."""
 
     def __init__(self, evaluate: Callable[[], torch.Tensor], device: torch.device):
         self.evaluate, self.calls, self.recording = evaluate, 0, None
