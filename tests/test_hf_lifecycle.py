@@ -194,6 +194,21 @@ def test_merge_and_unload_is_refused_clearly():
     assert any(isinstance(m, QueryableLoraLayer) for m in model.modules())  # nothing was unloaded
 
 
+def test_add_weighted_adapter_is_refused_in_one_line_that_says_why():
+    """Through PeftModel (which hands the call to the tuner), as a LoRA user writes it; LoRA itself combines."""
+    lora = wrapped("lora")
+    lora.add_adapter("other", lora.peft_config["default"])
+    lora.add_weighted_adapter(["default", "other"], [0.5, 0.5], "mix", combination_type="linear")
+    assert "mix" in lora.peft_config
+    model = wrapped("queryable")
+    model.add_adapter("other", model.peft_config["default"])
+    with pytest.raises(NotImplementedError) as err:
+        model.add_weighted_adapter(["default", "other"], [0.5, 0.5], "mix", combination_type="linear")
+    message = str(err.value)
+    assert "\n" not in message and "depends on the input" in message and "add_weighted_adapter" in message
+    assert "mix" not in model.peft_config  # nothing half-made
+
+
 def low_cpu(kind: str, tmp_path) -> dict:
     model = wrapped(kind)
     one = trainable(model)

@@ -316,6 +316,14 @@ class QueryableLoraModel(BaseTuner):
         else:
             self.routing.instructions[name] = as_instruction(e).detach()
 
+    def add_weighted_adapter(self, *args, **kwargs):
+        """Refused in one line: LoRA's weighted sum of adapters combines fixed weight updates; a Queryable LoRA
+        update depends on the input through its route, so no weighted sum of adapters' weights equals their mix."""
+        raise NotImplementedError(
+            "queryable_lora's update depends on the input (its routes): adapters cannot be combined by weights "
+            "(add_weighted_adapter); train one adapter on the tasks together, or switch with set_adapter"
+        )
+
     def _unload_and_optionally_merge(self, merge: bool = True, *args, **kwargs):
         """`unload()`: the base model as it was (the adapted layers replaced by their base layers, the forward
         pre-hook removed, transformers' checkpoint functions restored). Merging is refused: the update depends on
