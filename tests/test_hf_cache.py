@@ -340,3 +340,32 @@ def test_nothing_of_a_forward_with_gradients_is_kept_and_the_model_deep_copies()
     copied = copy.deepcopy(model).eval()
     model.eval()
     assert torch.equal(logits(copied, ids()), logits(model, ids()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_with_the_adapters_disabled_gives_the_base_models_tokens(kind):
+    """`with model.disable_adapter(): model.generate(...)`, with and without a KV cache, gives the tokens of the base
+    model alone (as LoRA does); the adapters on again give the adapted tokens of before."""
+    plain = base(kind)[0].eval()
+    x = ids(batch=1, tokens=5, seed=4)
+    for method in METHODS:
+        model = wrapped(kind, method)
+        adapted = model.generate(input_ids=x, **GREEDY)
+        for cache in (True, False):
+            with model.disable_adapter():
+                got = model.generate(input_ids=x, use_cache=cache, **GREEDY)
+            assert torch.equal(got, plain.generate(input_ids=x, use_cache=cache, **GREEDY)), (method, cache)
+        assert torch.equal(model.generate(input_ids=x, **GREEDY), adapted), method
+        assert not close(logits(model, x), logits(plain, x))  # the adapters do change the model
+
+
+def test_the_disabled_generation_check_fails_when_the_switch_is_not_seen(monkeypatch):
+    """Planted bug: the tuner ignores peft's switch (routing.disabled stays False): the cached generation raises."""
+    from qlbench.hf import model as hf_model
+
+    monkeypatch.setattr(
+        hf_model.QueryableLoraModel, "_enable_adapter_layers", peft.tuners.tuners_utils.BaseTuner._enable_adapter_layers
+    )
+    model, x = wrapped("llama", "queryable"), ids(batch=1, tokens=5, seed=4)
+    with pytest.raises(ValueError, match="holds no route sums"), model.disable_adapter():
+        model.generate(input_ids=x, use_cache=True, **GREEDY)

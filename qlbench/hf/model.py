@@ -156,6 +156,12 @@ class QueryableLoraModel(BaseTuner):
             if instruction is not None:
                 del model.generate
 
+    def _enable_adapter_layers(self, enabled: bool = True) -> None:
+        """peft's switch of every adapted layer (`disable_adapter()`, `enable_adapter_layers`): with the adapters off
+        the base model runs and nothing routes, so a forward over a KV cache neither reads nor extends route sums."""
+        super()._enable_adapter_layers(enabled)
+        self.routing.disabled = not enabled
+
     def _mixed_rows(self, rows, num_beams) -> list[str]:
         """The adapter of each row of a mixed batch (ValueError in one line: in training, a name that is no
         adapter, not a list of names)."""
@@ -196,7 +202,7 @@ class QueryableLoraModel(BaseTuner):
         """Causal routing over a KV cache of L tokens: the running sums at its L-th token, from the sums the cache
         keeps (RouteSums), whatever ran in between; ValueError in one line for a cache that cannot be continued
         (not a transformers Cache, made without this model's forwards, other rows)."""
-        if cache is None or not any(self.routing.causal(a) for a in self.queryable_memory):
+        if cache is None or self.routing.disabled or not any(self.routing.causal(a) for a in self.queryable_memory):
             return
         if not isinstance(cache, Cache):
             raise ValueError(

@@ -86,6 +86,7 @@ class Routing:
         self.instructions: dict[str, torch.Tensor] = {}
         self.state = ForwardState()
         self.recomputing = False  # a checkpointed segment is being recomputed (backward): the forward is replayed
+        self.disabled = False  # the adapters are off (`disable_adapter()`): the base model runs, nothing routes
         self.rows: list[str] | None = None  # a mixed-adapter batch: each row's adapter ("__base__": none)
         # the last forward, detached, for inspection (tests, verify): adapter -> block -> Route, and -> [(N, r)]
         self.last: dict[str, dict] = {}
