@@ -17,6 +17,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from qlbench.hf import QueryableLoraConfig  # noqa: E402
+from qlbench.hf.routing import ForwardState  # noqa: E402
 
 from helpers import peft_decoder as wrapped  # noqa: E402
 
@@ -65,12 +66,14 @@ def test_the_running_average_is_the_masked_mean_of_the_tokens_so_far():
     routing = model.base_model.routing
     g = torch.Generator().manual_seed(9)
     s, mask = torch.randn(2, 6, 4, generator=g), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    routing.state = type(routing.state)(mask=mask[:, :4])
+    call = routing.begin(ForwardState(mask=mask[:, :4]))
     first = routing.pooled(s[:, :4], "default", layer="L")
     total, weight = routing.state.sums["default", "L"]  # (2, 4, r), (2, 4, 1): what the cache keeps
+    routing.finish(call)
     carried = {("default", "L"): (total[:, -1], weight[:, -1])}
-    routing.state = type(routing.state)(mask=mask, carry_in=carried, cached=4)  # generate's mask covers the cache
+    call = routing.begin(ForwardState(mask=mask, carry_in=carried, cached=4))  # generate's mask covers the cache
     second = routing.pooled(s[:, 4:], "default", layer="L")
+    routing.finish(call)
     got = torch.cat([first, second], 1)
     for b in range(2):
         for t in range(6):

@@ -77,6 +77,9 @@ class Linear(nn.Module, QueryableLoraLayer):
         raise NotImplementedError("queryable_lora's update depends on the input (its routes): it cannot be merged")
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.disable_adapters and self.routing.call is None:  # called directly, not in a forward of the model
+            with self.routing.alone():
+                return self.forward(x, *args, **kwargs)
         result = self.base_layer(x, *args, **kwargs)  # (..., d_out)
         if self.disable_adapters:
             return result

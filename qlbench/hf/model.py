@@ -2,9 +2,10 @@
 
 What peft's API does not express, and how this tuner does it (docs/hf.md):
 - *State carried across layers.* peft's layers are independent modules; Queryable LoRA's block b routes from its
-  entry rank state and from summaries of the blocks before it. The tuner keeps a per-forward `Routing` state that
-  every adapted layer of an adapter shares (routing.py), started by a forward pre-hook on the wrapped model and
-  dropped by a forward hook, which hands causal routing's running sums to the KV cache the forward returns.
+  entry rank state and from summaries of the blocks before it. Every adapted layer of an adapter shares the tuner's
+  `Routing` (routing.py); the state of one forward is that forward's call, kept in a context variable (per thread,
+  nested calls restored), begun by a forward pre-hook on the wrapped model and ended by a forward hook, which hands
+  causal routing's running sums to the KV cache the forward returns.
 - *The instruction per call.* That pre-hook also takes an `instruction=` keyword (a (d_c,) or (batch, d_c) tensor)
   out of the model's keywords before the model sees it, and the attention mask, whose padding the token average of
   a rank state skips. `set_instruction` binds one per adapter.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 import warnings
 
@@ -31,9 +33,40 @@ from transformers.cache_utils import Cache
 
 from qlbench.adapters.queryable import block_of
 from qlbench.hf.layer import Linear, QueryableLoraLayer, features
-from qlbench.hf.routing import ForwardState, QueryableMemory, Routing, as_instruction, route_sums, routed_checkpoint
+from qlbench.hf.routing import (
+    GENERATING,
+    ForwardState,
+    QueryableMemory,
+    Routing,
+    as_instruction,
+    now,
+    route_sums,
+    routed_checkpoint,
+)
 
 CACHE_KEYWORDS = ("cache", "past_key_values")  # transformers 5's name for a KV cache, and the older one
+
+
+@functools.cache
+def _signature(forward_type: type) -> inspect.Signature | None:
+    try:
+        return inspect.signature(forward_type.forward)
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return None
+
+
+def inputs_of(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The wrapped model's forward arguments by name, positional ones included (a model called as
+    `model(ids, mask)` names its mask as `model(input_ids=ids, attention_mask=mask)` does); the keywords alone where
+    the forward's signature cannot be read or does not take these arguments."""
+    signature = _signature(type(module))
+    if signature is None or not args:
+        return kwargs
+    try:
+        bound = signature.bind_partial(module, *args, **kwargs).arguments  # `self` first: the unbound forward's
+    except TypeError:
+        return kwargs
+    return {**bound.pop("kwargs", {}), **bound}
 
 
 def is_causal_lm(model: nn.Module, config) -> bool:
@@ -75,7 +108,8 @@ class QueryableLoraModel(BaseTuner):
             self.routing = Routing(self.queryable_memory)
         if getattr(self, "_hook", None) is None:
             self._hook = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
-            self._end_hook = model.register_forward_hook(self._end_forward, with_kwargs=True)
+            # always_call: a forward that raises ends its call too, so nothing of it is left to the next one
+            self._end_hook = model.register_forward_hook(self._end_forward, with_kwargs=True, always_call=True)
         if adapter_name not in self.queryable_memory:
             self.queryable_memory[adapter_name] = QueryableMemory(config)
 
@@ -141,18 +175,17 @@ class QueryableLoraModel(BaseTuner):
         if instruction is not None:
 
             def generate(*a, instruction=None, **kw):
-                self._generate_instruction = as_instruction(instruction)
+                token = GENERATING.set({**now(GENERATING), self.routing: as_instruction(instruction)})
                 try:
                     return type(model).generate(model, *a, **kw)
                 finally:
-                    self._generate_instruction = None
+                    GENERATING.reset(token)
 
             model.generate = generate
-        self.routing.rows = rows
         try:
-            yield
+            with self.routing.mixed(rows):
+                yield
         finally:
-            self.routing.rows = None
             if instruction is not None:
                 del model.generate
 
@@ -182,18 +215,19 @@ class QueryableLoraModel(BaseTuner):
         the keywords, else the running generate call's) and attention mask; with causal routing and a KV cache of
         earlier tokens, the running sums that cache keeps (`_continue_cache`)."""
         instruction = as_instruction(kwargs.pop("instruction", None))
-        given = (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None)
+        named = inputs_of(module, args, kwargs)  # every argument by its name, those given by position too
+        given = (named.get("input_ids"), named.get("inputs_embeds"), args[0] if args else None)
         ids = next((v for v in given if v is not None), None)  # (batch, T) ids or (batch, T, d) embeddings
-        if instruction is None and getattr(self, "_generate_instruction", None) is not None:
-            instruction = self._generate_instruction
+        if instruction is None and now(GENERATING).get(self.routing) is not None:
+            instruction = now(GENERATING)[self.routing]
             if instruction.dim() == 2 and ids is not None and ids.shape[0] % instruction.shape[0] == 0:
                 instruction = instruction.repeat_interleave(ids.shape[0] // instruction.shape[0], 0)
         if self.routing.rows is not None and ids is not None and len(self.routing.rows) != ids.shape[0]:
             raise ValueError(f"adapter_names names {len(self.routing.rows)} rows, but this forward has {ids.shape[0]}")
-        state = ForwardState(mask=kwargs.get("attention_mask"), instruction=instruction)
-        self.routing.state = state
-        cache = next((kwargs[k] for k in CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+        state = ForwardState(mask=named.get("attention_mask"), instruction=instruction)
+        cache = next((named[k] for k in CACHE_KEYWORDS if named.get(k) is not None), None)
         self._continue_cache(cache, state, None if ids is None else ids.shape[0])
+        self.routing.begin(state).key = id(kwargs)  # this context's call, until _end_forward (CALLS)
         if module.training and torch.is_grad_enabled():
             self._route_checkpointing(module)
         return args, kwargs
@@ -234,8 +268,11 @@ class QueryableLoraModel(BaseTuner):
     def _end_forward(self, module, args, kwargs, output):
         """After every forward: the causal running sums kept by the KV cache it returns (RouteSums: those of the
         cache it continued up to its length, then this forward's), and the routing state dropped (`Routing.end`)."""
-        state = self.routing.state
-        if state.sums:
+        call = self.routing.call
+        if call is None or call.key != id(kwargs):  # the forward raised before its call began: nothing to end
+            return output
+        state = call.state
+        if state.sums and output is not None:
             values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else ()
             cache = next((v for v in values if isinstance(v, Cache)), None)
             if cache is not None:
@@ -248,7 +285,7 @@ class QueryableLoraModel(BaseTuner):
                         weight = torch.cat([w0[:, : state.cached], weight], 1)
                     sums[key] = total, weight
                 route_sums(cache).queryable_sums = sums
-        self.routing.end()
+        self.routing.end(call)
         return output
 
     def _route_checkpointing(self, model: nn.Module) -> None:

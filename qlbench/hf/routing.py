@@ -4,6 +4,7 @@ route sums a KV cache keeps, and the replay of that state in a checkpointed segm
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -77,20 +78,93 @@ class ForwardState:
     own_rows: dict[str, torch.Tensor] = field(default_factory=dict)  # mixed batch: adapter -> (batch,) its rows
 
 
+@dataclass
+class Call:
+    """What one call in progress routes with: its forward's state, and whether that forward is being replayed (a
+    checkpointed segment recomputed in backward); `token` restores the calls around it when it ends."""
+
+    state: ForwardState
+    recomputing: bool = False
+    token: contextvars.Token | None = None
+    key: int | None = None  # the model forward that began it (the id of its keywords), for the hook that ends it
+
+
+# The calls in progress, per context: Routing -> its innermost Call. A context variable, so each thread (and each
+# asyncio task) sees only its own calls, and a call made inside another (reentrant) restores the outer one when it
+# ends. Nothing of a call is left on the tuner or its modules (issue: routing state that cannot leak).
+CALLS: contextvars.ContextVar[dict] = contextvars.ContextVar("queryable_lora_calls", default=None)
+# Per context, Routing -> the adapter of each row of the mixed batch in progress (peft's adapter_names=)
+ROWS: contextvars.ContextVar[dict] = contextvars.ContextVar("queryable_lora_rows", default=None)
+# Per context, Routing -> the instruction of the generate(..., instruction=e) call in progress
+GENERATING: contextvars.ContextVar[dict] = contextvars.ContextVar("queryable_lora_generating", default=None)
+
+
+def now(var: contextvars.ContextVar) -> dict:
+    """The mapping a context variable of this module holds in this context (empty where it was never set)."""
+    return var.get() or {}
+
+
 class Routing:
-    """What the adapted layers of a tuner share: the memories, each adapter's bound instruction, and the state of the
-    forward in progress. A plain object (not an nn.Module), so that no layer registers the memories again."""
+    """What the adapted layers of a tuner share: the memories, each adapter's bound instruction, and where to find
+    the state of the call in progress (`state`: this context's, `CALLS`). A plain object (not an nn.Module), so that
+    no layer registers the memories again."""
 
     def __init__(self, memories: nn.ModuleDict):
         self.memories = memories
         self.instructions: dict[str, torch.Tensor] = {}
-        self.state = ForwardState()
-        self.recomputing = False  # a checkpointed segment is being recomputed (backward): the forward is replayed
         self.disabled = False  # the adapters are off (`disable_adapter()`): the base model runs, nothing routes
-        self.rows: list[str] | None = None  # a mixed-adapter batch: each row's adapter ("__base__": none)
-        # the last forward, detached, for inspection (tests, verify): adapter -> block -> Route, and -> [(N, r)]
+        # the last forward that ended, detached, for inspection (tests, verify): adapter -> block -> Route, and
+        # -> [(N, r)]; with forwards in several threads, whichever ended last
         self.last: dict[str, dict] = {}
         self.last_states: dict[str, dict[int, list[torch.Tensor]]] = {}
+
+    @property
+    def call(self) -> Call | None:
+        """This context's call in progress, or None (no forward of the model is running here)."""
+        return now(CALLS).get(self)
+
+    @property
+    def state(self) -> ForwardState | None:
+        call = self.call
+        return None if call is None else call.state
+
+    @property
+    def recomputing(self) -> bool:
+        call = self.call
+        return call is not None and call.recomputing
+
+    @property
+    def rows(self) -> list[str] | None:
+        """A mixed-adapter batch in progress in this context: each row's adapter ("__base__": none), else None."""
+        return now(ROWS).get(self)
+
+    @contextlib.contextmanager
+    def mixed(self, rows: list[str] | None):
+        token = ROWS.set({**now(ROWS), self: rows})
+        try:
+            yield
+        finally:
+            ROWS.reset(token)
+
+    def begin(self, state: ForwardState, recomputing: bool = False) -> Call:
+        """A call starts in this context with `state` (the calls around it come back at its `end`)."""
+        call = Call(state, recomputing)
+        call.token = CALLS.set({**now(CALLS), self: call})
+        return call
+
+    def finish(self, call: Call) -> None:
+        """`call` ends: the calls around it come back."""
+        CALLS.reset(call.token)
+
+    @contextlib.contextmanager
+    def alone(self):
+        """A call of its own for an adapted layer called outside any forward of the model (an inner module called
+        directly): it routes from its own input, and nothing of it outlives it."""
+        call = self.begin(ForwardState())
+        try:
+            yield
+        finally:
+            self.finish(call)
 
     def causal(self, adapter: str) -> bool:
         return bool(self.memories[adapter].config.causal)
@@ -157,14 +231,14 @@ class Routing:
             self.state.own_rows[adapter] = torch.tensor([a == adapter for a in self.rows], device=device)
         return self.state.own_rows[adapter]
 
-    def end(self) -> None:
+    def end(self, call: Call) -> None:
         """After a forward: nothing of it is kept but detached copies of its routes and pooled states (`last`,
-        `last_states`), so no graph outlives the forward and the model deep-copies."""
+        `last_states`), so no graph outlives the forward and the model deep-copies; the calls around it come back."""
         self.last = {a: {b: detached(r) for b, r in routes.items()} for a, routes in self.last.items()}
         self.last_states = {
-            a: {b: [p.detach() for p in ps] for b, ps in blocks.items()} for a, blocks in self.state.states.items()
+            a: {b: [p.detach() for p in ps] for b, ps in blocks.items()} for a, blocks in call.state.states.items()
         }
-        self.state = ForwardState()
+        self.finish(call)
 
     def route(self, adapter: str, block: int, pooled: torch.Tensor, batch: int) -> Route:
         """The block's Route from the routing layer's pooled states (N, r) (N = batch, or batch x T tokens with
@@ -263,12 +337,11 @@ class Recompute:
         self.routing, self.state, self.inner = routing, routing.state, inner
 
     def __enter__(self):
-        self.saved = self.routing.state, self.routing.recomputing
-        self.routing.state, self.routing.recomputing = self.state, True
+        self.call = self.routing.begin(self.state, recomputing=True)
         return self.inner.__enter__()
 
     def __exit__(self, *exc):
-        self.routing.state, self.routing.recomputing = self.saved
+        self.routing.finish(self.call)
         return self.inner.__exit__(*exc)
 
 
