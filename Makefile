@@ -19,7 +19,7 @@
 #   make aa-snapshot       the A/A rows of zoo-v1 (LoRA as an outside method, and peft:lora) on the shipped backbones
 #   make items-snapshot    the candidate tasks of zoo-v2 (every card's shift x2, x3, x4; a panel of 9 methods)
 #   make leaderboard-snapshot  the zoo-v2 baselines: every method at every rate of its grid (resumable; hours)
-#   make board-pages       the leaderboard (with its forest plot), the external-validity page and the item analysis,
+#   make board-pages       the leaderboards of zoo-v1 and zoo-v2 (forest plots), the external-validity page and the item analysis,
 #                          rebuilt from the committed per-seed CSVs (no training)
 #   make real-snapshot     the real-model experiment of docs/results/real (all-MiniLM-L6-v2 through peft, 3 seeds)
 #   make real-lm-snapshot  the causal-LM experiment of docs/results/real-lm (a tiny decoder through peft, 10 seeds)
@@ -211,6 +211,7 @@ aa-snapshot: check-clean setup-dev
 # external-validity page (peft's design split) and the item analysis of every committed single-task slice
 board-pages: setup
 	$(BIN)/qlbench compare --leaderboard --out docs/results >/dev/null
+	$(BIN)/qlbench compare --protocol zoo-v2 --leaderboard --out docs/results/leaderboard-zoo-v2 >/dev/null
 	$(BIN)/qlbench compare --validity docs/results/validity/peft-metamathqa-design.csv --out docs/results/validity >/dev/null
 	cd docs/results && ../../$(BIN)/qlbench items baselines/zoo-v1/per-seed.csv.gz zoo/per-seed.csv.gz \
 	  paper/per-seed.csv.gz --out items >/dev/null

@@ -12,6 +12,7 @@ import pytest
 from scipy import stats as sps
 
 from qlbench import cli, compare, protocols
+from qlbench.metrics import board as board_metrics
 from qlbench.records import per_seed
 
 from helpers import one_line_error
@@ -245,3 +246,16 @@ def test_zoo_v1_names_its_functions_and_each_has_its_pinned_card():
         m.setattr(zoo, "names", lambda: [*p.functions, "rosenbrock"])
         assert importlib.reload(protocols).ZOO_V1.functions == p.functions
     importlib.reload(protocols)
+
+
+def test_the_committed_zoo_v2_leaderboard_is_rebuilt_from_its_baselines_and_its_aa_pair_ties():
+    """zoo-v2's baselines (one commit; the board still being built) rebuild their page, and peft:lora (lora's scale
+    and init, another implementation) ties with lora: a ratio near 1 whose interval holds 1, at the same chosen
+    rate."""
+    every = per_seed.load(compare.baselines_file("zoo-v2"))
+    base = board_metrics.tune(every, protocols.ZOO_V2.lrs)[0]  # each method at its chosen rate, as compare reads it
+    made, board = compare.leaderboard_markdown(base, protocols.ZOO_V2, figure="leaderboard-forest.png")
+    assert (ROOT / "docs/results/leaderboard-zoo-v2/leaderboard.md").read_text() == made
+    aa = board.set_index("method").loc["peft:lora"]
+    assert abs(aa["ratio"] - 1) < 0.05 and aa["ci_low"] < 1 < aa["ci_high"], aa
+    assert every["commit"].nunique() == 1 and not every["dirty"].any()
