@@ -4,14 +4,17 @@ Llama, Qwen2, Mistral and GPT-2 decoders of tests/test_hf_cache.py:
 
 - an inner module called directly gives its output, whatever was called before it;
 - forwards from four threads at once give each thread what its forward gives alone;
-- a forward of the model started inside another (a hook) leaves the outer one's output as it is alone.
+- a forward of the model started inside another (a hook) leaves the outer one's output as it is alone;
+- an attention mask given by position routes as the keyword does.
 
-Each check fails a planted bug that puts the state back on the tuner (`OWNED`)."""
+Each check fails a planted bug (`CHECKS`): the state put back on the tuner (`OWNED`), or keywords read alone."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -32,8 +35,13 @@ def inner(model):
     return getattr(top, "model", None) or top.transformer
 
 
-def _owned_begin(self, state, recomputing=False):
-    call = hf_routing.Call(state, recomputing)
+def first_layer(model):
+    decoder = inner(model)
+    return (getattr(decoder, "layers", None) or decoder.h)[0]
+
+
+def _owned_begin(self, state, recomputing=False, key=None):
+    call = hf_routing.Call(state, recomputing, key=key)
     self.__dict__["owned"] = call
     return call
 
@@ -74,32 +82,18 @@ def direct_calls(kind, method) -> tuple[torch.Tensor, torch.Tensor]:
     return first, decoder(input_ids=x).last_hidden_state
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_an_inner_module_called_directly_gives_its_own_output_whatever_ran_before(kind, method):
-    first, after = direct_calls(kind, method)
-    assert close(first, after, tol=1e-6)
-
-
-def test_the_direct_call_check_fails_when_the_state_is_the_tuners(monkeypatch):
-    plant(monkeypatch)
-    first, after = direct_calls("llama", "queryable")
-    assert not close(first, after, tol=1e-4)
-
-
-def threaded(kind, method) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def threaded(kind, method) -> tuple[torch.Tensor, torch.Tensor]:
     """Each thread's logits alone (one after another) and at once: every thread waits at the first decoder layer
     until all four are inside their forwards."""
     model = wrapped(kind, method)
     inputs = [ids(seed=20 + i) for i in range(THREADS)]
     alone = [logits(model, x) for x in inputs]
     barrier = threading.Barrier(THREADS, timeout=60)
-    layers = getattr(inner(model), "layers", None) or inner(model).h
 
     def wait(*_):
         barrier.wait()
 
-    hook = layers[0].register_forward_hook(wait)
+    hook = first_layer(model).register_forward_hook(wait)
     together: list[torch.Tensor | BaseException | None] = [None] * THREADS
 
     def work(i):
@@ -118,20 +112,7 @@ def threaded(kind, method) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     for got in together:
         if isinstance(got, BaseException):
             raise got
-    return alone, together
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_forwards_from_four_threads_at_once_each_give_their_own(kind, method):
-    alone, together = threaded(kind, method)
-    assert all(close(a, b) for a, b in zip(alone, together))
-
-
-def test_the_thread_check_fails_when_the_state_is_the_tuners(monkeypatch):
-    plant(monkeypatch)
-    alone, together = threaded("llama", "queryable")
-    assert not all(close(a, b) for a, b in zip(alone, together))
+    return torch.stack(alone), torch.stack(together)  # (threads, batch, T, vocab)
 
 
 def nested(kind, method) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +120,6 @@ def nested(kind, method) -> tuple[torch.Tensor, torch.Tensor]:
     forward of the model on other tokens."""
     model, x = wrapped(kind, method), ids()
     alone = logits(model, x)
-    layers = getattr(inner(model), "layers", None) or inner(model).h
     running = []
 
     def another(*_):
@@ -147,24 +127,11 @@ def nested(kind, method) -> tuple[torch.Tensor, torch.Tensor]:
             running.append(True)
             logits(model, ids(seed=30))
 
-    hook = layers[0].register_forward_hook(another)
+    hook = first_layer(model).register_forward_hook(another)
     try:
         return alone, logits(model, x)
     finally:
         hook.remove()
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_forward_started_inside_another_leaves_the_outer_one_as_alone(kind, method):
-    alone, outer = nested(kind, method)
-    assert close(alone, outer)
-
-
-def test_the_nested_call_check_fails_when_the_state_is_the_tuners(monkeypatch):
-    plant(monkeypatch)
-    alone, outer = nested("llama", "queryable")
-    assert not close(alone, outer, tol=1e-4)
 
 
 def positional(kind, method) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,22 +141,43 @@ def positional(kind, method) -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones_like(x)
     mask[0, :3] = 0
     top = model.base_model.model
+    positions = (x, None, mask) if kind == "gpt2" else (x, mask)  # GPT-2's second argument is its cache
     with torch.no_grad():
-        return top(input_ids=x, attention_mask=mask).logits, top(x, None, mask).logits if kind == "gpt2" else top(
-            x, mask
-        ).logits
+        return top(input_ids=x, attention_mask=mask).logits, top(*positions).logits
+
+
+def keywords_only(monkeypatch):
+    """Planted bug: the wrapped model's arguments read from its keywords alone (a positional mask unseen)."""
+    from qlbench.hf import model as hf_model
+
+    monkeypatch.setattr(hf_model, "inputs_of", lambda module, args, kwargs: kwargs)
+
+
+class Check(NamedTuple):
+    pair: Callable  # (kind, method) -> (what the call gives alone, what it gives here)
+    tol: float  # how close the two must be
+    plant: Callable  # (monkeypatch) -> None: a bug the check must catch
+    planted_tol: float  # how far apart the two are under that bug, at the least
+
+
+CHECKS = {
+    "direct inner call": Check(direct_calls, 1e-6, plant, 1e-4),
+    "four threads": Check(threaded, 1e-5, plant, 1e-5),
+    "nested forward": Check(nested, 1e-5, plant, 1e-4),
+    "positional mask": Check(positional, 1e-5, keywords_only, 1e-4),
+}
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_attention_mask_given_by_position_routes_as_the_keyword_does(kind, method):
-    keyword, by_position = positional(kind, method)
-    assert close(keyword, by_position)
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_call_routes_as_it_does_alone(check, kind, method):
+    alone, here = CHECKS[check].pair(kind, method)
+    assert close(alone, here, tol=CHECKS[check].tol)
 
 
-def test_the_positional_mask_check_fails_when_only_keywords_are_read(monkeypatch):
-    from qlbench.hf import model as hf_model
-
-    monkeypatch.setattr(hf_model, "inputs_of", lambda module, args, kwargs: kwargs)
-    keyword, by_position = positional("llama", "queryable")
-    assert not close(keyword, by_position, tol=1e-4)
+@pytest.mark.parametrize("check", CHECKS)
+def test_each_check_fails_its_planted_bug(check, monkeypatch):
+    CHECKS[check].plant(monkeypatch)
+    alone, here = CHECKS[check].pair("llama", "queryable")
+    assert not close(alone, here, tol=CHECKS[check].planted_tol)

@@ -35,10 +35,12 @@ from qlbench.adapters.queryable import block_of
 from qlbench.hf.layer import Linear, QueryableLoraLayer, features
 from qlbench.hf.routing import (
     GENERATING,
+    ROWS,
     ForwardState,
     QueryableMemory,
     Routing,
     as_instruction,
+    bound,
     now,
     route_sums,
     routed_checkpoint,
@@ -175,15 +177,12 @@ class QueryableLoraModel(BaseTuner):
         if instruction is not None:
 
             def generate(*a, instruction=None, **kw):
-                token = GENERATING.set({**now(GENERATING), self.routing: as_instruction(instruction)})
-                try:
+                with bound(GENERATING, self.routing, as_instruction(instruction)):
                     return type(model).generate(model, *a, **kw)
-                finally:
-                    GENERATING.reset(token)
 
             model.generate = generate
         try:
-            with self.routing.mixed(rows):
+            with bound(ROWS, self.routing, rows):
                 yield
         finally:
             if instruction is not None:
@@ -227,7 +226,7 @@ class QueryableLoraModel(BaseTuner):
         state = ForwardState(mask=named.get("attention_mask"), instruction=instruction)
         cache = next((named[k] for k in CACHE_KEYWORDS if named.get(k) is not None), None)
         self._continue_cache(cache, state, None if ids is None else ids.shape[0])
-        self.routing.begin(state).key = id(kwargs)  # this context's call, until _end_forward (CALLS)
+        self.routing.begin(state, key=id(kwargs))  # this context's call, until _end_forward (CALLS)
         if module.training and torch.is_grad_enabled():
             self._route_checkpointing(module)
         return args, kwargs

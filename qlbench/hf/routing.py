@@ -104,6 +104,16 @@ def now(var: contextvars.ContextVar) -> dict:
     return var.get() or {}
 
 
+@contextlib.contextmanager
+def bound(var: contextvars.ContextVar, routing: Routing, value):
+    """`routing` -> `value` in `var` for this context while the block runs, the mapping before it back after."""
+    token = var.set({**now(var), routing: value})
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 class Routing:
     """What the adapted layers of a tuner share: the memories, each adapter's bound instruction, and where to find
     the state of the call in progress (`state`: this context's, `CALLS`). A plain object (not an nn.Module), so that
@@ -138,17 +148,9 @@ class Routing:
         """A mixed-adapter batch in progress in this context: each row's adapter ("__base__": none), else None."""
         return now(ROWS).get(self)
 
-    @contextlib.contextmanager
-    def mixed(self, rows: list[str] | None):
-        token = ROWS.set({**now(ROWS), self: rows})
-        try:
-            yield
-        finally:
-            ROWS.reset(token)
-
-    def begin(self, state: ForwardState, recomputing: bool = False) -> Call:
+    def begin(self, state: ForwardState, recomputing: bool = False, key: int | None = None) -> Call:
         """A call starts in this context with `state` (the calls around it come back at its `end`)."""
-        call = Call(state, recomputing)
+        call = Call(state, recomputing, key=key)
         call.token = CALLS.set({**now(CALLS), self: call})
         return call
 
