@@ -213,6 +213,8 @@ board-pages: setup
 	$(BIN)/qlbench compare --leaderboard --out docs/results >/dev/null
 	$(BIN)/qlbench compare --protocol zoo-v2 --leaderboard --out docs/results/leaderboard-zoo-v2 >/dev/null
 	$(BIN)/qlbench compare --validity docs/results/validity/peft-metamathqa-design.csv --out docs/results/validity >/dev/null
+	$(BIN)/qlbench compare --protocol zoo-v2 --validity docs/results/validity/peft-metamathqa-design.csv \
+	  --out docs/results/validity-zoo-v2 >/dev/null
 	cd docs/results && ../../$(BIN)/qlbench items baselines/zoo-v1/per-seed.csv.gz zoo/per-seed.csv.gz \
 	  paper/per-seed.csv.gz --out items >/dev/null
 	cd docs/results && ../../$(BIN)/qlbench items candidates/per-seed.csv.gz baselines/zoo-v1/per-seed.csv.gz \

@@ -437,12 +437,12 @@ def forest_figure(board_: pd.DataFrame, title: str):
 
 
 AGGREGATES = {  # validity.aggregates' columns as a reader names them
-    "mean_rank": "mean rank over functions (zoo-v1's published order)",
+    "mean_rank": "mean rank over tasks (zoo-v1's published order)",
     "ratio_all": "× LoRA over every pair (a diverged seed: inf)",
     "ratio_finite": "× LoRA over finite pairs (the leaderboard's order)",
-    "median_task_ratio": "median over functions of × LoRA",
+    "median_task_ratio": "median over tasks of × LoRA",
     "divergence": "share of seeds diverged",
-    "worse_than_frozen": "share of functions worse than frozen",
+    "worse_than_frozen": "share of tasks worse than frozen",
 }
 
 
@@ -491,7 +491,8 @@ def validity_markdown(
             text.table(m.to_dict("records"), tuner_cols),
             "",
             f"Provenance: records from commit(s) {commits}; per-seed records: baselines/{protocol.name}/"
-            f"{per_seed.FILE}; reference: validity/{source}; rebuilt by `qlbench compare --validity` "
+            f"{per_seed.FILE}; reference: validity/{source}; rebuilt by `qlbench compare --protocol {protocol.name} "
+            "--validity` "
             "(tests/test_compare.py checks it).",
             "",
         ]

@@ -70,3 +70,38 @@ def test_a_forward_that_raises_leaves_the_templates_tensors_in_place():
     with pytest.raises(RuntimeError):
         stack.looped(torch.randn(3, 5, 7))  # wrong width: the linear raises inside the swapped call
     assert [(name, id(t)) for name, t in stack.template.named_parameters(remove_duplicate=False)] == before
+
+
+class Scatter(nn.Module):
+    """x (1, N, 2) -> (1, N), written as a tuner may be: a size read in Python from an integer buffer, and a member's
+    weights written in place into a tensor made in the forward (vmap runs neither with every tensor batched)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.register_buffer("size", torch.tensor([2, 2]))  # equal in every member
+        self.register_buffer("where", torch.tensor([0, 3]))  # equal in every member
+        self.values = nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        rows, cols = self.size.tolist()
+        w = torch.zeros(rows * cols)
+        w[self.where] = self.values
+        return (x @ w.reshape(rows, cols)).sum(-1)
+
+
+def test_a_size_read_in_python_and_an_in_place_write_stack_and_give_each_member_alone():
+    """The plain way fails on Scatter; the probe finds the way that runs it (tensors made in the forward carry the
+    member dimension; the equal integer buffers are passed once), and member e of the stack is member e called
+    alone. Planted: members whose `where` differs are not passed once, and then no way runs them."""
+    members = [Scatter(seed) for seed in range(3)]
+    stack = member.MemberStack(members, "", n_layers=1, targets=[])
+    stack.path = stack.probe(2)
+    assert stack.path.startswith("stacked: tensors created in the forward"), stack.path
+    x = torch.randn(3, 5, 2, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = torch.cat([m(x[e : e + 1]) for e, m in enumerate(members)])
+    torch.testing.assert_close(stack(x), want)
+    members[1].size.copy_(torch.tensor([1, 4]))  # planted: one member's size differs, so the table is batched
+    differs = member.MemberStack(members, "", n_layers=1, targets=[])
+    assert differs.probe(2).startswith("looped: vmap failed"), differs.probe(2)

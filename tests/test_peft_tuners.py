@@ -186,26 +186,84 @@ def grads(model: member.MemberStack, forward, x: torch.Tensor) -> list[torch.Ten
     return [out.detach(), *torch.autograd.grad((out**2).sum(), trainable, allow_unused=True)]
 
 
+# the tuners that stay looped, and the words of the measured reason (member.MemberStack.probe)
+LOOPED = {"c3a": "differ from the loop's"}  # peft's BlockCircularConvolution backward: test below
+
+
+def moved(model: member.MemberStack, seed: int = 10) -> member.MemberStack:
+    """The stack with every trainable tensor moved off its start (seeded): a zero-initialised update hides most
+    errors of a stacked computation."""
+    with torch.no_grad():
+        for i, p in enumerate(p for p in model.parameters() if p.requires_grad):
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + i)).to(p))
+    return model
+
+
 @pytest.mark.parametrize("kind", RUNNABLE)
-def test_a_stacked_tuner_gives_the_loops_outputs_and_gradients(kind):
-    model = stack("deep-narrow", kind).to(torch.float32)  # float32: peft's PSOFT initialises in nothing wider
-    x = torch.randn(3, 6, 2, generator=torch.Generator().manual_seed(1))
-    looped = grads(model, model.looped, x)
-    if model.path != "stacked":
-        assert model.path.startswith("looped: ")
+def test_a_stacked_tuner_gives_peft_s_own_outputs_and_gradients_off_its_start(kind):
+    """Every runnable tuner but LOOPED stacks (in one of member.WAYS, with its peft_rewrites) and, moved off its start,
+    gives the loop's outputs and gradients: the loop runs peft's own code member by member (no rewrite). A way that
+    draws random numbers is compared in evaluation mode (a loop and vmap draw different numbers)."""
+    # built in float32 (peft's PSOFT initialises in nothing wider), compared in float64: float32 rounding, grown
+    # through 32 layers, is no error of the stacked computation
+    model = moved(stack("deep-narrow", kind).to(torch.float32)).to(torch.float64)
+    if kind in LOOPED:
+        assert model.path.startswith("looped: ") and LOOPED[kind] in model.path, model.path
         return
-    for a, b in zip(grads(model, model.stacked, x), looped):
+    assert model.path.startswith("stacked"), model.path
+    model.train(model.way.randomness == "error")
+    x = torch.randn(3, 6, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for a, b in zip(grads(model, model.stacked, x), grads(model, model.looped, x)):
         a = torch.zeros_like(b) if a is None and b is not None else a  # no gradient: zero
         b = torch.zeros_like(a) if b is None and a is not None else b
-        if a is not None:  # within float32 rounding of the tensor's largest entry
+        if a is not None:  # relative to the tensor's largest entry (some tuners compute in float32 inside)
             assert (a - b).abs().max() <= 1e-5 * b.abs().max().clamp_min(1e-12), (kind, (a - b).abs().max())
 
 
-def test_the_stack_keeps_each_member_to_itself():
-    """Member 1 of the stack equals member 1 alone (the one-member module with its slices), and stays so when
-    member 0's trainable tensors change; a planted swap of members 0 and 1 changes it, so the check can fail."""
-    model = stack("deep-narrow", "vera")
-    assert model.path == "stacked"
+def test_a_rewrite_that_computes_otherwise_leaves_its_tuner_looped(monkeypatch):
+    """Planted bug: shira's dense rewrite 1% off peft's sparse update. The probe compares it with peft's own code
+    (off the start) and keeps the loop, saying why; the true rewrite stacks."""
+    from qlbench.adapters import peft_rewrites
+
+    assert stack("deep-narrow", "shira").path.startswith("stacked")
+    true = peft_rewrites.shira_delta_weight
+    monkeypatch.setattr(peft_rewrites, "shira_delta_weight", lambda layer, adapter: 1.01 * true(layer, adapter))
+    path = stack("deep-narrow", "shira").path
+    assert path.startswith("looped: ") and "differ from the loop's" in path, path
+
+
+def test_peft_s_c3a_backward_is_not_its_forward_s_derivative_so_c3a_stays_looped():
+    """Why c3a loops: differentiated through its forward's math (as the stacked path would), C3A's circular
+    convolution gets the input gradient that a central difference measures; peft's own backward gives another.
+    qlbench trains peft's c3a as peft does, so it keeps the loop. If peft's backward is changed to the derivative,
+    this test fails and c3a can stack."""
+    from peft.tuners.c3a.utils import BlockCircularConvolution as Conv
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, generator=g, dtype=torch.float64, requires_grad=True)  # (rows, n * b)
+    w = torch.randn(2, 2, 4, generator=g, dtype=torch.float64)  # (m, n, b)
+    probe = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    plain = lambda x: (Conv.forward(member._Context(), x, w) * probe).sum()
+    numeric = torch.zeros(8, dtype=torch.float64)
+    for i in range(8):  # the central difference of row 0's input
+        step = torch.zeros(3, 8, dtype=torch.float64)
+        step[0, i] = 1e-6
+        numeric[i] = (plain(x.detach() + step) - plain(x.detach() - step)) / 2e-6
+    derivative = torch.autograd.grad(plain(x), x)[0][0]
+    peft_s = torch.autograd.grad((Conv.apply(x, w) * probe).sum(), x)[0][0]
+    torch.testing.assert_close(derivative, numeric, rtol=1e-6, atol=1e-6)
+    assert (peft_s - numeric).abs().max() > 0.1
+
+
+# vera: the plain way; fourierft: tensors made in the forward carry the member dimension; frod: a rewrite and an
+# index table passed once
+@pytest.mark.parametrize("kind", ["vera", "fourierft", "frod"])
+def test_the_stack_keeps_each_member_to_itself(kind):
+    """Member 1 of the stack equals member 1 alone (the one-member module with its slices, peft's own code), and
+    stays so when member 0's trainable tensors change; a planted swap of members 0 and 1 changes it, so the check
+    can fail."""
+    model = stack("deep-narrow", kind)
+    assert model.path.startswith("stacked")
     x = torch.randn(3, 5, 2, generator=torch.Generator().manual_seed(2))
     trainable = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():
@@ -297,10 +355,10 @@ def test_bench_times_a_tuner_stacked_and_looped_beside_lora():
     from qlbench.bench.members import member_rows
 
     s = bench.Settings({"deep-narrow": 1}, 1, (2,), 1, 1, False)
-    rows = member_rows("deep-narrow", ["peft:ia3", "peft:loha"], 2, s, "cpu")
-    ia3, loha = rows
+    rows = member_rows("deep-narrow", ["peft:ia3", "peft:c3a"], 2, s, "cpu")
+    ia3, c3a = rows
     assert ia3["path"] == "stacked" and ia3["stacked"] > 0 and ia3["looped"] > 0 and ia3["stacked_vs_loop"] > 0
-    assert loha["path"].startswith("looped: vmap failed") and loha["stacked"] is None and loha["looped"] > 0
+    assert c3a["path"].startswith("looped: vmap failed") and c3a["stacked"] is None and c3a["looped"] > 0
     labels = [label for label, _ in bench.tasks(["deep-narrow"], ["peft:ia3"], s, "cpu", {})]
     assert "deep-narrow methods written for one member E=2" in labels
     assert not [label for label in labels if "peft:" in label]
@@ -351,14 +409,14 @@ def test_a_tuner_trains_in_a_suite_and_its_record_says_how(tmp_path, capsys):
     """`qlbench suite --methods peft:lora`: a continual (sequential) suite row of peft's LoRA, every task's MSE
     recorded after every stage, finite, its trainable count LoRA's and the path it trained on in the record."""
     out = tmp_path / "results"
-    argv = ["suite", "--suite", "zoo-4", "--schedule", "sequential", "--methods", "peft:lora,peft:loha"]
+    argv = ["suite", "--suite", "zoo-4", "--schedule", "sequential", "--methods", "peft:lora,peft:c3a"]
     argv += ["--budget", "smoke", "--seeds", "2", "--out", str(out), "--no-progress", "--threads", "1"]
     assert cli.main(argv) == 0, capsys.readouterr().err
-    for kind, path in (("lora", "stacked"), ("loha", "looped: vmap failed")):
+    for kind, path in (("lora", "stacked"), ("c3a", "looped: vmap failed")):
         (record,) = (out / f"suites/deep-narrow/zoo-4/sequential/peft:{kind}").glob("*.json")
         rec = json.loads(record.read_text())
         assert rec["run_info"]["settings"]["member_path"].startswith(path)
-        assert rec["train_info"]["trainable_params"] == {"lora": 16384, "loha": 32768}[kind]
+        assert rec["train_info"]["trainable_params"] == {"lora": 16384, "c3a": 1024}[kind]
         for seed in rec["train_info"]["per_seed"]:
             stages = seed["stage_task_mse"]  # (stages, tasks)
             assert len(stages) == 4 and all(len(s) == 4 for s in stages)

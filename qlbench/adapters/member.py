@@ -9,9 +9,17 @@ this). qlbench builds that once per member, each under its own seed, and trains 
 - stacked: every member's tensors are stacked into (E, ...) parameters (torch.func.stack_module_state's layout) and
   the forward is `vmap` over a functional call of one member's module (`MemberStack._call`), one batched computation;
 - looped: the same (E, ...) parameters, and a Python loop makes the functional call with member e's slices. Used when
-  vmap cannot run the method's code (random ops, in-place index writes, `.data`, an autograd.Function without a
-  vmap rule) or gives other numbers than the loop on a probe batch; the reason is kept (`MemberStack.path`) and
-  recorded (run_info.settings.member_path).
+  vmap cannot run the method's code, in any of the `WAYS` below and with the method's `rewrites`, or gives other
+  numbers than the loop on a probe batch; the reason is kept (`MemberStack.path`) and recorded
+  (run_info.settings.member_path).
+
+vmap is asked to run a method's code in the cheapest of `WAYS` that works (`MemberStack.probe`): plainly; with random
+ops, each member drawing its own numbers (randomness "different") or, where a draw steers Python control flow, every
+member taking the same draw ("same"); with `.data` read as `.detach()` (the same values; vmap refuses `.data`). A
+method may also name `rewrites`: functional versions of the few methods of its modules that vmap cannot run (an
+in-place index write, an autograd.Function without a vmap rule), used on the stacked path only. The looped path always
+runs the method's own code, so the probe checks every way and rewrite against it, with the trainable tensors moved off
+their start (a zero-initialised update would hide a wrong rewrite).
 
 Both paths hold one set of (E, ...) parameters, so the engine, snapshots, checkpoints and gradient diagnostics see a
 model like any other stack, and member e's numbers depend only on member e.
@@ -19,12 +27,18 @@ model like any other stack, and member e's numbers depend only on member e.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import itertools
+import types
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch.func import vmap
+from torch.overrides import TorchFunctionMode
 
 from qlbench import stacked
 from qlbench.adapters.base import Method
@@ -34,6 +48,122 @@ from qlbench.adapters.base import Method
 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
 
 PROBE_TOLERANCE = 1e-5  # relative: how far vmap's probe output may lie from the loop's before the loop is used
+
+
+@dataclasses.dataclass(frozen=True)
+class Way:
+    """How vmap is asked to run a method's code: its randomness flag, whether `.data` is read as `.detach()`, and
+    whether an autograd.Function that vmap cannot run (no setup_context) runs its forward as plain code."""
+
+    randomness: str = "error"
+    detach_data: bool = False
+    plain_functions: bool = False
+    batched_factories: bool = False
+
+    def python_mode(self) -> bool:
+        """Whether every op of the forward passes through a Python TorchFunctionMode (the costlier ways)."""
+        return self.detach_data or self.batched_factories
+
+    def note(self) -> str:
+        """ "" for the plain way, else what was needed, as recorded after "stacked: "."""
+        words = []
+        if self.randomness == "different":
+            words.append("random ops drawn per member (vmap randomness 'different')")
+        if self.randomness == "same":
+            words.append("random ops drawn once for every member (vmap randomness 'same': a draw steers control flow)")
+        if self.detach_data:
+            words.append("`.data` read as `.detach()`")
+        if self.plain_functions:
+            words.append("autograd.Functions without a vmap rule differentiated through their forward's own math")
+        if self.batched_factories:
+            words.append(
+                "tensors created in the forward carry the member dimension, so a member's values can be "
+                "written into them in place"
+            )
+        return "; ".join(words)
+
+
+# cheapest first: a Python mode sees every op, and 'same' couples the members' random draws
+WAYS = tuple(
+    sorted(
+        (
+            Way(r, d, f, b)
+            for r in ("error", "different", "same")
+            for d, f, b in itertools.product((False, True), repeat=3)
+        ),
+        key=lambda w: (
+            w.detach_data + w.batched_factories,
+            w.plain_functions,
+            ("error", "different", "same").index(w.randomness),
+        ),
+    )
+)
+
+# floating-point tensors these create inside a member's forward are unbatched under vmap (Way.batched_factories)
+FACTORIES = (torch.zeros, torch.ones, torch.empty, torch.full, torch.eye)
+
+
+class _VmapMode(TorchFunctionMode):
+    """Inside one member's forward under vmap: `t.data` gives `t.detach()` (the same values, cut from autograd as
+    `.data` is; vmap refuses `.data`) where `detach_data`; a floating tensor made by one of FACTORIES gets `zero`, a
+    batched 0 of the member dimension, added where `zero` is given (so in-place writes of batched values into it
+    work)."""
+
+    def __init__(self, detach_data: bool, zero: torch.Tensor | None):
+        super().__init__()
+        self.detach_data, self.zero = detach_data, zero
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if self.detach_data and getattr(func, "__name__", None) == "__get__":
+            if getattr(func, "__self__", None) is torch.Tensor.data:
+                return args[0].detach()
+        out = func(*args, **(kwargs or {}))
+        if self.zero is not None and func in FACTORIES and out.is_floating_point():
+            return out + self.zero.to(out.dtype)
+        return out
+
+
+class _Context:
+    """What an old-style autograd.Function's forward is handed as `ctx` when called as plain code: it keeps
+    attributes and ignores what only its backward would use."""
+
+    needs_input_grad = ()
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_dirty(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+@contextlib.contextmanager
+def _plain_functions():
+    """Inside: `F.apply(*args)` of an autograd.Function F with an old-style forward(ctx, ...) (no setup_context,
+    which vmap requires) calls F.forward(ctx, *args) as plain code, so autograd differentiates the forward's own
+    math; every other Function applies as usual. The probe checks the gradients against F's backward."""
+    original = torch.autograd.Function.__dict__["apply"]
+    base = torch.autograd.function._SingleLevelFunction.setup_context
+
+    def apply(cls, *args, **kwargs):
+        if cls.setup_context is base:
+            return cls.forward(_Context(), *args, **kwargs)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+# A rewrite: (module class, method name, function(module, *args, **kwargs)) used as that method on the stacked path
+Rewrite = tuple[type, str, Callable]
 
 
 class PlainTarget(nn.Module):
@@ -100,9 +230,10 @@ class MemberStack(nn.Module):
     swaps in the stacked ones); every tensor of the members lives here as (E, *shape) under the member module's
     own name (a one-member backbone part keeps its leading 1: (E, 1, ...)), trainable where the member's is."""
 
-    def __init__(self, members: list[nn.Module], strip: str, n_layers: int, targets: list):
+    def __init__(self, members: list[nn.Module], strip: str, n_layers: int, targets: list, rewrites=()):
         super().__init__()
         self.__dict__["template"], self.__dict__["_cached"], self.__dict__["_slots"] = members[0], None, None
+        self.__dict__["rewrites"], self.__dict__["way"] = tuple(rewrites), WAYS[0]
         self.n_layers, self._targets, self.shared = n_layers, targets, nn.ModuleDict()
         self.names: list[tuple[str, str]] = []  # (name here, name in the template)
         tensors = lambda m: {**dict(m.named_parameters()), **dict(m.named_buffers())}
@@ -160,15 +291,71 @@ class MemberStack(nn.Module):
 
     def forward(self, x: torch.Tensor, instruction=None, ctx=None, task=None) -> torch.Tensor:
         """x (E, N, 2) -> (E, N); instructions and tasks are not read (a member method is one static model)."""
-        return self.stacked(x) if self.path == "stacked" else self.looped(x)
+        return self.stacked(x) if self.path.startswith("stacked") else self.looped(x)
 
-    def stacked(self, x: torch.Tensor) -> torch.Tensor:
-        values = list(self._state().values())  # in `names` order, each (E, ...)
-        return vmap(self._call)(values, x.unsqueeze(1)).squeeze(1)  # xe (1, N, 2) -> (1, N); out (E, N)
+    def stacked(
+        self, x: torch.Tensor, values: list[torch.Tensor] | None = None, way: Way | None = None
+    ) -> torch.Tensor:
+        """x (E, N, d_in) -> (E, N): vmap over the members, in `way` (default: the probed one), with the rewrites;
+        `values` (in `names` order, each (E, ...)) default to the stack's own tensors."""
+        values = list(self._state().values()) if values is None else values
+        way = self.way if way is None else way
+        shared = self._shared()
+        dims = [None if i in shared else 0 for i in range(len(values))]
+        values = [v[0] if i in shared else v for i, v in enumerate(values)]
 
-    def looped(self, x: torch.Tensor) -> torch.Tensor:
-        values = list(self._state().values())
+        def member(values, x, zero):  # x (1, N, d_in) -> (1, N); zero: () batched
+            if not way.python_mode():
+                return self._call(values, x)
+            with _VmapMode(way.detach_data, zero if way.batched_factories else None):
+                return self._call(values, x)
+
+        zeros = torch.zeros(len(x), dtype=x.dtype, device=x.device)  # (E,)
+        with self._rewritten(), _plain_functions() if way.plain_functions else contextlib.nullcontext():
+            out = vmap(member, in_dims=(dims, 0, 0), randomness=way.randomness)(values, x.unsqueeze(1), zeros)
+        return out.squeeze(1)  # (E, N)
+
+    def _shared(self) -> set[int]:
+        """Positions in `names` of the tensors passed to vmap once, unbatched: integer and boolean tensors equal in
+        every member (index tables, sizes), which a method may read as Python values or use as masks, as vmap allows
+        for an unbatched tensor only. Found once, from the stack's tensors."""
+        if self.__dict__.get("_shared_at") is None:
+            values = list(self._state().values())
+            self.__dict__["_shared_at"] = {
+                i
+                for i, v in enumerate(values)
+                if not (v.is_floating_point() or v.is_complex()) and bool((v == v[:1]).all())
+            }
+        return self._shared_at
+
+    def looped(self, x: torch.Tensor, values: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """x (E, N, d_in) -> (E, N): one functional call per member, the method's own code (no rewrite)."""
+        values = list(self._state().values()) if values is None else values
         return torch.cat([self._call([v[e] for v in values], x[e : e + 1]) for e in range(len(x))])  # (E, N)
+
+    @contextlib.contextmanager
+    def _rewritten(self):
+        """The template's modules with the method's rewrites bound in place of their own methods (instance
+        attributes, removed on exit)."""
+        if not self.rewrites:
+            yield
+            return
+        if self.__dict__.get("_bound", (None,))[0] is not self.template:  # found once per template
+            bound = [
+                (module, name, types.MethodType(fn, module))
+                for module in self.template.modules()
+                for cls, name, fn in self.rewrites
+                if isinstance(module, cls)
+            ]
+            self.__dict__["_bound"] = (self.template, bound)
+        bound = self._bound[1]
+        for module, name, fn in bound:
+            module.__dict__[name] = fn
+        try:
+            yield
+        finally:
+            for module, name, _ in bound:
+                module.__dict__.pop(name, None)
 
     def train(self, mode: bool = True):
         self.template.train(mode)
@@ -180,29 +367,82 @@ class MemberStack(nn.Module):
         return super()._apply(fn, recurse)
 
     def probe(self, d_in: int) -> str:
-        """Choose the path: "stacked" when vmap runs forward and backward on a probe batch and gives the loop's
-        output (within PROBE_TOLERANCE), else "looped: <why>". Gradients are taken with autograd.grad, so no
-        .grad is left behind."""
-        g = torch.Generator().manual_seed(0)
-        like = next(self.parameters())
-        x = torch.randn(like.shape[0], 3, d_in, generator=g, dtype=torch.float64).to(like.device, like.dtype)
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        template = self.template  # vmap runs on a copy: a failed run may leave batched tensors in module state
-        self.__dict__["template"], self.__dict__["_slots"] = copy.deepcopy(template), None
-        try:
-            got = self.stacked(x)
-            torch.autograd.grad(got.sum(), trainable, allow_unused=True)
-        except Exception as err:  # noqa: BLE001 - any failure of vmap on the method's code means: loop
-            first = str(err).splitlines()[0].split(". ")[0][:100] if str(err) else ""
-            return f"looped: vmap failed ({type(err).__name__}: {first})"
+        """Choose the path: "stacked" (or "stacked: <what was needed>") for the first of `WAYS` in which vmap runs
+        forward and backward in training mode and gives the loop's outputs and gradients (within PROBE_TOLERANCE of
+        each tensor's largest entry), else "looped: <why the plain way fails>".
+
+        The comparison runs on the first two members, in float64 where the method's code allows (so that float32
+        rounding, grown through 32 layers, is not mistaken for a wrong rewrite), with the trainable tensors moved off
+        their start, and in evaluation mode where the way draws random numbers (a loop and vmap draw different
+        ones). Gradients are taken with autograd.grad, so no .grad is left behind."""
+        full = list(self._state().values())  # (E, ...) each
+        template, training = self.template, self.template.training
+
+        def inputs(dtype):  # x (2, 3, d_in) and the first two members' tensors, (2, ...) each, in dtype
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(min(len(full[0]), 2), 3, d_in, generator=g, dtype=torch.float64)
+            moved = []
+            with torch.no_grad():  # off the start: peft's zero-initialised updates would hide a wrong rewrite
+                for t in full:
+                    v = t[:2]
+                    if v.is_floating_point():
+                        noise = torch.randn(v.shape, generator=g, dtype=torch.float64) if t.requires_grad else 0
+                        v = (v.to(torch.float64) + 0.1 * noise).to(dtype)
+                    moved.append(v.detach().requires_grad_(t.requires_grad))
+            return x.to(full[0].device, dtype), moved
+
+        wide, (x, moved) = template, inputs(next(self.parameters()).dtype)
+        try:  # float64, where the method's own code runs in it
+            wide64, (x64, moved64) = copy.deepcopy(template).to(torch.float64), inputs(torch.float64)
+            self.__dict__["template"], self.__dict__["_slots"] = wide64, None
+            with torch.no_grad():
+                self.looped(x64, moved64)
+            wide, x, moved = wide64, x64, moved64
+        except Exception:  # noqa: BLE001 - code that cannot run in float64 is probed in its own dtype
+            pass
         finally:
             self.__dict__["template"], self.__dict__["_slots"] = template, None
-        with torch.no_grad():
-            want = self.looped(x)
-        gap = float((got.detach() - want).abs().max() / want.abs().max().clamp_min(1e-12))
-        if not gap <= PROBE_TOLERANCE:
-            return f"looped: vmap's output differs from the loop's by {gap:.1e} (relative) on a probe batch"
-        return "stacked"
+        leaves = [v for v in moved if v.requires_grad]
+
+        def outputs(forward, *args) -> list[torch.Tensor]:
+            out = forward(*args)
+            grads = torch.autograd.grad((out**2).sum(), leaves, allow_unused=True)
+            return [out.detach(), *(torch.zeros_like(v) if d is None else d for v, d in zip(leaves, grads))]
+
+        why, last, differs = None, None, None  # the plain way's failure, the last way's, the first mismatch
+        try:
+            for way in WAYS:
+                # vmap runs on a copy: a failed run may leave batched tensors in module state
+                self.__dict__["template"], self.__dict__["_slots"] = copy.deepcopy(wide), None
+                self.template.train(True)
+                try:
+                    got = outputs(self.stacked, x, moved, way)
+                except Exception as err:  # noqa: BLE001 - any failure of vmap on the method's code: another way
+                    first = str(err).splitlines()[0].split(". ")[0][:100] if str(err) else ""
+                    failure = f"{type(err).__name__}: {first}"
+                    why = why or f"vmap failed ({failure})"
+                    last = (way, failure) if failure not in why else last
+                    continue
+                if way.randomness != "error":  # compare without the draws
+                    self.template.train(False)
+                    got = outputs(self.stacked, x, moved, way)
+                self.__dict__["template"], self.__dict__["_slots"] = wide, None
+                self.template.train(way.randomness == "error")
+                want = outputs(self.looped, x, moved)
+                gap = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got, want))
+                if gap <= PROBE_TOLERANCE:
+                    self.__dict__["way"] = way
+                    return "stacked" + (f": {way.note()}" if way.note() else "")
+                mismatch = f"outputs or gradients differ from the loop's by {gap:.1e} (relative) on a probe batch"
+                why = why or f"vmap's {mismatch}"
+                differs = differs or (way, mismatch)
+        finally:
+            self.__dict__["template"], self.__dict__["_slots"] = template, None
+            self.template.train(training)
+        # then a way that ran but computed otherwise, else what stopped the last way
+        if (then := differs or last) is not None and then[1] not in why:
+            why += f"; {then[0].note()}: {then[1]}"
+        return f"looped: {why}"
 
 
 class MemberMethod(Method):
@@ -219,6 +459,11 @@ class MemberMethod(Method):
         requires_grad."""
         raise NotImplementedError
 
+    def rewrites(self) -> tuple[Rewrite, ...]:
+        """Functional versions of the methods of the member module's classes that vmap cannot run (module
+        docstring), used on the stacked path only; none by default."""
+        return ()
+
     def build(self, backbone, config, generators, y_train):
         like = next(backbone.parameters())
         targets = backbone.adapter_targets(getattr(config, "targets", None))
@@ -230,7 +475,7 @@ class MemberMethod(Method):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 members.append(self.adapt_member(plain_member(backbone, e, paths), config, linears))
-        stack = MemberStack(members, self.strip, backbone.n_layers, targets)
+        stack = MemberStack(members, self.strip, backbone.n_layers, targets, self.rewrites())
         if like.device.type == "meta":  # planning's shapes-only build: one forward, so a method that cannot run
             try:  # on this backbone fails before any work
                 with torch.no_grad():

@@ -201,6 +201,11 @@ class PeftMethod(MemberMethod):
         self.config_cls = config_class(kind)
         self.stream = "lora" if kind == "lora" else None  # peft:lora draws lora's start (build): the same stream
 
+    def rewrites(self):
+        from qlbench.adapters import peft_rewrites
+
+        return peft_rewrites.rewrites(self.tuner)
+
     def adapt_member(self, model, config, targets):
         # peft's warnings, and its own progress bars (frod's decomposition), would land in qlbench's output
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):

@@ -24,7 +24,7 @@ def member_rows(arch: str, methods: list[str], E: int, s: Settings, device) -> l
         looped, looped_opt = stacked_model(arch, m, E, device)
         looped.path = "looped: timed for the comparison"
         fns = {"lora": (chunk(engine.make_step(lora, lora_opt), data, n), E * n)}
-        if path == "stacked":
+        if path.startswith("stacked"):
             fns["stacked"] = (chunk(engine.make_step(model, opt), data, n), E * n)
         fns["looped"] = (chunk(engine.make_step(looped, looped_opt), data, n), E * n)
         for fn, _ in fns.values():

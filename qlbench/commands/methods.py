@@ -33,7 +33,7 @@ def peft_table(progress: bool = False) -> str:
         Column("status", "status"),
         Column("trainable, deep-narrow", "deep-narrow", count),
         Column("trainable, transformer", "transformer", count),
-        Column("why (looped or refused)", "reason"),
+        Column("how (stacked) or why (looped, refused)", "reason"),
     ]
     with bar(
         total=len(adapters.peft_tuners.types()), desc="build peft tuners", unit="tuner", disable=not progress
