@@ -1,13 +1,13 @@
 """Kernels per training step, counted without a GPU: the ATen ops a stack's forward and backward dispatch on
 PyTorch's meta device (shapes only, no arithmetic).
 
-On CUDA a step captured in a CUDA graph costs a few µs per kernel on the deep-narrow backbone (docs/speed.md has
-the measured figure), so the kernel count is what a change to a method's layers moves. The meta device runs the code a CUDA device runs
-where the two differ from the CPU's (`stacked.memberwise` pads on the CPU only), and each dispatched op is counted
-as one kernel (a few launch two on CUDA, e.g. a baddbmm's copy of its input): views and allocations are left out,
-as they launch none. The step is the engine's, its loss included; not counted: the optimiser's update (on CUDA one
-fused AdamW kernel, or full-soap's SOAP step). An estimate of torch.profiler's CUDA count (`capture.capture_row`; docs/speed.md
-compares the two on a GPU).
+On CUDA a step captured in a CUDA graph costs a few µs per kernel on the deep-narrow backbone (docs/speed.md has the
+measured figure), so the kernel count is what a change to a method's layers moves. The meta device runs the code a
+CUDA device runs where the two differ from the CPU's (`stacked.memberwise` pads on the CPU only), and each
+dispatched op is counted as one kernel (a few launch two on CUDA, e.g. a baddbmm's copy of its input): views and
+allocations are left out, as they launch none. The step is the engine's, its loss included; not counted: the
+optimiser's update (on CUDA one fused AdamW kernel, or full-soap's SOAP step). An estimate of torch.profiler's CUDA
+count (`capture.capture_row`; docs/speed.md compares the two on a GPU).
 
 Each kernel is also counted with its FLOPs and the bytes it moves (`step_traffic`), from which `roofline_ms` gives
 the step's floor on a device of a given matmul rate and memory bandwidth: what the step would take if every kernel

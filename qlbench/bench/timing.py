@@ -90,7 +90,8 @@ def whole_periods(n: int, *optimizers) -> int:
     """n timed steps rounded up to whole periods of the optimisers' periodic work: StackedSoap (full-soap) refreshes
     its eigenbases every `frequency` steps (eagerly, or on CUDA replayed from a recording of its own), so a timed
     chunk shorter than that holds a refresh in some rounds and none in others, and its rate leaves the refresh out
-    or counts it several times over (docs/speed.md has the measured gap on a GPU). Every run of `period` consecutive steps holds exactly one refresh."""
+    or counts it several times over (docs/speed.md has the measured gap on a GPU). Every run of `period` consecutive
+    steps holds exactly one refresh."""
     period = math.lcm(1, *(o.frequency for o in optimizers if isinstance(o, StackedSoap)))
     return -(-n // period) * period
 
