@@ -178,6 +178,12 @@ def test_a_call_routes_as_it_does_alone(check, kind, method):
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_each_check_fails_its_planted_bug(check, monkeypatch):
+    """Each check fails with its bug planted: a wrong output, or, where threads race on the state the bug shares, a
+    forward that reads another thread's state after that thread ended it (an error: the check fails too)."""
     CHECKS[check].plant(monkeypatch)
-    alone, here = CHECKS[check].pair("llama", "queryable")
+    try:
+        alone, here = CHECKS[check].pair("llama", "queryable")
+    except AttributeError as err:  # a thread read the shared state as another one ended it
+        assert check == "four threads" and "NoneType" in str(err), err
+        return
     assert not close(alone, here, tol=CHECKS[check].planted_tol)

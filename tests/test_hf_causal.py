@@ -43,6 +43,42 @@ def test_causal_routing_is_the_default_for_causal_language_models():
     assert peft.get_peft_model(transformers.BertModel(c), config).peft_config["default"].causal is False
 
 
+def _inject(model, targets, **kw):
+    config = QueryableLoraConfig(target_modules=targets, r=4, n_atoms=4, top_k=2, n_blocks=2, **kw)
+    return peft.get_peft_model(model, config).peft_config["default"].causal
+
+
+def test_causality_comes_from_what_the_model_can_do_not_its_class_name():
+    """A generating model under a name no list knows (a custom head on LlamaForCausalLM, no task_type) routes
+    causally: a class-name rule (`...ForCausalLM`) would call it non-causal. A decoder config does too; a module that
+    is not a transformers model is routed non-causally with a warning that says so and how to change it."""
+    c = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=100)  # fmt: skip
+
+    class Chatty(transformers.LlamaForCausalLM):  # a custom head: generates, under its own name
+        pass
+
+    assert Chatty.can_generate() and not type(Chatty(c)).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    assert _inject(Chatty(c), ["q_proj", "v_proj"]) is True
+    bert = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    assert _inject(transformers.BertModel(bert), ["query", "value"]) is False
+    bert.is_decoder = True  # BERT as a decoder: causal
+    assert _inject(transformers.BertModel(bert), ["query", "value"]) is True
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match="cannot tell whether Sequential is causal.*set causal=True"):
+        assert _inject(plain, ["0", "1"]) is False
+
+
+def test_a_non_causal_router_refuses_to_continue_a_kv_cache():
+    """causal=False on a decoder, then generate: refused in one line at the first cached step (each token would be
+    routed on its whole forward, so cached and uncached tokens would differ); without the cache it generates."""
+    model = wrapped("gpt2", causal=False)
+    kw = dict(instruction=E, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"causal=False .* KV cache of 6 tokens.*set causal=True.*use_cache=False"):
+        model.generate(input_ids=IDS, **kw)
+    assert model.generate(input_ids=IDS, use_cache=False, **kw).shape == (2, 9)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_the_first_blocks_route_at_t_is_the_sequence_route_of_the_prefix(kind):
     """Block 0 is routed by the first adapted layer, whose input no adapter has touched: its causal route at token t
@@ -142,3 +178,38 @@ def test_causal_gradients_are_the_same_with_gradient_checkpointing():
     assert grads[0].keys() == grads[1].keys() and any("queryable_memory" in n for n in grads[0])
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+# cu_seq_lens_q on Llama only: its offsets are tested with positions that go on (0..6), which move GPT-2's input
+# (learned position embeddings) but not Llama's (rotary, inside attention)
+@pytest.mark.parametrize(
+    ("kind", "given"), [("gpt2", "position_ids"), ("llama", "position_ids"), ("llama", "cu_seq_lens_q")]
+)
+def test_each_packed_sequence_routes_as_it_does_alone(kind, given):
+    """Two sequences packed into one row (padding-free training: position_ids that restart, or flash attention's
+    cu_seq_lens_q): each token of the second routes (block 0) as in that sequence alone, the first's as the first
+    alone. Planted: the same row with no sign of the packing routes the second sequence's tokens on the first's."""
+    model = wrapped(kind)
+    routing = model.base_model.routing
+    a, b = IDS[0, :4], IDS[1, :3]
+    packed = torch.cat([a, b])[None]  # (1, 7)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]])
+
+    def route(ids, **kw):  # block 0's route logits per token, (T, M)
+        with torch.no_grad():
+            model(input_ids=ids, instruction=E[:1], use_cache=False, **kw)
+        return routing.last["default"][0].logits[0].reshape(ids.shape[1], -1)
+
+    marks = {"position_ids": dict(position_ids=positions)}
+    marks["cu_seq_lens_q"] = dict(position_ids=positions, cu_seq_lens_q=torch.tensor([0, 4, 7]), max_length_q=4)
+    alone = torch.cat([route(a[None]), route(b[None])])
+    if given == "cu_seq_lens_q":  # the offsets alone (positions that go on) still mark the second sequence
+        marks[given]["position_ids"] = torch.arange(7)[None]
+    torch.testing.assert_close(route(packed, **marks[given]), alone, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(route(packed, position_ids=torch.arange(7)[None])[4:], alone[4:], atol=1e-4)
+
+
+def test_a_non_causal_router_refuses_packed_rows():
+    model = wrapped("gpt2", causal=False)
+    with pytest.raises(ValueError, match="causal=False makes one route per row.*set causal=True"):
+        model(input_ids=IDS[:1], instruction=E[:1], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]), use_cache=False)

@@ -71,13 +71,20 @@ def inputs_of(module: nn.Module, args: tuple, kwargs: dict) -> dict:
     return {**bound.pop("kwargs", {}), **bound}
 
 
-def is_causal_lm(model: nn.Module, config) -> bool:
-    """Whether causal routing is the default: peft's task_type CAUSAL_LM, or a transformers causal-LM class
-    (`...ForCausalLM`, GPT-2's `GPT2LMHeadModel`)."""
-    name = type(model).__name__
-    return str(getattr(config, "task_type", None)) in ("CAUSAL_LM", "TaskType.CAUSAL_LM") or name.endswith(
-        ("ForCausalLM", "LMHeadModel")
-    )
+def is_causal_lm(model: nn.Module, config) -> bool | None:
+    """Whether causal routing is the default, from what the model can do rather than its class name: True for peft's
+    task_type CAUSAL_LM, for a model that generates (transformers' `can_generate()`: causal LMs, vision-language
+    models' `...ForConditionalGeneration`, a custom head on GenerationMixin) and for a decoder config (`is_decoder`);
+    False for a transformers model that does neither (encoders, classifiers); None where it cannot be told (a module
+    that is not a transformers model)."""
+    if str(getattr(config, "task_type", None)) in ("CAUSAL_LM", "TaskType.CAUSAL_LM"):
+        return True
+    if getattr(getattr(model, "config", None), "is_decoder", False):
+        return True
+    can_generate = getattr(model, "can_generate", None)
+    if not callable(can_generate):
+        return None
+    return bool(can_generate())
 
 
 def layer_index(module_name: str) -> int | None:
@@ -104,7 +111,15 @@ class QueryableLoraModel(BaseTuner):
                 "(use a decoder-only or encoder-only model)"
             )
         if config.causal is None:  # qlbench interpretation: causal routing is the default for causal LMs
-            config.causal = is_causal_lm(model, config)
+            causal = is_causal_lm(model, config)
+            if causal is None:
+                warnings.warn(
+                    f"queryable_lora cannot tell whether {type(model).__name__} is causal (no task_type, and it is "
+                    "not a transformers model): every token is routed on its whole sequence (causal=False); set "
+                    "causal=True for a decoder",
+                    stacklevel=2,
+                )
+            config.causal = bool(causal)
         if not hasattr(self, "queryable_memory"):
             self.queryable_memory = nn.ModuleDict({})
             self.routing = Routing(self.queryable_memory)
@@ -226,16 +241,51 @@ class QueryableLoraModel(BaseTuner):
         state = ForwardState(mask=named.get("attention_mask"), instruction=instruction)
         cache = next((named[k] for k in CACHE_KEYWORDS if named.get(k) is not None), None)
         self._continue_cache(cache, state, None if ids is None else ids.shape[0])
+        if ids is not None and not state.cached:
+            state.starts = self._packed_starts(named, ids.shape[:2])
         self.routing.begin(state, key=id(kwargs))  # this context's call, until _end_forward (CALLS)
         if module.training and torch.is_grad_enabled():
             self._route_checkpointing(module)
         return args, kwargs
 
+    def _packed_starts(self, named: dict, shape) -> torch.Tensor | None:
+        """(batch, T) bool, True at a token that starts a sequence packed into its row after another one (padding-
+        free batches): where `position_ids` fall back to 0, or at the offsets of flash attention's `cu_seq_lens_q`
+        (one row of concatenated sequences, as transformers' DataCollatorWithFlattening makes); None for rows that
+        each hold one sequence. ValueError in one line where the routing cannot keep packed sequences apart."""
+        batch, T = shape
+        starts = None
+        positions = named.get("position_ids")
+        if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == T:
+            restart = positions[:, 1:] <= positions[:, :-1]  # (b, T - 1): a position that does not go on
+            if bool(restart.any()):
+                starts = torch.cat([torch.zeros_like(restart[:, :1]), restart], 1).expand(batch, T)
+        offsets = named.get("cu_seq_lens_q")
+        if isinstance(offsets, torch.Tensor) and batch == 1 and offsets.numel() > 2:
+            starts = torch.zeros(1, T, dtype=torch.bool, device=offsets.device)
+            starts[0, offsets[1:-1].long().clamp_max(T - 1)] = True
+        if starts is not None and not all(self.routing.causal(a) for a in self.queryable_memory):
+            raise ValueError(
+                "queryable_lora with causal=False makes one route per row, so sequences packed into one row "
+                "(position_ids that restart, or cu_seq_lens_q) would share it: set causal=True, or pass one sequence "
+                "per row"
+            )
+        return starts
+
     def _continue_cache(self, cache, state: ForwardState, batch: int | None) -> None:
         """Causal routing over a KV cache of L tokens: the running sums at its L-th token, from the sums the cache
         keeps (RouteSums), whatever ran in between; ValueError in one line for a cache that cannot be continued
         (not a transformers Cache, made without this model's forwards, other rows)."""
-        if cache is None or self.routing.disabled or not any(self.routing.causal(a) for a in self.queryable_memory):
+        if cache is None or self.routing.disabled:
+            return
+        if not any(self.routing.causal(a) for a in self.queryable_memory):
+            cached = cache.get_seq_length() if isinstance(cache, Cache) else 0
+            if cached:
+                raise ValueError(
+                    f"queryable_lora with causal=False routes every token on its whole sequence, so this forward, "
+                    f"which continues a KV cache of {cached} tokens, would route otherwise than the sequence run "
+                    "without the cache: set causal=True (decoders), or pass use_cache=False"
+                )
             return
         if not isinstance(cache, Cache):
             raise ValueError(

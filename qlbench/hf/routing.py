@@ -75,6 +75,8 @@ class ForwardState:
     carry_in: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     sums: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     cached: int = 0
+    # (batch, T) bool: True at a token that starts another sequence packed into its row (no KV cache); None: none
+    starts: torch.Tensor | None = None
     own_rows: dict[str, torch.Tensor] = field(default_factory=dict)  # mixed batch: adapter -> (batch,) its rows
 
 
@@ -188,6 +190,14 @@ class Routing:
         fits = mask is not None and mask.dim() == 2 and mask.shape[0] == s.shape[0] and mask.shape[1] >= T
         w = mask[:, -T:].to(s.dtype).unsqueeze(-1) if fits else torch.ones_like(s[..., :1])  # (batch, T, 1)
         total, weight = (s * w).cumsum(1), w.cumsum(1)  # (batch, T, r), (batch, T, 1)
+        starts = self.state.starts
+        if starts is not None and starts.shape == s.shape[:2]:  # packed sequences: each one's own running sums
+            t = torch.arange(T, device=s.device)
+            first = torch.cummax(torch.where(starts.to(s.device), t, 0), 1).values  # (batch, T): its sequence's start
+            before = (first - 1).clamp_min(0).unsqueeze(-1)  # (batch, T, 1): the token before that start
+            opened = (first > 0).unsqueeze(-1).to(s.dtype)  # 0 for the row's first sequence
+            total = total - opened * total.gather(1, before.expand_as(total))
+            weight = weight - opened * weight.gather(1, before)
         if self.state.cached:
             if (adapter, layer) not in self.state.carry_in:
                 raise ValueError(
