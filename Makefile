@@ -172,11 +172,16 @@ baselines-snapshot: check-clean setup-dev
 # method and every peft tuner that runs, each at every rate of the protocol's grid on its tasks and seeds, on zoo-v1's
 # shipped backbones, in $(BOARD_RESULTS); resumable (a finished cell is never run twice, a stopped stack resumes from
 # its snapshot); BOARD_METHODS=... runs a part first. Then the per-seed CSV, its report and the board pages.
+# BOARD_EXECUTOR=ray runs each method's stack as a Ray task (a local Ray runtime; RAY_ADDRESS=host:port, or auto,
+# attaches to a cluster), with records equal to this process's (tests/test_ray_executor.py); resume holds across both.
 BOARD_RESULTS ?= board-results
 BOARD_METHODS ?= $(SNAPSHOT_DN_METHODS),$(PEFT_TUNERS)
+BOARD_EXECUTOR ?= local
+BOARD_RAY = $(if $(filter ray,$(BOARD_EXECUTOR)),--executor ray $(if $(RAY_ADDRESS),--ray-address $(RAY_ADDRESS)),)
 V2_BASELINES = docs/results/baselines/zoo-v2
 leaderboard-snapshot: check-clean setup-dev
-	$(BIN)/qlbench sweep --protocol zoo-v2 --threads 1 --methods $(BOARD_METHODS) --out $(BOARD_RESULTS) --no-progress
+	$(BIN)/qlbench sweep --protocol zoo-v2 --threads 1 --methods $(BOARD_METHODS) --out $(BOARD_RESULTS) \
+	  $(BOARD_RAY) --no-progress
 	mkdir -p $(V2_BASELINES)
 	$(BIN)/qlbench results $(BOARD_RESULTS) --per-seed $(V2_BASELINES)/per-seed.csv.gz >/dev/null
 	$(BIN)/qlbench report $(V2_BASELINES)/per-seed.csv.gz --format md,csv >/dev/null
