@@ -249,9 +249,9 @@ def test_zoo_v1_names_its_functions_and_each_has_its_pinned_card():
 
 
 def test_the_committed_zoo_v2_leaderboard_is_rebuilt_from_its_baselines_and_its_aa_pair_ties():
-    """zoo-v2's baselines (one commit; the board still being built) rebuild their page, and peft:lora (lora's scale
-    and init, another implementation) ties with lora: a ratio near 1 whose interval holds 1, at the same chosen
-    rate."""
+    """zoo-v2's baselines (one commit; the board still being built) rebuild their page and their external-validity
+    page, and peft:lora (lora's scale and init, another implementation) ties with lora: a ratio near 1 whose interval
+    holds 1, at the same chosen rate."""
     every = per_seed.load(compare.baselines_file("zoo-v2"))
     base = board_metrics.tune(every, protocols.ZOO_V2.lrs)[0]  # each method at its chosen rate, as compare reads it
     made, board = compare.leaderboard_markdown(base, protocols.ZOO_V2, figure="leaderboard-forest.png")
@@ -259,3 +259,10 @@ def test_the_committed_zoo_v2_leaderboard_is_rebuilt_from_its_baselines_and_its_
     aa = board.set_index("method").loc["peft:lora"]
     assert abs(aa["ratio"] - 1) < 0.05 and aa["ci_low"] < 1 < aa["ci_high"], aa
     assert every["commit"].nunique() == 1 and not every["dirty"].any()
+    from qlbench.metrics import validity
+
+    ref_file = ROOT / "docs/results/validity/peft-metamathqa-design.csv"
+    page, _ = compare.validity_markdown(
+        base, protocols.ZOO_V2, validity.load_reference(ref_file), ref_file.name, "test-at-best-train"
+    )
+    assert (ROOT / "docs/results/validity-zoo-v2/validity.md").read_text() == page
