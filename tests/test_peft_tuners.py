@@ -201,7 +201,7 @@ def moved(model: member.MemberStack, seed: int = 10) -> member.MemberStack:
 
 @pytest.mark.parametrize("kind", RUNNABLE)
 def test_a_stacked_tuner_gives_peft_s_own_outputs_and_gradients_off_its_start(kind):
-    """Every runnable tuner but LOOPED stacks (in one of member.WAYS, with its peft_rewrites) and, moved off its start,
+    """Every runnable tuner but LOOPED stacks (in a member.Way, with its peft_rewrites) and, moved off its start,
     gives the loop's outputs and gradients: the loop runs peft's own code member by member (no rewrite). A way that
     draws random numbers is compared in evaluation mode (a loop and vmap draw different numbers)."""
     # built in float32 (peft's PSOFT initialises in nothing wider), compared in float64: float32 rounding, grown

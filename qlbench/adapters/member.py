@@ -9,17 +9,17 @@ this). qlbench builds that once per member, each under its own seed, and trains 
 - stacked: every member's tensors are stacked into (E, ...) parameters (torch.func.stack_module_state's layout) and
   the forward is `vmap` over a functional call of one member's module (`MemberStack._call`), one batched computation;
 - looped: the same (E, ...) parameters, and a Python loop makes the functional call with member e's slices. Used when
-  vmap cannot run the method's code, in any of the `WAYS` below and with the method's `rewrites`, or gives other
+  vmap cannot run the method's code, in any `Way` below and with the method's `rewrites`, or gives other
   numbers than the loop on a probe batch; the reason is kept (`MemberStack.path`) and recorded
   (run_info.settings.member_path).
 
-vmap is asked to run a method's code in the cheapest of `WAYS` that works (`MemberStack.probe`): plainly; with random
-ops, each member drawing its own numbers (randomness "different") or, where a draw steers Python control flow, every
-member taking the same draw ("same"); with `.data` read as `.detach()` (the same values; vmap refuses `.data`). A
-method may also name `rewrites`: functional versions of the few methods of its modules that vmap cannot run (an
-in-place index write, an autograd.Function without a vmap rule), used on the stacked path only. The looped path always
-runs the method's own code, so the probe checks every way and rewrite against it, with the trainable tensors moved off
-their start (a zero-initialised update would hide a wrong rewrite).
+vmap is asked to run a method's code plainly first, then as each failure asks (`Way.after`, `MemberStack.probe`):
+with random ops, each member drawing its own numbers (randomness "different") or, where a draw steers Python control
+flow, every member taking the same draw ("same"); with `.data` read as `.detach()` (the same values; vmap refuses
+`.data`). A method may also name `rewrites`: functional versions of the few methods of its modules that vmap cannot
+run (an in-place index write, an autograd.Function without a vmap rule), used on the stacked path only. The looped
+path always runs the method's own code, so the probe checks every way and rewrite against it, with the trainable
+tensors moved off their start (a zero-initialised update would hide a wrong rewrite).
 
 Both paths hold one set of (E, ...) parameters, so the engine, snapshots, checkpoints and gradient diagnostics see a
 model like any other stack, and member e's numbers depend only on member e.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import itertools
 import types
 import warnings
 from collections.abc import Callable
@@ -60,6 +59,21 @@ class Way:
     plain_functions: bool = False
     batched_factories: bool = False
 
+    def after(self, failure: str) -> Way | None:
+        """The way to try after this one failed with `failure` (vmap's error text): the one thing that error asks
+        for added, or None when nothing answers it."""
+        if "random operation" in failure and self.randomness == "error":
+            return dataclasses.replace(self, randomness="different")
+        if "data-dependent control flow" in failure and self.randomness == "different":
+            return dataclasses.replace(self, randomness="same")  # a draw steers control flow
+        if "setup_context" in failure and not self.plain_functions:
+            return dataclasses.replace(self, plain_functions=True)
+        if "`data`" in failure and not self.detach_data:
+            return dataclasses.replace(self, detach_data=True)
+        if "index_put_" in failure and not self.batched_factories:
+            return dataclasses.replace(self, batched_factories=True)
+        return None
+
     def python_mode(self) -> bool:
         """Whether every op of the forward passes through a Python TorchFunctionMode (the costlier ways)."""
         return self.detach_data or self.batched_factories
@@ -82,22 +96,6 @@ class Way:
             )
         return "; ".join(words)
 
-
-# cheapest first: a Python mode sees every op, and 'same' couples the members' random draws
-WAYS = tuple(
-    sorted(
-        (
-            Way(r, d, f, b)
-            for r in ("error", "different", "same")
-            for d, f, b in itertools.product((False, True), repeat=3)
-        ),
-        key=lambda w: (
-            w.detach_data + w.batched_factories,
-            w.plain_functions,
-            ("error", "different", "same").index(w.randomness),
-        ),
-    )
-)
 
 # floating-point tensors these create inside a member's forward are unbatched under vmap (Way.batched_factories)
 FACTORIES = (torch.zeros, torch.ones, torch.empty, torch.full, torch.eye)
@@ -233,7 +231,7 @@ class MemberStack(nn.Module):
     def __init__(self, members: list[nn.Module], strip: str, n_layers: int, targets: list, rewrites=()):
         super().__init__()
         self.__dict__["template"], self.__dict__["_cached"], self.__dict__["_slots"] = members[0], None, None
-        self.__dict__["rewrites"], self.__dict__["way"] = tuple(rewrites), WAYS[0]
+        self.__dict__["rewrites"], self.__dict__["way"] = tuple(rewrites), Way()
         self.n_layers, self._targets, self.shared = n_layers, targets, nn.ModuleDict()
         self.names: list[tuple[str, str]] = []  # (name here, name in the template)
         tensors = lambda m: {**dict(m.named_parameters()), **dict(m.named_buffers())}
@@ -367,7 +365,7 @@ class MemberStack(nn.Module):
         return super()._apply(fn, recurse)
 
     def probe(self, d_in: int) -> str:
-        """Choose the path: "stacked" (or "stacked: <what was needed>") for the first of `WAYS` in which vmap runs
+        """Choose the path: "stacked" (or "stacked: <what was needed>") for the way in which vmap runs
         forward and backward in training mode and gives the loop's outputs and gradients (within PROBE_TOLERANCE of
         each tensor's largest entry), else "looped: <why the plain way fails>".
 
@@ -409,19 +407,19 @@ class MemberStack(nn.Module):
             grads = torch.autograd.grad((out**2).sum(), leaves, allow_unused=True)
             return [out.detach(), *(torch.zeros_like(v) if d is None else d for v, d in zip(leaves, grads))]
 
-        why, last, differs = None, None, None  # the plain way's failure, the last way's, the first mismatch
+        why, last, way = None, None, Way()  # the plain way's failure, the last way's and what it was
+        copy_needed = True
         try:
-            for way in WAYS:
-                # vmap runs on a copy: a failed run may leave batched tensors in module state
-                self.__dict__["template"], self.__dict__["_slots"] = copy.deepcopy(wide), None
+            while way is not None:
+                if copy_needed:  # vmap runs on a copy: a failed run may leave batched tensors in module state
+                    self.__dict__["template"], self.__dict__["_slots"] = copy.deepcopy(wide), None
                 self.template.train(True)
                 try:
                     got = outputs(self.stacked, x, moved, way)
                 except Exception as err:  # noqa: BLE001 - any failure of vmap on the method's code: another way
                     first = str(err).splitlines()[0].split(". ")[0][:100] if str(err) else ""
-                    failure = f"{type(err).__name__}: {first}"
-                    why = why or f"vmap failed ({failure})"
-                    last = (way, failure) if failure not in why else last
+                    why = why or f"vmap failed ({type(err).__name__}: {first})"
+                    last, way, copy_needed = (way, f"{type(err).__name__}: {first}"), way.after(str(err)), True
                     continue
                 if way.randomness != "error":  # compare without the draws
                     self.template.train(False)
@@ -435,13 +433,13 @@ class MemberStack(nn.Module):
                     return "stacked" + (f": {way.note()}" if way.note() else "")
                 mismatch = f"outputs or gradients differ from the loop's by {gap:.1e} (relative) on a probe batch"
                 why = why or f"vmap's {mismatch}"
-                differs = differs or (way, mismatch)
+                last = (way, mismatch)  # a way that runs but computes otherwise: the loop
+                break
         finally:
             self.__dict__["template"], self.__dict__["_slots"] = template, None
             self.template.train(training)
-        # then a way that ran but computed otherwise, else what stopped the last way
-        if (then := differs or last) is not None and then[1] not in why:
-            why += f"; {then[0].note()}: {then[1]}"
+        if last is not None and last[1] not in why:  # then what stopped the last way tried
+            why += f"; {last[0].note()}: {last[1]}"
         return f"looped: {why}"
 
 
