@@ -302,15 +302,17 @@ class MemberStack(nn.Module):
         dims = [None if i in shared else 0 for i in range(len(values))]
         values = [v[0] if i in shared else v for i, v in enumerate(values)]
 
-        def member(values, x, zero):  # x (1, N, d_in) -> (1, N); zero: () batched
-            if not way.python_mode():
-                return self._call(values, x)
-            with _VmapMode(way.detach_data, zero if way.batched_factories else None):
-                return self._call(values, x)
+        call, args, in_dims = self._call, [values, x.unsqueeze(1)], [dims, 0]  # xe (1, N, d_in) -> (1, N)
+        if way.python_mode():  # the costlier ways: every op of the member's forward seen by _VmapMode
 
-        zeros = torch.zeros(len(x), dtype=x.dtype, device=x.device)  # (E,)
+            def call(values, x, zero):  # zero: () batched, the member dimension for tensors made in the forward
+                with _VmapMode(way.detach_data, zero if way.batched_factories else None):
+                    return self._call(values, x)
+
+            args.append(torch.zeros(len(x), dtype=x.dtype, device=x.device))  # (E,)
+            in_dims.append(0)
         with self._rewritten(), _plain_functions() if way.plain_functions else contextlib.nullcontext():
-            out = vmap(member, in_dims=(dims, 0, 0), randomness=way.randomness)(values, x.unsqueeze(1), zeros)
+            out = vmap(call, in_dims=tuple(in_dims), randomness=way.randomness)(*args)
         return out.squeeze(1)  # (E, N)
 
     def _shared(self) -> set[int]:
