@@ -172,8 +172,9 @@ baselines-snapshot: check-clean setup-dev
 # method and every peft tuner that runs, each at every rate of the protocol's grid on its tasks and seeds, on zoo-v1's
 # shipped backbones, in $(BOARD_RESULTS); resumable (a finished cell is never run twice, a stopped stack resumes from
 # its snapshot); BOARD_METHODS=... runs a part first. Then the per-seed CSV, its report and the board pages.
-# BOARD_EXECUTOR=ray runs each method's stack as a Ray task (a local Ray runtime; RAY_ADDRESS=host:port, or auto,
-# attaches to a cluster), with records equal to this process's (tests/test_ray_executor.py); resume holds across both.
+# BOARD_EXECUTOR=ray runs a method's grid as Ray tasks, one rate after another (a local Ray runtime;
+# RAY_ADDRESS=host:port, or auto, attaches to a cluster), with records equal to this process's, where a method's rates
+# share one stack (tests/test_ray_executor.py); resume holds across both.
 BOARD_RESULTS ?= board-results
 BOARD_METHODS ?= $(SNAPSHOT_DN_METHODS),$(PEFT_TUNERS)
 BOARD_EXECUTOR ?= local
