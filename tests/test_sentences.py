@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MANUALS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MANUALS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs").glob("*/*/README.md"))]
+MANUALS += [ROOT / "docs" / "results" / "README.md"]
 RESULTS = ROOT / "docs" / "results"
 
 LINK = re.compile(r"\]\(([^)#\s]*results/[^)#\s]+\.md)(?:#[^)]*)?\)")
@@ -133,7 +134,7 @@ def test_the_manuals_cite_results_tables():
     assert sum(len(claims(p, outcomes(paths))) for _, _, p, paths in found) >= 10
 
 
-@pytest.mark.parametrize("manual", MANUALS, ids=lambda p: p.name)
+@pytest.mark.parametrize("manual", MANUALS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_number_a_sentence_quotes_is_in_the_table_it_cites(manual):
     bad = [
         f"{manual.name}:{line}: {missing} not in {[p.relative_to(ROOT).as_posix() for p in paths]}"
@@ -143,7 +144,7 @@ def test_every_number_a_sentence_quotes_is_in_the_table_it_cites(manual):
     assert bad == []
 
 
-@pytest.mark.parametrize("manual", MANUALS, ids=lambda p: p.name)
+@pytest.mark.parametrize("manual", MANUALS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_comparison_a_sentence_names_agrees_with_the_table(manual):
     bad = [
         f"{manual.name}:{line}: {wrong}"
