@@ -30,7 +30,8 @@ RAY = ["--executor", "ray", "--ray-retries", "0"]
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
-    """The module's Ray runtime; yields the folder where a test drops fault markers."""
+    """The module's Ray runtime; yields the folder where a test drops fault markers. Its workers run at this
+    process's priority: Ray's default (nice 15) starves them beside the other xdist worker's tests."""
     folder = str(tmp_path_factory.mktemp("faults"))
 
     def install():  # runs in every Ray worker at start-up (pickled by value: a local function)
@@ -52,6 +53,8 @@ def faults(tmp_path_factory):
 
         experiment.train_method = faulty
 
+    niceness = os.environ.get("RAY_worker_niceness")
+    os.environ["RAY_worker_niceness"] = "0"  # read by the raylet that ray.init starts
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -60,6 +63,10 @@ def faults(tmp_path_factory):
     )
     yield Path(folder)
     ray.shutdown()
+    if niceness is None:
+        os.environ.pop("RAY_worker_niceness")
+    else:
+        os.environ["RAY_worker_niceness"] = niceness
 
 
 @pytest.fixture
