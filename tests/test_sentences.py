@@ -136,8 +136,9 @@ def test_the_manuals_cite_results_tables():
 
 def problems(manual: Path, check) -> list[str]:
     """`check(paragraph, tables)` (a list of what is wrong) over every paragraph of `manual` that cites a table."""
+    cited = lambda paths: ", ".join(p.relative_to(RESULTS).as_posix() for p in paths)
     return [
-        f"{manual.relative_to(ROOT)}:{line}: {wrong} ({', '.join(p.relative_to(RESULTS).as_posix() for p in paths)})"
+        f"{manual.relative_to(ROOT)}:{line}: {'; '.join(wrong)} ({cited(paths)})"
         for m, line, paragraph, paths in cited_paragraphs()
         if m == manual and (wrong := check(paragraph, paths))
     ]
