@@ -69,6 +69,41 @@ def test_causality_comes_from_what_the_model_can_do_not_its_class_name():
         assert _inject(plain, ["0", "1"]) is False
 
 
+def test_a_vision_language_model_without_task_type_routes_causally():
+    """A tiny Llava (LlavaForConditionalGeneration from a config, text-only inputs), wrapped without task_type: it
+    generates, so it routes causally, and a later token never moves earlier logits. Planted bug: the same model
+    routed non-causally, where changing the last token moves every earlier position's logits."""
+    text = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=2, vocab_size=101)  # fmt: skip
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=16, patch_size=8)  # fmt: skip
+    torch.manual_seed(0)
+    llava = transformers.LlavaForConditionalGeneration(
+        transformers.LlavaConfig(
+            text_config=text, vision_config=vision, image_token_index=100
+        )  # no text token is the image's
+    ).eval()
+    config = QueryableLoraConfig(target_modules=r".*language_model.*\.(q_proj|v_proj)", r=4, n_atoms=4, top_k=2,
+                                 n_blocks=2, instruction_dim=8)  # fmt: skip
+    model = peft.get_peft_model(llava, config)
+    assert model.peft_config["default"].causal is True
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "queryable" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))  # routes that differ
+    later = IDS.clone()
+    later[:, -1] = (later[:, -1] + 7) % 99 + 1  # another last token
+
+    def moved(model) -> tuple[float, float]:  # (largest change of an earlier position's logits, of the last one's)
+        a, b = logits(model, IDS), logits(model, later)
+        return (a[:, :-1] - b[:, :-1]).abs().max().item(), (a[:, -1] - b[:, -1]).abs().max().item()
+
+    earlier, last = moved(model)
+    assert earlier == 0.0 and last > 1e-3
+    set_causal(model, False)  # planted: the class-name rule's answer for a VLM
+    assert moved(model)[0] > 1e-3
+
+
 def test_a_non_causal_router_refuses_to_continue_a_kv_cache():
     """causal=False on a decoder, then generate: refused in one line at the first cached step (each token would be
     routed on its whole forward, so cached and uncached tokens would differ); without the cache it generates."""
