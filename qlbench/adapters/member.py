@@ -410,18 +410,17 @@ class MemberStack(nn.Module):
             return [out.detach(), *(torch.zeros_like(v) if d is None else d for v, d in zip(leaves, grads))]
 
         why, last, way = None, None, Way()  # the plain way's failure, the last way's and what it was
-        copy_needed = True
         try:
             while way is not None:
-                if copy_needed:  # vmap runs on a copy: a failed run may leave batched tensors in module state
-                    self.__dict__["template"], self.__dict__["_slots"] = copy.deepcopy(wide), None
+                # vmap runs on a copy: a failed run may leave batched tensors in module state
+                self.__dict__["template"], self.__dict__["_slots"] = copy.deepcopy(wide), None
                 self.template.train(True)
                 try:
                     got = outputs(self.stacked, x, moved, way)
                 except Exception as err:  # noqa: BLE001 - any failure of vmap on the method's code: another way
                     first = str(err).splitlines()[0].split(". ")[0][:100] if str(err) else ""
                     why = why or f"vmap failed ({type(err).__name__}: {first})"
-                    last, way, copy_needed = (way, f"{type(err).__name__}: {first}"), way.after(str(err)), True
+                    last, way = (way, f"{type(err).__name__}: {first}"), way.after(str(err))
                     continue
                 if way.randomness != "error":  # compare without the draws
                     self.template.train(False)
